@@ -1,0 +1,1 @@
+"""polyaccel ASR: high-throughput batch speech-to-text (Whisper, ConformerAED)."""

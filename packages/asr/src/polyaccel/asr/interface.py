@@ -1,0 +1,95 @@
+"""What an ASR model gives the pipeline: features, a static-shape encoder, a one-token
+decoder step over a preallocated cache, and its tokenizer. Whisper and ConformerAED both
+implement :class:`ASRModel`; decoding (:mod:`polyaccel.asr.decoding`) and the transcriber
+are written once against it.
+
+Shape legend: B batch, M mel bins, F feature frames, S encoder frames, D model dim,
+L decoder layers, NH heads, Dh head dim, C max decoder length (cache size), V vocab.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass
+class DecoderState:
+    """Everything one decode step reads and updates in place (fixed shapes per batch bucket).
+
+    self_k/self_v: [L, B, NH, C, Dh] self-attention cache, written at ``position``.
+    cross_k/cross_v: [L, B, NH, S, Dh] cross-attention K/V, computed once per utterance.
+    enc_mask: [B, S] bool, True where the encoder frame is real (not padding).
+    """
+
+    self_k: torch.Tensor
+    self_v: torch.Tensor
+    cross_k: torch.Tensor
+    cross_v: torch.Tensor
+    enc_mask: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.self_k, self.self_v, self.cross_k, self.cross_v, self.enc_mask]
+
+
+class ASRModel(nn.Module, abc.ABC):
+    """An attention encoder-decoder speech recognizer with static-shape graphs.
+
+    Subclasses set ``sample_rate``, ``n_mels``, ``max_decode_len`` and the token ids, and
+    implement the abstract methods. All tensors live on the model's device.
+    """
+
+    sample_rate: int = 16000
+    n_mels: int = 80
+    max_decode_len: int = 448
+    eos_token_id: int = 0
+
+    # ---- front end ---------------------------------------------------------------
+    @abc.abstractmethod
+    def compute_features(self, audio: list[np.ndarray], num_frames: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-mel features for mono float32 waveforms at ``sample_rate``.
+
+        Returns (features [B, M, F] in the model's dtype on its device, lengths [B] int64
+        valid frames). ``num_frames`` pads/crops F to a bucket size (Whisper: always 3000).
+        """
+
+    @abc.abstractmethod
+    def max_audio_seconds(self) -> float:
+        """Longest audio one encoder call accepts; longer audio is chunked by the pipeline."""
+
+    # ---- encoder -----------------------------------------------------------------
+    @abc.abstractmethod
+    def encode(self, features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """features [B, M, F], lengths [B] -> (encoder hidden [B, S, D], encoder mask [B, S] bool)."""
+
+    # ---- decoder -----------------------------------------------------------------
+    @abc.abstractmethod
+    def prompt_ids(self) -> list[int]:
+        """Tokens fed before the first generated token (e.g. <|startoftranscript|>...)."""
+
+    @abc.abstractmethod
+    def new_decoder_state(self, enc: torch.Tensor, enc_mask: torch.Tensor, max_len: int) -> DecoderState:
+        """Allocate the static self-attention cache of ``max_len`` positions and compute the
+        cross-attention K/V from ``enc`` once."""
+
+    @abc.abstractmethod
+    def decode_step(self, tokens: torch.Tensor, position: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        """One decoder step for every sequence: tokens [B] int64 at ``position`` (int64 [B]),
+        writes K/V at ``position`` into ``state`` in place, returns logits [B, V] (fp32).
+
+        Must be capturable in a CUDA graph: no host syncs, no shape-dependent Python branches.
+        """
+
+    @abc.abstractmethod
+    def decode_text(self, ids: list[int]) -> str:
+        """Token ids (generated part only) -> text, special tokens removed."""
+
+    # ---- static graphs -------------------------------------------------------------
+    def suppress_ids(self) -> list[int]:
+        """Token ids never generated (Whisper's suppress_tokens); empty by default."""
+        return []

@@ -1,0 +1,61 @@
+"""The ``cuda`` backend: availability, CUDA-graph compilation of static graphs, kernel registration."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from polyaccel.core.backend import Availability, Backend
+from polyaccel.core.hookspec import hookimpl
+
+INSTALL_HINT = ("a CUDA build of PyTorch and an NVIDIA driver "
+                "(pip install torch --index-url https://download.pytorch.org/whl/cu130)")
+
+
+class CudaBackend(Backend):
+    """NVIDIA GPUs through PyTorch CUDA: CUDA graphs per shape bucket, fused kernels."""
+
+    name = "cuda"
+    device_type = "cuda"
+    priority = 100
+    ray_resource = "GPU"
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
+
+    def availability(self) -> Availability:
+        if torch.version.cuda is None:
+            return Availability.no(f"torch {torch.__version__} is a CPU-only build", INSTALL_HINT)
+        if not torch.cuda.is_available():
+            return Availability.no("no NVIDIA GPU or driver visible to this process", INSTALL_HINT)
+        n = torch.cuda.device_count()
+        return Availability.yes(f"{n} x {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}")
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        torch.cuda.synchronize(device)
+
+    def compile_graph(self, fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor], *,
+                      name: str = "graph") -> Callable[..., Any]:
+        from polyaccel.cuda.graphs import capture
+
+        return capture(fn, example_inputs, name=name)
+
+
+@hookimpl
+def polyaccel_add_backends() -> list[Backend]:
+    return [CudaBackend()]
+
+
+@hookimpl
+def polyaccel_register_kernels(backend: Backend, registry) -> None:
+    if backend.name != "cuda":
+        return
+    from polyaccel.cuda import kernels
+
+    kernels.register_all(registry)

@@ -1,0 +1,118 @@
+"""The model interface for static-shape graphs.
+
+A model that wants a backend to compile it declares its graphs as :class:`GraphSpec`s: a
+pure function of tensors, the shape buckets it is used at, and how to make example inputs
+for a bucket. A :class:`GraphCache` asks the backend to compile each (graph, bucket) once
+(CUDA graph capture, ``torch.compile(backend="neuron")`` -> NEFF, or eager on CPU) and
+replays it. Buckets are data (``ShapeBuckets``), not code.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from polyaccel.core.backend import Backend
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShapeBuckets:
+    """Allowed sizes per named dimension, e.g. ``{"batch": (1, 2, 4, 8), "frames": (3000,)}``."""
+
+    sizes: Mapping[str, tuple[int, ...]]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", {k: tuple(sorted(set(v))) for k, v in self.sizes.items()})
+        for k, v in self.sizes.items():
+            if not v or v[0] <= 0:
+                raise ValueError(f"bucket sizes for {k!r} must be positive and non-empty, got {v}")
+
+    def pick(self, **actual: int) -> dict[str, int]:
+        """The smallest bucket size >= each actual size. Raises ValueError if one is too big."""
+        out = {}
+        for dim, n in actual.items():
+            sizes = self.sizes[dim]
+            i = bisect.bisect_left(sizes, n)
+            if i == len(sizes):
+                raise ValueError(f"{dim}={n} exceeds the largest bucket ({sizes[-1]}); "
+                                 f"split the input or add a larger bucket")
+            out[dim] = sizes[i]
+        return out
+
+    def all(self) -> list[dict[str, int]]:
+        """Every combination of sizes (for ahead-of-time compilation)."""
+        combos: list[dict[str, int]] = [{}]
+        for dim, sizes in self.sizes.items():
+            combos = [{**c, dim: s} for c in combos for s in sizes]
+        return combos
+
+    @property
+    def max(self) -> dict[str, int]:
+        return {k: v[-1] for k, v in self.sizes.items()}
+
+
+@dataclasses.dataclass(slots=True)
+class GraphSpec:
+    """One static-shape graph a model exposes.
+
+    Attributes:
+        name: e.g. ``"encode"`` or ``"decode_step"``.
+        fn: a function of tensors only; shapes fixed per bucket.
+        buckets: the shape buckets the graph is compiled for.
+        example_inputs: bucket -> tensors shaped (and typed, placed) as ``fn`` expects.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    buckets: ShapeBuckets
+    example_inputs: Callable[[dict[str, int]], Sequence[torch.Tensor]]
+
+
+class StaticGraphModel(Protocol):
+    """What a model implements so a backend can compile it bucket by bucket."""
+
+    def graph_specs(self) -> list[GraphSpec]: ...
+
+
+class GraphCache:
+    """Compiles each (graph, bucket) with ``backend`` on first use and replays it after."""
+
+    def __init__(self, backend: Backend, specs: Sequence[GraphSpec]) -> None:
+        self.backend = backend
+        self.specs = {s.name: s for s in specs}
+        self._compiled: dict[tuple[str, tuple[tuple[str, int], ...]], Callable[..., Any]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str, bucket: Mapping[str, int]) -> Callable[..., Any]:
+        """The compiled callable for ``name`` at ``bucket`` (compiling it if needed)."""
+        key = (name, tuple(sorted(bucket.items())))
+        fn = self._compiled.get(key)
+        if fn is None:
+            with self._lock:
+                fn = self._compiled.get(key)
+                if fn is None:
+                    spec = self.specs[name]
+                    example = spec.example_inputs(dict(bucket))
+                    fn = self.backend.compile_graph(spec.fn, example, name=f"{name}{dict(bucket)}")
+                    self._compiled[key] = fn
+        return fn
+
+    def __call__(self, name: str, bucket: Mapping[str, int], *inputs: torch.Tensor) -> Any:
+        return self.get(name, bucket)(*inputs)
+
+    def warmup(self, names: Sequence[str] | None = None) -> int:
+        """Compile every bucket of the named graphs (all by default); return how many."""
+        n = 0
+        for name in names or list(self.specs):
+            for bucket in self.specs[name].buckets.all():
+                self.get(name, bucket)
+                n += 1
+        return n
+
+    def __len__(self) -> int:
+        return len(self._compiled)

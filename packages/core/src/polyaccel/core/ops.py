@@ -1,0 +1,190 @@
+"""Reference implementations of polyaccel's named kernel ops (plain PyTorch, any device).
+
+Each function here is an op (see :mod:`polyaccel.core.kernels`): calling it runs the
+backend's registered kernel for the input's device if there is one, else this body.
+
+Shape legend: B batch, T time/tokens, H hidden (model dim), C channels, E experts,
+K reduction dim, N output dim, D head dim, NH heads, k experts per token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from polyaccel.core.kernels import registry
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation_fn(name: str):
+    """The elementwise activation called ``name`` (silu/swish, gelu, gelu_tanh, relu)."""
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown activation {name!r}; known: {', '.join(_ACTIVATIONS)}") from None
+
+
+@registry.define
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32, returned in ``x.dtype``."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+@registry.define
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """LayerNorm over the last dim."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+@registry.define
+def ffn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
+        b2: torch.Tensor | None, activation: str = "silu") -> torch.Tensor:
+    """Two-layer feed-forward: ``act(x @ w1.T + b1) @ w2.T + b2``.
+
+    x [..., H], w1 [F, H], w2 [H, F]. The conformer and Whisper FFN.
+    """
+    return F.linear(activation_fn(activation)(F.linear(x, w1, b1)), w2, b2)
+
+
+@registry.define
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` where ``gate_up[..., :I]`` is gate and ``gate_up[..., I:]`` is up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@registry.define
+def fused_qkv(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, num_heads: int,
+              num_kv_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One projection for Q, K and V, split into heads.
+
+    x [B, T, H], w_qkv [(NH + 2*NKV) * D, H] -> q [B, NH, T, D], k, v [B, NKV, T, D].
+    """
+    num_kv_heads = num_kv_heads or num_heads
+    B, T, _ = x.shape
+    qkv = F.linear(x, w_qkv, b_qkv)
+    D = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
+    q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
+    return (q.view(B, T, num_heads, D).transpose(1, 2),
+            k.view(B, T, num_kv_heads, D).transpose(1, 2),
+            v.view(B, T, num_kv_heads, D).transpose(1, 2))
+
+
+@registry.define
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+              causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """Softmax attention. q [B, NH, Tq, D], k/v [B, NKV, Tk, D] (NKV divides NH).
+
+    ``mask`` is boolean (True = attend) or additive float, broadcastable to [B, NH, Tq, Tk].
+    ``causal`` aligns the diagonal to the end (query i sees keys <= i + Tk - Tq).
+    """
+    nh, nkv = q.shape[1], k.shape[1]
+    if nkv != nh:
+        k = k.repeat_interleave(nh // nkv, dim=1)
+        v = v.repeat_interleave(nh // nkv, dim=1)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    tq, tk = q.shape[-2], k.shape[-2]
+    if causal:
+        keep = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows give zeros, not NaN
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+@registry.define
+def depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     padding: int | None = None) -> torch.Tensor:
+    """Depthwise 1-D convolution over time. x [B, C, T], weight [C, 1, K] or [C, K].
+
+    ``padding`` defaults to ``(K - 1) // 2`` on both sides ("same" for odd K).
+    """
+    w = weight if weight.dim() == 3 else weight.unsqueeze(1)
+    pad = (w.shape[-1] - 1) // 2 if padding is None else padding
+    return F.conv1d(x, w, bias, padding=pad, groups=x.shape[1])
+
+
+@registry.define
+def conv2d_subsample(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                     stride: int = 2) -> torch.Tensor:
+    """Stacked conv2d (3x3, stride 2, padding 1) + ReLU, one per weight: x [B, Cin, T, F].
+
+    Three layers give the x8 time subsampling of conformer front ends. Returns
+    [B, Cout, T / stride**n, F / stride**n] (rounded up per layer).
+    """
+    for w, b in zip(weights, biases, strict=True):
+        x = F.relu(F.conv2d(x, w, b, stride=stride, padding=w.shape[-1] // 2))
+    return x
+
+
+@registry.define
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-group linear: rows ``offsets[g-1]:offsets[g]`` of x times ``w[g].T``.
+
+    x [T, K] (rows sorted by group), w [E, N, K] (the ``F.linear`` layout, as Transformers
+    v5 stores ``gate_up_proj``/``down_proj``), offsets int32 [E] cumulative row ends.
+    Returns [T, N]; rows past ``offsets[-1]`` are zero.
+    """
+    out = x.new_zeros(x.shape[0], w.shape[1])
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = F.linear(x[start:end], w[g])
+        start = end
+    return out
+
+
+@registry.define
+def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort token copies by expert for grouped GEMM.
+
+    x [T, H], topk_idx [T, k] -> (x_sorted [T*k, H], order [T*k], counts [E]). ``order[i]``
+    is the flat (token * k + slot) index of row i of ``x_sorted``; the sort is stable, so
+    each expert sees its tokens in original order.
+    """
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    x_sorted = x.index_select(0, order // topk_idx.shape[1])
+    return x_sorted, order, counts
+
+
+@registry.define
+def moe_unpermute(y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor
+                  ) -> torch.Tensor:
+    """Inverse of :func:`moe_permute` with the top-k combine: out[t] = sum_j w[t, j] * y[t, j].
+
+    y_sorted [T*k, H], order [T*k], topk_weights [T, k] -> [T, H] in ``y_sorted.dtype``.
+    """
+    T, k = topk_weights.shape
+    y = torch.empty_like(y_sorted)
+    y[order] = y_sorted
+    y = y.view(T, k, -1)
+    return (y.float() * topk_weights.unsqueeze(-1).float()).sum(1).to(y_sorted.dtype)
+
+
+@registry.define
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` against ``labels`` (the LM head plus loss).
+
+    hidden [N, H], weight [V, H], labels [N]. Backends may compute this in chunks so that
+    the [N, V] logits never exist in fp32.
+    """
+    logits = F.linear(hidden, weight).float()
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)

@@ -1,0 +1,1 @@
+"""polyaccel MoE: drop-in faster fine-tuning of Hugging Face Mixture-of-Experts models."""
