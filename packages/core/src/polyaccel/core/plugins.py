@@ -2,12 +2,14 @@
 
 Plugins are loaded on first use, not at import. A plugin that fails to import is an error
 with its traceback (never a silent fallback). Set ``POLYACCEL_DISABLE_PLUGIN_AUTOLOAD=1`` to
-load only the built-in CPU backend (plus plugins registered by hand with
-:func:`plugin_manager().register`).
+load only the built-in CPU backend. ``POLYACCEL_PLUGINS=mod.a,mod.b`` registers plugin
+modules by import path as well (like ``PYTEST_PLUGINS``): useful where the packages are on
+``PYTHONPATH`` but not installed, so their entry points are not visible.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 
@@ -18,6 +20,7 @@ from polyaccel.core.backend import Backend, BackendUnavailable
 
 ENTRY_POINT_GROUP = "polyaccel.backends"
 DISABLE_AUTOLOAD_ENV = "POLYACCEL_DISABLE_PLUGIN_AUTOLOAD"
+EXTRA_PLUGINS_ENV = "POLYACCEL_PLUGINS"
 
 _lock = threading.RLock()
 _pm: pluggy.PluginManager | None = None
@@ -34,6 +37,10 @@ def plugin_manager() -> pluggy.PluginManager:
             pm.register(cpu, name="cpu")
             if not os.environ.get(DISABLE_AUTOLOAD_ENV):
                 pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+            for modname in filter(None, os.environ.get(EXTRA_PLUGINS_ENV, "").split(",")):
+                if pm.get_plugin(modname.strip()) is None and not pm.is_registered(
+                        importlib.import_module(modname.strip())):
+                    pm.register(importlib.import_module(modname.strip()), name=modname.strip())
             _pm = pm
         return _pm
 

@@ -1,0 +1,39 @@
+"""Shape buckets and the per-bucket graph cache."""
+
+import pytest
+import torch
+
+from polyaccel.core import GraphCache, GraphSpec, ShapeBuckets, select_backend
+
+
+def test_bucket_pick_and_limits():
+    b = ShapeBuckets({"batch": (8, 1, 2, 4), "frames": (3000,)})
+    assert b.sizes["batch"] == (1, 2, 4, 8)
+    assert b.pick(batch=3, frames=100) == {"batch": 4, "frames": 3000}
+    assert b.pick(batch=8, frames=3000) == {"batch": 8, "frames": 3000}
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        b.pick(batch=9)
+    assert len(b.all()) == 4 and b.max == {"batch": 8, "frames": 3000}
+    with pytest.raises(ValueError):
+        ShapeBuckets({"batch": ()})
+
+
+def test_graph_cache_compiles_each_bucket_once():
+    compiled = []
+
+    class CountingBackend(type(select_backend("cpu"))):
+        name = "counting"
+
+        def compile_graph(self, fn, example_inputs, *, name="graph"):
+            compiled.append((name, tuple(t.shape for t in example_inputs)))
+            return fn
+
+    spec = GraphSpec("double", lambda x: x * 2, ShapeBuckets({"batch": (1, 4)}),
+                     lambda bucket: [torch.zeros(bucket["batch"], 3)])
+    cache = GraphCache(CountingBackend(), [spec])
+    for n in (1, 3, 4, 2):
+        bucket = spec.buckets.pick(batch=n)
+        x = torch.ones(bucket["batch"], 3)
+        assert torch.equal(cache("double", bucket, x), x * 2)
+    assert [c[1] for c in compiled] == [((1, 3),), ((4, 3),)]
+    assert cache.warmup() == 2 and len(compiled) == 2

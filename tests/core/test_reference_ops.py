@@ -1,0 +1,169 @@
+"""Every reference op against a straightforward formula on fresh random inputs."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from polyaccel.core import ops
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture
+def gen():
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs on every run
+    return g
+
+
+def rnd(g, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm(gen, dtype):
+    x, w = rnd(gen, 3, 7, 64, dtype=dtype), rnd(gen, 64, dtype=dtype)
+    xd = x.double()
+    expected = xd / torch.sqrt((xd**2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert rel_err(ops.rms_norm(x, w, 1e-6), expected) < TOL[dtype]
+
+
+def test_layer_norm(gen):
+    x, w, b = rnd(gen, 5, 32), rnd(gen, 32), rnd(gen, 32)
+    mu, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    assert rel_err(ops.layer_norm(x, w, b, 1e-5), (x - mu) / torch.sqrt(var + 1e-5) * w + b) < 1e-5
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "relu"])
+def test_ffn(gen, act):
+    x, w1, b1, w2, b2 = rnd(gen, 2, 5, 16), rnd(gen, 48, 16), rnd(gen, 48), rnd(gen, 16, 48), rnd(gen, 16)
+    h = x @ w1.T + b1
+    h = {"silu": h * torch.sigmoid(h), "relu": h.clamp_min(0),
+         "gelu": 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))}[act]
+    assert rel_err(ops.ffn(x, w1, b1, w2, b2, act), h @ w2.T + b2) < 1e-5
+
+
+def test_unknown_activation():
+    with pytest.raises(ValueError, match="unknown activation"):
+        ops.ffn(torch.zeros(1, 2), torch.zeros(3, 2), None, torch.zeros(2, 3), None, "tanhh")
+
+
+def test_swiglu(gen):
+    gu = rnd(gen, 4, 2 * 24)
+    g, u = gu[:, :24], gu[:, 24:]
+    assert rel_err(ops.swiglu(gu), g * torch.sigmoid(g) * u) < 1e-6
+
+
+def test_fused_qkv_gqa(gen):
+    B, T, H, NH, NKV, D = 2, 5, 32, 4, 2, 8
+    x, w, b = rnd(gen, B, T, H), rnd(gen, (NH + 2 * NKV) * D, H), rnd(gen, (NH + 2 * NKV) * D)
+    q, k, v = ops.fused_qkv(x, w, b, NH, NKV)
+    assert q.shape == (B, NH, T, D) and k.shape == v.shape == (B, NKV, T, D)
+    wq, wk, wv = w[: NH * D], w[NH * D: (NH + NKV) * D], w[(NH + NKV) * D:]
+    bq, bk, bv = b[: NH * D], b[NH * D: (NH + NKV) * D], b[(NH + NKV) * D:]
+    # head h of q is columns h*D:(h+1)*D of x @ wq.T
+    for h in range(NH):
+        assert rel_err(q[:, h], x @ wq[h * D:(h + 1) * D].T + bq[h * D:(h + 1) * D]) < 1e-6
+    assert rel_err(k[:, 1], x @ wk[D:].T + bk[D:]) < 1e-6
+    assert rel_err(v[:, 0], x @ wv[:D].T + bv[:D]) < 1e-6
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_against_loops(gen, causal):
+    B, NH, NKV, Tq, Tk, D = 2, 4, 2, 3, 6, 8
+    q, k, v = rnd(gen, B, NH, Tq, D), rnd(gen, B, NKV, Tk, D), rnd(gen, B, NKV, Tk, D)
+    mask = torch.rand(B, 1, 1, Tk, generator=gen) > 0.3
+    mask[..., -1] = True  # never mask every key
+    out = ops.attention(q, k, v, mask=mask, causal=causal)
+    expected = torch.zeros_like(out, dtype=torch.float64)
+    for b in range(B):
+        for h in range(NH):
+            kv = h // (NH // NKV)
+            for i in range(Tq):
+                s = [(q[b, h, i].double() @ k[b, kv, j].double()).item() / math.sqrt(D) for j in range(Tk)]
+                ok = [bool(mask[b, 0, 0, j]) and (not causal or j <= i + Tk - Tq) for j in range(Tk)]
+                s = np.array([si if o else -np.inf for si, o in zip(s, ok)])
+                p = np.exp(s - s.max()) if np.isfinite(s).any() else np.zeros_like(s)
+                p = p / p.sum() if p.sum() > 0 else p
+                expected[b, h, i] = torch.from_numpy(p) @ v[b, kv].double()
+    assert rel_err(out, expected) < 1e-5
+
+
+def test_attention_matches_sdpa(gen):
+    q, k, v = rnd(gen, 2, 4, 9, 16), rnd(gen, 2, 4, 9, 16), rnd(gen, 2, 4, 9, 16)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert rel_err(ops.attention(q, k, v, causal=True), ref) < 1e-5
+
+
+def test_depthwise_conv1d(gen):
+    B, C, T, K = 2, 6, 11, 5
+    x, w, b = rnd(gen, B, C, T), rnd(gen, C, K), rnd(gen, C)
+    out = ops.depthwise_conv1d(x, w, b)
+    xp = torch.nn.functional.pad(x, (K // 2, K // 2))
+    expected = torch.stack([sum(xp[:, :, t + j] * w[:, j] for j in range(K)) + b for t in range(T)], -1)
+    assert out.shape == (B, C, T)
+    assert rel_err(out, expected) < 1e-5
+
+
+def test_conv2d_subsample_x8_shapes_and_values(gen):
+    x = rnd(gen, 2, 1, 37, 80)
+    ws = [rnd(gen, 4, 1, 3, 3), rnd(gen, 4, 4, 3, 3), rnd(gen, 4, 4, 3, 3)]
+    bs = [rnd(gen, 4), rnd(gen, 4), rnd(gen, 4)]
+    out = ops.conv2d_subsample(x, ws, bs)
+    assert out.shape == (2, 4, 5, 10)  # ceil(37/8)=5, 80/8=10
+    # first layer, one output element by hand
+    y = x[0, 0]
+    yp = torch.nn.functional.pad(y, (1, 1, 1, 1))
+    hand = (yp[2:5, 4:7] * ws[0][1, 0]).sum() + bs[0][1]  # output (t=1, f=2) of channel 1
+    first = torch.relu(torch.nn.functional.conv2d(x, ws[0], bs[0], stride=2, padding=1))
+    assert abs(first[0, 1, 1, 2] - torch.relu(hand)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm(gen, dtype):
+    E, K, N = 4, 16, 12
+    counts = torch.tensor([3, 0, 5, 2])
+    x, w = rnd(gen, int(counts.sum()) + 2, K, dtype=dtype), rnd(gen, E, N, K, dtype=dtype)
+    offs = counts.cumsum(0).to(torch.int32)
+    out = ops.grouped_mm(x, w, offs)
+    rows, start = [], 0
+    for e, c in enumerate(counts.tolist()):
+        rows += [x[start + i].double() @ w[e].double().T for i in range(c)]
+        start += c
+    expected = torch.stack(rows + [torch.zeros(N, dtype=torch.float64)] * 2)
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+def test_moe_permute_unpermute_roundtrip(gen):
+    T, H, E, k = 7, 5, 4, 2
+    x = rnd(gen, T, H)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=gen)
+    xs, order, counts = ops.moe_permute(x, idx, E)
+    assert counts.tolist() == [int((idx == e).sum()) for e in range(E)]
+    # rows come grouped by expert, each group in token order
+    experts_of_rows = idx.reshape(-1)[order]
+    assert torch.all(experts_of_rows[1:] >= experts_of_rows[:-1])
+    # identity experts: unpermute gives sum_j w_j * x
+    out = ops.moe_unpermute(xs, order, w)
+    assert rel_err(out, x * w.sum(1, keepdim=True)) < 1e-6
+    # an expert that scales by (e+1)
+    ys = xs * (experts_of_rows.float() + 1).unsqueeze(1)
+    expected = sum(x * (idx[:, j:j + 1].float() + 1) * w[:, j:j + 1] for j in range(k))
+    assert rel_err(ops.moe_unpermute(ys, order, w), expected) < 1e-6
+
+
+def test_linear_cross_entropy(gen):
+    h, W = rnd(gen, 6, 8), rnd(gen, 11, 8)
+    labels = torch.tensor([1, 2, -100, 10, 0, 3])
+    logits = (h @ W.T).double()
+    keep = labels != -100
+    lp = logits.log_softmax(-1)[keep]
+    expected = -lp[torch.arange(int(keep.sum())), labels[keep]].mean()
+    assert abs(ops.linear_cross_entropy(h, W, labels).item() - expected.item()) < 1e-5
