@@ -1,11 +1,18 @@
-"""The ``neuron`` backend: availability of the Neuron SDK and libnrt on this machine."""
+"""The ``neuron`` backend: availability of the Neuron SDK and libnrt on this machine, the
+TorchNeuron compile path, NeuronCore placement of replicas, and NKI kernel registration.
+
+Importing this module imports nothing heavy; torch-neuronx, NKI and libnrt load when used.
+"""
 
 from __future__ import annotations
 
 import ctypes.util
 import importlib.util
 import os
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import torch
 from polyaccel.core.backend import Availability, Backend
 from polyaccel.core.hookspec import hookimpl
 
@@ -25,6 +32,19 @@ def find_libnrt() -> str | None:
     return ctypes.util.find_library("nrt")
 
 
+def visible_cores(default: int) -> list[int]:
+    """NeuronCore ids this process may use: ``NEURON_RT_VISIBLE_CORES`` ("3", "0-7", "0,2")
+    or ``range(default)``."""
+    spec = os.environ.get("NEURON_RT_VISIBLE_CORES", "").strip()
+    if not spec:
+        return list(range(default))
+    cores: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cores.extend(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
 class NeuronBackend(Backend):
     """AWS Trainium2 through TorchNeuron (compile to NEFF) and libnrt (8 replicas per chip at LNC=1)."""
 
@@ -33,6 +53,7 @@ class NeuronBackend(Backend):
     priority = 90
     ray_resource = "neuron_cores"
     visible_devices_env = "NEURON_RT_VISIBLE_CORES"
+    lnc_env = "NEURON_LOGICAL_NC_CONFIG"
 
     def availability(self) -> Availability:
         if importlib.util.find_spec("torch_neuronx") is None:
@@ -43,10 +64,47 @@ class NeuronBackend(Backend):
             return Availability.no("no Neuron device (/dev/neuron*) on this machine", INSTALL_HINT)
         return Availability.yes("Neuron SDK and devices found")
 
+    def cores_per_chip(self) -> int:
+        """8 NeuronCores per trn2 chip at LNC=1 (our default), 4 at LNC=2."""
+        return 8 if os.environ.get(self.lnc_env, "1") == "1" else 4
+
     def device_count(self) -> int:
-        return sum(os.path.exists(f"/dev/neuron{i}") for i in range(16)) * 8
+        chips = sum(os.path.exists(f"/dev/neuron{i}") for i in range(16))
+        return len(visible_cores(chips * self.cores_per_chip())) if chips else 0
+
+    def replica_cores(self, replicas: int) -> list[int]:
+        """The NeuronCore each replica binds to: round-robin over the visible cores."""
+        cores = visible_cores(max(1, self.device_count()))
+        return [cores[i % len(cores)] for i in range(replicas)]
+
+    def replica_devices(self, replicas: int) -> list[torch.device]:
+        """``torch.device("neuron", core)`` per replica (needs torch-neuronx for the device type)."""
+        from polyaccel.neuron.compile import require_torch_neuronx
+
+        require_torch_neuronx()
+        n = len(visible_cores(max(1, self.device_count())))
+        return [torch.device("neuron", i % n) for i in range(replicas)]
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def compile_graph(self, fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor], *,
+                      name: str = "graph") -> Callable[..., Any]:
+        """TorchNeuron ``torch.compile(backend="neuron")`` per bucket, NEFFs kept (see compile.py)."""
+        from polyaccel.neuron.compile import compile_graph
+
+        return compile_graph(fn, example_inputs, name)
 
 
 @hookimpl
 def polyaccel_add_backends() -> list[Backend]:
     return [NeuronBackend()]
+
+
+@hookimpl
+def polyaccel_register_kernels(backend: Backend, registry: Any) -> None:
+    if backend.name != "neuron":
+        return
+    from polyaccel.neuron import kernels
+
+    kernels.register_all(registry)

@@ -1,0 +1,178 @@
+"""libnrt (the Neuron Runtime C library) through ctypes, with prototypes we declare ourselves.
+
+Only the calls a data-parallel inference runtime needs: init/close, load/unload a NEFF on a
+NeuronCore, device tensors and tensor sets, execute, and the model's tensor table. Every
+call returning a status goes through :meth:`Libnrt.check`, which raises :class:`NrtError`
+carrying the status name. ``ctypes.CDLL`` releases the GIL for the duration of each foreign
+call, so ``nrt_execute`` on different cores from different threads runs in parallel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import threading
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+# ---- status codes (NRT_STATUS) ----------------------------------------------------------------
+
+STATUS_NAMES: dict[int, str] = {
+    0: "NRT_SUCCESS", 1: "NRT_FAILURE", 2: "NRT_INVALID", 3: "NRT_INVALID_HANDLE",
+    4: "NRT_RESOURCE", 5: "NRT_TIMEOUT", 6: "NRT_HW_ERROR", 7: "NRT_QUEUE_FULL",
+    9: "NRT_LOAD_NOT_ENOUGH_NC", 10: "NRT_UNSUPPORTED_NEFF_VERSION", 13: "NRT_UNINITIALIZED",
+    14: "NRT_CLOSED", 1002: "NRT_EXEC_BAD_INPUT", 1003: "NRT_EXEC_COMPLETED_WITH_NUM_ERR",
+    1004: "NRT_EXEC_COMPLETED_WITH_ERR", 1005: "NRT_EXEC_NC_BUSY", 1006: "NRT_EXEC_OOB",
+    **{c: f"NRT_EXEC_HW_ERR_{c - 1200}" for c in range(1200, 1207)},
+}
+
+# ---- dtypes (nrt_dtype_t) ---------------------------------------------------------------------
+
+DTYPE_CODES: dict[np.dtype, int] = {
+    np.dtype(np.float32): 0xA, np.dtype(ml_dtypes.bfloat16): 0x6, np.dtype(np.float16): 0x7,
+    np.dtype(np.int32): 0x8, np.dtype(np.int64): 0xC, np.dtype(np.int8): 0x2, np.dtype(np.uint8): 0x3,
+}
+CODE_DTYPES: dict[int, np.dtype] = {v: k for k, v in DTYPE_CODES.items()}
+
+FRAMEWORK_NONE = 1
+PLACEMENT_DEVICE = 0
+USAGE_INPUT, USAGE_OUTPUT = 0, 1
+TENSOR_NAME_MAX = 256
+
+
+class NrtError(RuntimeError):
+    """A libnrt call failed; ``code`` is the status and ``status`` its name."""
+
+    def __init__(self, call: str, code: int) -> None:
+        self.call = call
+        self.code = code
+        self.status = STATUS_NAMES.get(code, f"NRT_STATUS_{code}")
+        super().__init__(f"{call} failed: {self.status} ({code})")
+
+
+class TensorInfoC(ctypes.Structure):
+    """One entry of ``nrt_get_model_tensor_info``'s table (our declaration of its layout)."""
+
+    _fields_ = [("name", ctypes.c_char * TENSOR_NAME_MAX), ("usage", ctypes.c_int),
+                ("size", ctypes.c_size_t), ("dtype", ctypes.c_int),
+                ("shape", ctypes.POINTER(ctypes.c_uint32)), ("ndim", ctypes.c_uint32)]
+
+
+class TensorInfoArrayC(ctypes.Structure):
+    """Header of the tensor-info table; ``tensor_count`` entries follow it."""
+
+    _fields_ = [("tensor_count", ctypes.c_uint64)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """A NEFF input or output: name, size in bytes, dtype and shape."""
+
+    name: str
+    usage: int
+    size: int
+    dtype: np.dtype | None
+    shape: tuple[int, ...]
+
+    @property
+    def is_input(self) -> bool:
+        return self.usage == USAGE_INPUT
+
+
+_p = ctypes.c_void_p
+_pp = ctypes.POINTER(ctypes.c_void_p)
+_PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
+    "nrt_init": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p]),
+    "nrt_close": (None, []),
+    "nrt_load": (ctypes.c_int, [_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32, _pp]),
+    "nrt_unload": (ctypes.c_int, [_p]),
+    "nrt_tensor_allocate": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, _pp]),
+    "nrt_tensor_free": (None, [_pp]),
+    "nrt_tensor_write": (ctypes.c_int, [_p, _p, ctypes.c_size_t, ctypes.c_size_t]),
+    "nrt_tensor_read": (ctypes.c_int, [_p, _p, ctypes.c_size_t, ctypes.c_size_t]),
+    "nrt_allocate_tensor_set": (ctypes.c_int, [_pp]),
+    "nrt_add_tensor_to_tensor_set": (ctypes.c_int, [_p, ctypes.c_char_p, _p]),
+    "nrt_destroy_tensor_set": (None, [_pp]),
+    "nrt_execute": (ctypes.c_int, [_p, _p, _p]),
+    "nrt_get_model_tensor_info": (ctypes.c_int, [_p, ctypes.POINTER(ctypes.POINTER(TensorInfoArrayC))]),
+    "nrt_free_model_tensor_info": (ctypes.c_int, [ctypes.POINTER(TensorInfoArrayC)]),
+}
+
+
+class Libnrt:
+    """A loaded ``libnrt.so.1`` with typed entry points; one per process (see :func:`load`)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.lib = ctypes.CDLL(path)  # CDLL (not PyDLL): every call releases the GIL
+        for name, (restype, argtypes) in _PROTOTYPES.items():
+            fn = getattr(self.lib, name, None)
+            if fn is None:
+                if name == "nrt_free_model_tensor_info":
+                    continue
+                raise OSError(f"{path} has no symbol {name}; is it libnrt.so.1?")
+            fn.restype, fn.argtypes = restype, argtypes
+        self.initialized = False
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def check(call: str, rc: int) -> None:
+        """Raise :class:`NrtError` unless ``rc`` is NRT_SUCCESS."""
+        if rc != 0:
+            raise NrtError(call, rc)
+
+    def init(self) -> None:
+        """``nrt_init`` once per process (later calls do nothing)."""
+        with self._lock:
+            if not self.initialized:
+                self.check("nrt_init", self.lib.nrt_init(FRAMEWORK_NONE, b"", b""))
+                self.initialized = True
+
+    def close(self) -> None:
+        """``nrt_close``; after it the process may ``init`` again."""
+        with self._lock:
+            if self.initialized:
+                self.lib.nrt_close()
+                self.initialized = False
+
+    def load(self, neff: bytes, start_core: int = -1, core_count: int = -1) -> ctypes.c_void_p:
+        """Load a NEFF onto ``start_core`` (-1: any); returns the model handle."""
+        model = ctypes.c_void_p()
+        buf = ctypes.create_string_buffer(neff, len(neff))
+        self.check("nrt_load", self.lib.nrt_load(buf, len(neff), start_core, core_count, ctypes.byref(model)))
+        return model
+
+    def tensor_info(self, model: ctypes.c_void_p) -> list[TensorInfo]:
+        """The model's inputs and outputs (``nrt_get_model_tensor_info``)."""
+        arr = ctypes.POINTER(TensorInfoArrayC)()
+        self.check("nrt_get_model_tensor_info", self.lib.nrt_get_model_tensor_info(model, ctypes.byref(arr)))
+        count = arr.contents.tensor_count
+        entries = ctypes.cast(ctypes.addressof(arr.contents) + ctypes.sizeof(TensorInfoArrayC),
+                              ctypes.POINTER(TensorInfoC * count)).contents
+        infos = [TensorInfo(e.name.decode(), e.usage, e.size, CODE_DTYPES.get(e.dtype),
+                            tuple(e.shape[i] for i in range(e.ndim))) for e in entries]
+        if hasattr(self.lib, "nrt_free_model_tensor_info"):
+            self.lib.nrt_free_model_tensor_info(arr)
+        return infos
+
+
+_libs: dict[str, Libnrt] = {}
+_libs_lock = threading.Lock()
+
+
+def load(path: str | None = None) -> Libnrt:
+    """The process's :class:`Libnrt` for ``path`` (default: ``find_libnrt()``), loaded once."""
+    from polyaccel.neuron.plugin import INSTALL_HINT, find_libnrt
+
+    path = path or find_libnrt()
+    if path is None:
+        raise OSError(f"libnrt.so.1 (the Neuron runtime) was not found; install {INSTALL_HINT} "
+                      f"or point NEURON_RT_LIB at it")
+    path = os.path.abspath(path) if os.path.exists(path) else path
+    with _libs_lock:
+        if path not in _libs:
+            _libs[path] = Libnrt(path)
+        return _libs[path]

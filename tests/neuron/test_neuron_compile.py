@@ -1,0 +1,99 @@
+"""The TorchNeuron compile path without the SDK: the error when torch-neuronx is missing,
+the artifact environment, NEFF discovery, and compile_graph end to end against a stand-in
+``neuron`` torch.compile backend that writes a NEFF where TorchNeuron would."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+import torch
+from polyaccel.core import GraphCache, GraphSpec, ShapeBuckets
+from polyaccel.neuron import compile as ncompile
+from polyaccel.neuron.plugin import NeuronBackend, visible_cores
+
+
+def test_missing_torch_neuronx_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_neuronx", None)
+    with pytest.raises(ImportError, match="torch-neuronx"):
+        ncompile.compile_graph(lambda x: x + 1, [torch.zeros(2)], "g")
+    with pytest.raises(ImportError, match="torch-neuronx"):
+        NeuronBackend().replica_devices(8)
+
+
+def test_compile_env_is_set_and_restored(tmp_path, monkeypatch):
+    monkeypatch.delenv(ncompile.PRESERVE_ENV, raising=False)
+    monkeypatch.setenv(ncompile.DEBUG_DIR_ENV, "/previous")
+    with ncompile.neuron_compile_env(tmp_path) as env:
+        assert os.environ[ncompile.PRESERVE_ENV] == "1"
+        assert os.environ[ncompile.DEBUG_DIR_ENV] == str(tmp_path) == env[ncompile.DEBUG_DIR_ENV]
+    assert ncompile.PRESERVE_ENV not in os.environ
+    assert os.environ[ncompile.DEBUG_DIR_ENV] == "/previous"
+
+
+def test_graph_dir_names_and_neff_discovery(tmp_path):
+    assert ncompile.graph_dir_name("encode{'batch': 8, 'frames': 3000}") == "encode-batch8-frames3000"
+    assert ncompile.graph_dir_name("decode_step{'batch': 16}") == "decode_step-batch16"
+    enc = tmp_path / "encode-batch8"
+    (enc / "sub" / "deeper").mkdir(parents=True)
+    (enc / "sub" / "model.neff").write_bytes(b"a")
+    (enc / "sub" / "deeper" / "graph.neff").write_bytes(b"b")
+    (enc / "sub" / "model.hlo").write_bytes(b"not a neff")
+    (tmp_path / "empty").mkdir()
+    assert {p.name for p in ncompile.find_neffs(enc)} == {"model.neff", "graph.neff"}
+    assert ncompile.find_neffs(tmp_path / "missing") == []
+    found = ncompile.collect_neffs(tmp_path)
+    assert list(found) == ["encode-batch8"] and len(found["encode-batch8"]) == 2
+
+
+@pytest.fixture
+def fake_torch_neuronx(monkeypatch):
+    """A ``torch_neuronx`` module and a ``neuron`` dynamo backend that, like TorchNeuron with
+    artifacts preserved, writes one NEFF per compiled graph into TORCH_NEURONX_DEBUG_DIR."""
+    monkeypatch.setitem(sys.modules, "torch_neuronx", types.ModuleType("torch_neuronx"))
+    from torch._dynamo import list_backends, register_backend
+
+    if "neuron" not in list_backends(exclude_tags=()):
+        def fake_neuron_backend(gm, example_inputs):
+            if os.environ.get(ncompile.PRESERVE_ENV) == "1":
+                out = os.path.join(os.environ[ncompile.DEBUG_DIR_ENV], "neuronxcc-0")
+                os.makedirs(out, exist_ok=True)
+                shapes = "-".join("x".join(map(str, t.shape)) for t in example_inputs)
+                with open(os.path.join(out, f"graph-{shapes}.neff"), "wb") as f:
+                    f.write(b"NEFF")
+            return gm.forward
+
+        register_backend(compiler_fn=fake_neuron_backend, name="neuron")
+
+
+def test_encoder_and_decoder_compile_to_separate_neffs_per_bucket(fake_torch_neuronx, tmp_path, monkeypatch):
+    monkeypatch.setenv(ncompile.ARTIFACTS_ENV, str(tmp_path))
+    w = torch.randn(4, 4)
+    specs = [
+        GraphSpec("encode", lambda x: torch.tanh(x @ w), ShapeBuckets({"batch": (1, 2)}),
+                  lambda b: [torch.randn(b["batch"], 3, 4)]),
+        GraphSpec("decode_step", lambda y: torch.relu(y @ w.T), ShapeBuckets({"batch": (2,)}),
+                  lambda b: [torch.randn(b["batch"], 4)]),
+    ]
+    cache = GraphCache(NeuronBackend(), specs)
+    assert cache.warmup() == 3
+    found = ncompile.collect_neffs(tmp_path)
+    assert sorted(found) == ["decode_step-batch2", "encode-batch1", "encode-batch2"]
+    assert all(len(v) == 1 for v in found.values())
+    enc = cache.get("encode", {"batch": 2})
+    assert isinstance(enc, ncompile.CompiledGraph) and enc.neffs == found["encode-batch2"]
+    x = torch.randn(2, 3, 4)
+    torch.testing.assert_close(enc(x), torch.tanh(x @ w))
+    assert ncompile.PRESERVE_ENV not in os.environ
+
+
+def test_replica_cores_follow_visible_cores(monkeypatch):
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "8-15")
+    assert visible_cores(0) == list(range(8, 16))
+    assert NeuronBackend().replica_cores(10) == [8, 9, 10, 11, 12, 13, 14, 15, 8, 9]
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0,2-3")
+    assert visible_cores(0) == [0, 2, 3]
+    monkeypatch.delenv("NEURON_RT_VISIBLE_CORES")
+    assert visible_cores(8) == list(range(8))
