@@ -1,7 +1,10 @@
 """CUDA graph capture of a static-shape function: copy inputs in, replay, read outputs.
 
-The returned callable owns static input and output buffers. Outputs are views of the
-static buffers and are overwritten by the next replay: consume or clone them first.
+The example inputs become the graph's input buffers (they are not cloned): a caller that
+passes the very same tensors on every call skips the copy, which is how in-place state such
+as a decoder KV cache is shared between the caller and the graph. Other inputs are copied
+into those buffers before each replay. Outputs are the graph's static output tensors and
+are overwritten by the next replay: consume or clone them first.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ class CudaGraphRunner:
     def __init__(self, fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor], *,
                  name: str = "graph", warmup: int = 2, pool: Any = None) -> None:
         self.name = name
-        self.static_inputs = [t.clone() for t in example_inputs]
+        self.static_inputs = list(example_inputs)
         stream = torch.cuda.Stream(device=self.static_inputs[0].device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up outside the capture (allocator, cuBLAS handles)

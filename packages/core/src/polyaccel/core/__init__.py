@@ -7,10 +7,12 @@ from polyaccel.core import ops
 from polyaccel.core.backend import Availability, Backend, BackendUnavailable
 from polyaccel.core.graphs import GraphCache, GraphSpec, ShapeBuckets, StaticGraphModel
 from polyaccel.core.kernels import registry
+from polyaccel.core.parallel import ParallelMeshes, ParallelPlan
 from polyaccel.core.plugins import backends, select_backend
+from polyaccel.core.runtime import ReplicaPool
 
 __all__ = [
     "Availability", "Backend", "BackendUnavailable", "GraphCache", "GraphSpec", "ShapeBuckets",
-    "StaticGraphModel", "backends", "ops", "registry", "select_backend",
+    "ParallelMeshes", "ParallelPlan", "ReplicaPool", "StaticGraphModel", "backends", "ops", "registry", "select_backend",
 ]
 __version__ = "0.1.0"

@@ -88,8 +88,14 @@ class GraphCache:
         self._compiled: dict[tuple[str, tuple[tuple[str, int], ...]], Callable[..., Any]] = {}
         self._lock = threading.Lock()
 
-    def get(self, name: str, bucket: Mapping[str, int]) -> Callable[..., Any]:
-        """The compiled callable for ``name`` at ``bucket`` (compiling it if needed)."""
+    def get(self, name: str, bucket: Mapping[str, int],
+            example_inputs: Sequence[torch.Tensor] | None = None) -> Callable[..., Any]:
+        """The compiled callable for ``name`` at ``bucket`` (compiling it if needed).
+
+        ``example_inputs`` replaces the spec's factory for this compilation: a backend may
+        keep them as the graph's input buffers (CUDA graphs do), so a caller passing its own
+        persistent state tensors here shares them with the graph.
+        """
         key = (name, tuple(sorted(bucket.items())))
         fn = self._compiled.get(key)
         if fn is None:
@@ -97,7 +103,7 @@ class GraphCache:
                 fn = self._compiled.get(key)
                 if fn is None:
                     spec = self.specs[name]
-                    example = spec.example_inputs(dict(bucket))
+                    example = example_inputs if example_inputs is not None else spec.example_inputs(dict(bucket))
                     fn = self.backend.compile_graph(spec.fn, example, name=f"{name}{dict(bucket)}")
                     self._compiled[key] = fn
         return fn
