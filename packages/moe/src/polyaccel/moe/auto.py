@@ -1,0 +1,179 @@
+"""``polyaccel.moe.AutoModelForCausalLM``: Transformers' auto class, with polyaccel's MoE layers
+for the architectures we implement.
+
+Change one import and keep the rest of the script::
+
+    from polyaccel.moe import AutoModelForCausalLM, BackendConfig
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                 backend=BackendConfig(gate="learned"))
+
+Supported ``model_type``s (see :data:`polyaccel.moe.models.MODEL_TYPES`) get our model
+classes, which keep Transformers' class names, parameter names and checkpoint format; any
+other architecture loads as plain Transformers with a log line saying why, plus whatever
+``BackendConfig`` choices apply to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import transformers
+from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
+
+from polyaccel.moe.config import BackendConfig
+from polyaccel.moe.models import MODEL_TYPES, causal_lm_class
+
+logger = logging.getLogger("polyaccel.moe")
+
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder",
+               "token", "trust_remote_code", "code_revision", "_commit_hash")
+# Loading options that are also config attributes; the model loader must still see them.
+_LOADER_KWARGS = ("dtype", "torch_dtype", "quantization_config")
+
+
+class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
+    """Drop-in for ``transformers.AutoModelForCausalLM`` returning polyaccel MoE models.
+
+    ``from_pretrained`` / ``from_config`` take Transformers' arguments plus:
+
+    - ``backend``: a :class:`BackendConfig` (default ``BackendConfig()``: grouped GEMM
+      experts, learned router, fused loss, SDPA attention, backend ``"auto"``).
+    - ``parallel``: a parallel plan (anything with an ``ep`` attribute) and ``device_mesh``:
+      accepted for data-parallel use (shard with FSDP2 after loading); expert parallelism
+      (``ep > 1``) raises ``NotImplementedError`` until it lands.
+    """
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *model_args: Any,
+                        backend: BackendConfig | None = None, device_mesh: Any = None,
+                        parallel: Any = None, **kwargs: Any) -> PreTrainedModel:
+        backend = _check_backend(backend)
+        config, kwargs = _resolve_config(pretrained_model_name_or_path, kwargs)
+        model_class, reason = _pick_class(config)
+        if model_class is None:
+            logger.warning("polyaccel.moe: using plain Transformers for model_type=%r: %s",
+                           config.model_type, reason)
+            _prepare_fallback_kwargs(kwargs, backend)
+            if device_mesh is not None:
+                kwargs["device_mesh"] = device_mesh
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+            return _apply_to_fallback(model, backend)
+        _check_parallel(device_mesh, parallel)
+        _drop_ignored_kwargs(kwargs)
+        model = model_class.from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+        return _finish(model, backend, device_mesh, parallel)
+
+    @classmethod
+    def from_config(cls, config: PreTrainedConfig, backend: BackendConfig | None = None,
+                    device_mesh: Any = None, parallel: Any = None, **kwargs: Any) -> PreTrainedModel:
+        backend = _check_backend(backend)
+        model_class, reason = _pick_class(config)
+        if model_class is None:
+            logger.warning("polyaccel.moe: using plain Transformers for model_type=%r: %s",
+                           config.model_type, reason)
+            _prepare_fallback_kwargs(kwargs, backend)
+            model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+            return _apply_to_fallback(model, backend)
+        _check_parallel(device_mesh, parallel)
+        _drop_ignored_kwargs(kwargs)
+        model = model_class._from_config(config, **kwargs)
+        return _finish(model, backend, device_mesh, parallel)
+
+
+def _check_backend(backend: BackendConfig | None) -> BackendConfig:
+    if backend is None:
+        return BackendConfig()
+    if not isinstance(backend, BackendConfig):
+        raise TypeError(f"backend must be a polyaccel.moe.BackendConfig, not {type(backend).__name__}")
+    return backend
+
+
+def _check_parallel(device_mesh: Any, parallel: Any) -> None:
+    ep = getattr(parallel, "ep", 1) if parallel is not None else 1
+    names = getattr(device_mesh, "mesh_dim_names", None) or ()
+    if device_mesh is not None and "ep" in names:
+        ep = max(ep, device_mesh["ep"].size())
+    if ep > 1:
+        raise NotImplementedError(
+            f"expert parallelism (ep={ep}) is not implemented yet in polyaccel.moe; load with ep=1 "
+            "(data parallel: shard the model with FSDP2 after loading) until it lands")
+
+
+def _resolve_config(path: Any, kwargs: dict[str, Any]) -> tuple[PreTrainedConfig, dict[str, Any]]:
+    """Load the config as Transformers' auto class does; return it and the remaining kwargs."""
+    kwargs = dict(kwargs)
+    config = kwargs.pop("config", None)
+    if isinstance(config, PreTrainedConfig):
+        return config, kwargs
+    hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+    loader = {k: kwargs.pop(k) for k in _LOADER_KWARGS if k in kwargs}
+    config, rest = AutoConfig.from_pretrained(config if config is not None else path,
+                                              return_unused_kwargs=True, **kwargs)
+    rest.update({k: v for k, v in hub.items() if k not in ("code_revision", "_commit_hash")})
+    rest.update(loader)
+    return config, rest
+
+
+def _pick_class(config: PreTrainedConfig) -> tuple[type[PreTrainedModel] | None, str]:
+    model_class = causal_lm_class(config.model_type)
+    if model_class is None:
+        return None, (f"no polyaccel implementation of model_type={config.model_type!r} "
+                      f"(supported: {', '.join(MODEL_TYPES)})")
+    reason = model_class.unsupported_reason(config)
+    if reason is not None:
+        return None, reason
+    return model_class, ""
+
+
+def _drop_ignored_kwargs(kwargs: dict[str, Any]) -> None:
+    attn = kwargs.pop("attn_implementation", None)
+    if attn not in (None, "sdpa"):
+        logger.warning("polyaccel.moe: attn_implementation=%r ignored; choose attention with "
+                       "BackendConfig(attn=...)", attn)
+    experts = kwargs.pop("experts_implementation", None)
+    if experts is not None:
+        logger.warning("polyaccel.moe: experts_implementation=%r ignored; choose experts with "
+                       "BackendConfig(experts=...)", experts)
+
+
+def _finish(model: Any, backend: BackendConfig, device_mesh: Any, parallel: Any) -> PreTrainedModel:
+    model.apply_backend(backend)
+    model.device_mesh, model.parallel_plan = device_mesh, parallel
+    logger.info("polyaccel.moe: %s with %s", type(model).__name__, backend)
+    return model
+
+
+def _prepare_fallback_kwargs(kwargs: dict[str, Any], backend: BackendConfig) -> None:
+    """Map the BackendConfig choices Transformers understands onto its loading kwargs."""
+    if "attn_implementation" not in kwargs and backend.attn in ("sdpa", "flash", "cudnn"):
+        kwargs["attn_implementation"] = "sdpa"
+
+
+def _apply_to_fallback(model: PreTrainedModel, backend: BackendConfig) -> PreTrainedModel:
+    """Apply what can be applied to a plain Transformers model; log the rest."""
+    from polyaccel.core import select_backend
+
+    select_backend(backend.backend)
+    applied, skipped = ["attn=sdpa"], []
+    setter = getattr(model, "set_experts_implementation", None)
+    if setter is not None and _has_experts(model):
+        try:
+            setter(backend.experts)
+            applied.append(f"experts={backend.experts}")
+        except Exception as e:  # Transformers refuses implementations a model cannot use
+            skipped.append(f"experts={backend.experts} ({e})")
+    if backend.compile:
+        model.compile()
+        applied.append("compile")
+    for name, default in (("gate", "learned"), ("rms_norm", "torch"), ("linear", "torch")):
+        if getattr(backend, name) != default:
+            skipped.append(f"{name}={getattr(backend, name)}")
+    logger.warning("polyaccel.moe: fallback model %s: applied %s; not applicable: %s",
+                   type(model).__name__, ", ".join(applied), ", ".join(skipped) or "nothing")
+    return model
+
+
+def _has_experts(model: PreTrainedModel) -> bool:
+    return any(hasattr(m, "gate_up_proj") for m in model.modules())

@@ -1,0 +1,86 @@
+"""``BackendConfig``: which implementation each part of a polyaccel MoE model uses.
+
+Precedence: an explicit ``BackendConfig(...)`` passed to ``from_pretrained``/``from_config``
+wins over the defaults below; the checkpoint's ``config.json`` never stores these choices, so
+a saved model stays a plain Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+ATTN = ("sdpa", "flash", "cudnn", "te")
+LINEAR = ("torch", "te")
+RMS_NORM = ("torch", "fused")
+EXPERTS = ("eager", "grouped_mm")
+GATE = ("learned", "balanced")
+LOSS = ("standard", "fused")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class BackendConfig:
+    """Kernel and layer choices for a polyaccel MoE model (all default to the fast path).
+
+    Attributes:
+        attn: ``"sdpa"`` (PyTorch picks), ``"flash"`` / ``"cudnn"`` (force that SDPA backend on
+            CUDA; ignored on other devices), ``"te"`` (TransformerEngine attention; needs
+            ``transformer_engine``).
+        linear: ``"torch"`` (``nn.Linear``) or ``"te"`` (TransformerEngine ``Linear`` for the
+            attention projections; needs ``transformer_engine``).
+        rms_norm: ``"torch"`` (eager, bit-compatible with Transformers) or ``"fused"`` (the
+            ``polyaccel.core.ops.rms_norm`` op, which backends replace with a fused kernel).
+        experts: ``"grouped_mm"`` (tokens sorted by expert, two grouped GEMMs, no host sync) or
+            ``"eager"`` (one GEMM pair per expert, a reference).
+        gate: ``"learned"`` (the checkpoint's router) or ``"balanced"`` (benchmark gate: every
+            expert gets exactly ``T * k / E`` tokens, weights ``1/k``).
+        gate_noise: with ``gate="balanced"``, in ``[0, 1]``: how far routing departs from the
+            perfectly balanced assignment (deterministic in the input, so recompute under
+            activation checkpointing routes identically).
+        loss: ``"fused"`` (chunked linear cross-entropy: full-vocabulary fp32 logits never
+            exist; ``logits`` is ``None`` in the output when labels are given) or
+            ``"standard"`` (logits, then cross-entropy, exactly as Transformers).
+        loss_chunk_size: rows of the ``[rows, vocab]`` fp32 logits block the fused loss holds.
+        compile: ``torch.compile`` each decoder layer.
+        backend: the polyaccel hardware backend (``"auto"``, ``"cpu"``, ``"cuda"``, ...);
+            selecting it registers its kernels for the core ops the model calls.
+    """
+
+    attn: str = "sdpa"
+    linear: str = "torch"
+    rms_norm: str = "torch"
+    experts: str = "grouped_mm"
+    gate: str = "learned"
+    gate_noise: float = 0.0
+    loss: str = "fused"
+    loss_chunk_size: int = 1024
+    compile: bool = False
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("attn", ATTN), ("linear", LINEAR), ("rms_norm", RMS_NORM),
+                              ("experts", EXPERTS), ("gate", GATE), ("loss", LOSS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"BackendConfig.{name}={value!r} is not supported; choose one of "
+                                 f"{', '.join(map(repr, allowed))}")
+        if not isinstance(self.gate_noise, (int, float)) or not 0.0 <= self.gate_noise <= 1.0:
+            raise ValueError(f"BackendConfig.gate_noise={self.gate_noise!r} must be a number in [0, 1]")
+        if self.gate_noise and self.gate != "balanced":
+            raise ValueError("BackendConfig.gate_noise only applies to gate='balanced'")
+        if not isinstance(self.loss_chunk_size, int) or self.loss_chunk_size < 1:
+            raise ValueError(f"BackendConfig.loss_chunk_size={self.loss_chunk_size!r} must be a positive int")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"BackendConfig.compile={self.compile!r} must be a bool")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"BackendConfig.backend={self.backend!r} must be a backend name such as 'auto'")
+        if "te" in (self.attn, self.linear):
+            require_transformer_engine(f"BackendConfig(attn={self.attn!r}, linear={self.linear!r})")
+
+
+def require_transformer_engine(what: str) -> None:
+    """Raise ``ImportError`` naming what to install when TransformerEngine is missing."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise ImportError(f"{what} needs NVIDIA TransformerEngine, which is not installed: "
+                          "pip install 'transformer-engine[pytorch]' (CUDA only), or use "
+                          "attn='sdpa' / linear='torch'")

@@ -1,0 +1,200 @@
+"""Routers, the balanced gate, the losses and BackendConfig validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter, load_balancing_loss_func
+
+from polyaccel.moe import BackendConfig
+from polyaccel.moe.layers import (
+    SigmoidGroupRouter,
+    TopKRouter,
+    balanced_routing,
+    causal_lm_loss,
+    linear_cross_entropy_sum,
+    load_balancing_loss,
+)
+from polyaccel.moe.presets import tiny
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_learned_router_matches_qwen3(norm_topk_prob):
+    cfg = tiny("qwen3_moe", norm_topk_prob=norm_topk_prob)
+    ref = Qwen3MoeTopKRouter(cfg)
+    ours = TopKRouter(cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_tok, norm_topk_prob)
+    torch.nn.init.normal_(ref.weight)
+    ours.weight.data.copy_(ref.weight)
+    x = torch.randn(50, cfg.hidden_size)
+    logits_r, w_r, idx_r = ref(x)
+    logits, w, idx = ours(x)
+    torch.testing.assert_close(logits, logits_r)
+    assert torch.equal(idx, idx_r)
+    torch.testing.assert_close(w, w_r.float())
+    if norm_topk_prob:
+        torch.testing.assert_close(w.sum(-1), torch.ones(50))
+
+
+def test_learned_router_matches_mixtral():
+    cfg = tiny("mixtral")
+    ref = MixtralTopKRouter(cfg)
+    torch.nn.init.normal_(ref.weight)
+    ours = TopKRouter(cfg.num_local_experts, cfg.hidden_size, cfg.num_experts_per_tok, True)
+    ours.weight.data.copy_(ref.weight)
+    x = torch.randn(40, cfg.hidden_size)
+    _, w_r, idx_r = ref(x)
+    _, w, idx = ours(x)
+    assert torch.equal(idx, idx_r)
+    torch.testing.assert_close(w, w_r)
+
+
+def test_sigmoid_group_router_matches_deepseek_v3():
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = tiny("deepseek_v3")
+    ref = DeepseekV3TopkRouter(cfg)
+    torch.nn.init.normal_(ref.weight)
+    ref.e_score_correction_bias.normal_(0.0, 0.5)
+    ours = SigmoidGroupRouter(cfg.n_routed_experts, cfg.hidden_size, cfg.num_experts_per_tok, True,
+                              cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(60, cfg.hidden_size)
+    _, w_r, idx_r = ref(x)
+    _, w, idx = ours(x)
+    order_r, order = idx_r.sort(-1), idx.sort(-1)  # top-k order is unspecified (sorted=False)
+    assert torch.equal(order.values, order_r.values)
+    torch.testing.assert_close(w.gather(1, order.indices), w_r.gather(1, order_r.indices))
+    groups = idx // (cfg.n_routed_experts // cfg.n_group)
+    assert all(len(set(row.tolist())) <= cfg.topk_group for row in groups)
+    ours.mode = "balanced"
+    _, w, idx = ours(x)
+    assert torch.equal(torch.bincount(idx.reshape(-1), minlength=8), torch.full((8,), 15))
+
+
+@pytest.mark.parametrize("T,k,E", [(64, 2, 8), (96, 8, 128), (30, 4, 6)])
+def test_balanced_gate_gives_exactly_equal_loads(T, k, E):
+    x = torch.randn(T, 16)
+    w, idx = balanced_routing(x, k, E)
+    loads = torch.bincount(idx.reshape(-1), minlength=E)
+    assert loads.min() == loads.max() == T * k // E
+    assert torch.equal(w, torch.full((T, k), 1.0 / k))
+    assert all(len(set(row.tolist())) == k for row in idx)  # k distinct experts per token
+
+
+def test_balanced_gate_noise_is_deterministic_in_the_input():
+    x = torch.randn(256, 16)
+    w1, idx1 = balanced_routing(x, 2, 8, noise=0.5)
+    _, idx2 = balanced_routing(x.clone(), 2, 8, noise=0.5)
+    _, idx3 = balanced_routing(torch.randn(256, 16), 2, 8, noise=0.5)
+    assert torch.equal(idx1, idx2)
+    assert not torch.equal(idx1, idx3)
+    loads = torch.bincount(idx1.reshape(-1), minlength=8)
+    assert loads.sum() == 512 and loads.min() < loads.max()  # uneven, like a real router
+    assert all(len(set(row.tolist())) == 2 for row in idx1)
+    torch.testing.assert_close(w1.sum(-1), torch.ones(256))
+
+
+def test_balanced_gate_in_router_module():
+    router = TopKRouter(8, 16, 2, False)
+    router.mode = "balanced"
+    logits, w, idx = router(torch.randn(32, 16))
+    assert logits is None
+    assert torch.equal(torch.bincount(idx.reshape(-1), minlength=8), torch.full((8,), 8))
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_load_balancing_loss_matches_transformers(with_mask):
+    torch.manual_seed(0)
+    B, S, E, k = 2, 7, 8, 2
+    logits = tuple(torch.randn(B * S, E) for _ in range(3))
+    mask = None
+    if with_mask:
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[0, :3] = 0
+    ref = load_balancing_loss_func(logits, E, k, mask)
+    ours = load_balancing_loss(logits, E, k, mask)
+    torch.testing.assert_close(ours, ref)
+    assert load_balancing_loss([None, None], E, k) is None
+
+
+@pytest.mark.parametrize("dtype,chunk,tol", [(torch.float32, 5, 1e-5), (torch.float32, 1000, 1e-5),
+                                             (torch.bfloat16, 6, 2e-2)])
+def test_chunked_linear_cross_entropy_matches_full_logits(dtype, chunk, tol):
+    torch.manual_seed(0)
+    N, H, V = 23, 16, 50
+    h = torch.randn(N, H, dtype=dtype, requires_grad=True)
+    w = (0.3 * torch.randn(V, H, dtype=dtype)).requires_grad_()
+    y = torch.randint(0, V, (N,))
+    y[[2, 7, 19]] = -100
+    ref = F.cross_entropy(F.linear(h, w).float(), y, ignore_index=-100, reduction="sum")
+    ref.backward(torch.tensor(0.5))
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    out = linear_cross_entropy_sum(h, w, y, chunk=chunk)
+    out.backward(torch.tensor(0.5))
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(h.grad.float(), gh.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(w.grad.float(), gw.float(), rtol=tol, atol=tol)
+
+
+def test_causal_lm_loss_matches_transformers_loss_with_num_items():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    torch.manual_seed(0)
+    B, S, H, V = 2, 9, 8, 30
+    hidden, weight = torch.randn(B, S, H), torch.randn(V, H)
+    labels = torch.randint(0, V, (B, S))
+    labels[1, :4] = -100
+    logits = F.linear(hidden, weight)
+    for n in (None, torch.tensor(11)):
+        ref = ForCausalLMLoss(logits, labels, V, num_items_in_batch=n)
+        torch.testing.assert_close(causal_lm_loss(hidden, weight, labels, num_items_in_batch=n, chunk=4), ref)
+        torch.testing.assert_close(causal_lm_loss(hidden, weight, labels, logits=logits, num_items_in_batch=n), ref)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(experts="triton"), "experts='triton'"),
+    (dict(attn="xformers"), "attn='xformers'"),
+    (dict(gate="random"), "gate='random'"),
+    (dict(loss="liger"), "loss='liger'"),
+    (dict(rms_norm="apex"), "rms_norm='apex'"),
+    (dict(linear="fp8"), "linear='fp8'"),
+    (dict(gate="balanced", gate_noise=1.5), r"gate_noise=1.5 must be a number in \[0, 1\]"),
+    (dict(gate_noise=0.1), "only applies to gate='balanced'"),
+    (dict(loss_chunk_size=0), "loss_chunk_size"),
+    (dict(compile="yes"), "compile"),
+    (dict(backend=""), "backend"),
+])
+def test_backend_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        BackendConfig(**kwargs)
+
+
+def test_backend_config_te_needs_transformer_engine():
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("transformer_engine is installed here")
+    with pytest.raises(ImportError, match="pip install 'transformer-engine"):
+        BackendConfig(attn="te")
+    with pytest.raises(ImportError, match="TransformerEngine"):
+        BackendConfig(linear="te")
+
+
+def test_backend_config_is_keyword_only_with_slots():
+    with pytest.raises(TypeError):
+        BackendConfig("sdpa")  # type: ignore[misc]
+    cfg = BackendConfig(gate="balanced", gate_noise=0.2)
+    with pytest.raises(AttributeError):
+        cfg.typo = 1  # type: ignore[attr-defined]
+    assert cfg.experts == "grouped_mm" and cfg.loss == "fused" and cfg.attn == "sdpa"
+
+
+def test_unknown_polyaccel_backend_is_an_error():
+    from polyaccel.moe import AutoModelForCausalLM
+
+    with pytest.raises(KeyError, match="unknown backend 'nosuch'"):
+        AutoModelForCausalLM.from_config(tiny("olmoe"), backend=BackendConfig(backend="nosuch"))
+
