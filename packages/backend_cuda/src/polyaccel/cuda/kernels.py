@@ -1,20 +1,54 @@
-"""CUDA kernel registrations for core's named ops."""
+"""CUDA implementations of core's named ops, registered when the cuda backend is activated.
+
+| op | implementation |
+|---|---|
+| ``rms_norm`` | Triton forward/backward, fp32 statistics (:mod:`.triton_rmsnorm`) |
+| ``swiglu`` | Triton forward/backward (:mod:`.swiglu`) |
+| ``grouped_mm`` | ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper), bf16 |
+| ``moe_permute`` / ``moe_unpermute`` | device sort + Triton gather-combine, no host sync (:mod:`.moe_permute`) |
+| ``linear_cross_entropy`` | chunked LM head + CE with in-forward gradients (:mod:`.cross_entropy`) |
+
+The kernel modules import Triton only when a kernel first runs.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from polyaccel.cuda._triton import has_triton
+from polyaccel.cuda.cross_entropy import linear_cross_entropy
+from polyaccel.cuda.moe_permute import moe_permute, moe_unpermute
+from polyaccel.cuda.swiglu import swiglu
+from polyaccel.cuda.triton_rmsnorm import rms_norm
+
+BACKEND = "cuda"
+
 
 def register_all(registry) -> None:
     """Register this backend's CUDA implementations (called when the backend is activated)."""
+    if has_triton():
+        registry.register("rms_norm", "cuda", rms_norm, impl="triton", backend=BACKEND)
+        registry.register("swiglu", "cuda", swiglu, impl="triton", backend=BACKEND)
+        registry.register("linear_cross_entropy", "cuda", linear_cross_entropy,
+                          impl="chunked+triton", backend=BACKEND)
+        registry.register("moe_unpermute", "cuda", moe_unpermute, impl="triton", backend=BACKEND)
+    registry.register("moe_permute", "cuda", moe_permute, impl="device-sort", backend=BACKEND)
     if hasattr(torch, "_grouped_mm"):
-        registry.register("grouped_mm", "cuda", grouped_mm_cuda, impl="torch._grouped_mm", backend="cuda")
+        registry.register("grouped_mm", "cuda", grouped_mm, impl="torch._grouped_mm", backend=BACKEND)
 
 
-def grouped_mm_cuda(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm`` on Hopper (bf16). w [E, N, K] -> transpose to [E, K, N] view."""
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Core ``grouped_mm`` through ``torch._grouped_mm``: x [T, K] @ w[g].T per group -> [T, N].
+
+    ``w`` is stored [E, N, K] (``F.linear`` layout); its transposed view [E, K, N] is the
+    column-major B operand the CUTLASS kernel wants, so nothing is copied. ``offsets`` are the
+    int32 cumulative row ends, left on the device (no host sync). Autograd comes with the aten
+    op. Non-bf16 inputs take core's reference.
+    """
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        from polyaccel.core.ops import grouped_mm
+        from polyaccel.core.ops import grouped_mm as core_op
 
-        return grouped_mm.reference(x, w, offsets)
-    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets.to(torch.int32))
+        return core_op.reference(x, w, offsets)
+    if offsets.dtype != torch.int32:
+        offsets = offsets.to(torch.int32)
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)

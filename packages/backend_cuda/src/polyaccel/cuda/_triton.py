@@ -1,0 +1,68 @@
+"""Lazy Triton: kernels are defined on first use, so importing this backend never imports Triton."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[[], Any])
+
+TRITON_HINT = "Triton (pip install triton; it ships with CUDA builds of PyTorch on Linux)"
+
+
+def require_triton() -> Any:
+    """Import and return ``triton``, or raise naming what to install."""
+    try:
+        import triton
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise ImportError(f"polyaccel's CUDA kernels need {TRITON_HINT}") from e
+    return triton
+
+
+def triton_kernels(build: F) -> F:
+    """Decorate a function that defines ``@triton.jit`` kernels: build them once, on first call."""
+
+    @functools.cache
+    def cached() -> Any:
+        require_triton()
+        return build()
+
+    return cached  # type: ignore[return-value]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for grid sizes."""
+    return -(-a // b)
+
+
+@functools.cache
+def has_triton() -> bool:
+    """Whether Triton can be imported here."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(t: Any) -> bool:
+    """Run the Triton kernel for tensor ``t``: on CUDA, or anywhere under ``TRITON_INTERPRET=1``
+    (Triton's CPU interpreter, which lets the kernels be checked on a machine with no GPU).
+    Without Triton the ops fall back to torch math."""
+    return (t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and has_triton()
+
+
+def num_sms(device: Any) -> int:
+    """Streaming multiprocessors on ``device`` (a small number off CUDA, for the interpreter)."""
+    return _num_sms(device.type, device.index)
+
+
+@functools.cache
+def _num_sms(device_type: str, index: int | None) -> int:
+    import torch
+
+    if device_type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(index if index is not None else 0).multi_processor_count

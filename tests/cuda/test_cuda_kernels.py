@@ -1,0 +1,297 @@
+"""The cuda backend's kernels against core's references, forward and backward.
+
+Unmarked tests run each op's torch-math path (what the ops do off CUDA) and
+``torch.library.opcheck`` on the CPU, so the autograd and fake registrations are checked in
+CI. ``gpu`` tests run the Triton / ``torch._grouped_mm`` paths on fresh random inputs:
+``pytest -m gpu tests/cuda`` on a machine with an NVIDIA GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polyaccel.core import ops
+from polyaccel.cuda import cross_entropy, kernels
+from polyaccel.cuda.moe_permute import moe_permute, moe_unpermute
+from polyaccel.cuda.swiglu import swiglu
+from polyaccel.cuda.triton_rmsnorm import rms_norm
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+"""Relative error bound (‖out − ref‖ / ‖ref‖ against an fp64 reference) by input dtype."""
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all(), "non-finite values"
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def fp64_grads(fn, inputs, grad_out):
+    """fn on fp64 copies of ``inputs`` (floating ones get grads): (out, grads)."""
+    leaves = [t.detach().double().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, [t for t in leaves if t.is_floating_point()], grad_out.double())
+    return out, grads
+
+
+def check_against_reference(fast, ref, inputs, dtype):
+    """Forward and backward of ``fast`` (inputs in ``dtype``) against ``ref`` in fp64."""
+    xs = [t.to(dtype).requires_grad_() if t.is_floating_point() else t for t in inputs]
+    out = fast(*xs)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [t for t in xs if t.is_floating_point()], grad_out)
+    out64, grads64 = fp64_grads(ref, xs, grad_out)
+    assert rel_err(out, out64) < TOL[dtype]
+    for g, g64 in zip(grads, grads64, strict=True):
+        assert rel_err(g, g64) < TOL[dtype]
+
+
+def rms_ref(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def routing(T, k, E, device="cpu"):
+    """Random top-k expert ids (distinct per token) and softmax weights."""
+    idx = torch.rand(T, E, device=device).argsort(-1)[:, :k]
+    return idx, torch.softmax(torch.randn(T, k, device=device), -1)
+
+
+def permute_combine(fast: bool):
+    """x -> permute -> per-row affine (stand-in for experts) -> weighted unpermute."""
+    perm = moe_permute if fast else ops.moe_permute.reference
+    unperm = moe_unpermute if fast else ops.moe_unpermute.reference
+
+    def fn(x, w, idx, E):
+        xs, order, _ = perm(x, idx, E)
+        return unperm(xs * 1.5 + 0.25, order, w)
+
+    return fn
+
+
+# ---------------------------------------------------------------------------------------
+# CPU: the torch-math path of every op and its torch.library registrations
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_reference(dtype):
+    x, w = torch.randn(5, 7, 96), 1 + 0.1 * torch.randn(96)
+    check_against_reference(rms_norm, rms_ref, [x, w], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_matches_reference(dtype):
+    check_against_reference(swiglu, ops.swiglu.reference, [torch.randn(3, 11, 2 * 40)], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_permute_unpermute_match_reference(dtype):
+    T, k, E, H = 29, 4, 8, 48
+    idx, w = routing(T, k, E)
+    x = torch.randn(T, H)
+    xs, order, counts = moe_permute(x.to(dtype), idx, E)
+    xs_r, order_r, counts_r = ops.moe_permute.reference(x.to(dtype), idx, E)
+    assert torch.equal(order, order_r) and torch.equal(counts, counts_r) and torch.equal(xs, xs_r)
+    fast, ref = permute_combine(True), permute_combine(False)
+    check_against_reference(lambda x, w: fast(x, w, idx, E), lambda x, w: ref(x, w, idx, E), [x, w], dtype)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_matches_reference_in_chunks(monkeypatch, dtype, reduction):
+    N, H, V = 150, 32, 500
+    monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 64 * V * torch.tensor([], dtype=dtype).element_size())
+    assert cross_entropy.chunk_rows(N, V, torch.tensor([], dtype=dtype).element_size()) == 64  # 3 chunks
+    labels = torch.randint(0, V, (N,))
+    labels[::5] = -100
+
+    def fast(h, w):
+        return cross_entropy.linear_cross_entropy(h, w, labels, reduction=reduction)
+
+    def ref(h, w):
+        return torch.nn.functional.cross_entropy(h @ w.T, labels, reduction=reduction)
+
+    check_against_reference(fast, ref, [torch.randn(N, H), 0.3 * torch.randn(V, H)], dtype)
+
+
+def test_linear_cross_entropy_without_grad_and_unfused_reduction():
+    h, w, y = torch.randn(70, 16), torch.randn(90, 16), torch.randint(0, 90, (70,))
+    ref = torch.nn.functional.cross_entropy(h @ w.T, y, reduction="none")
+    with torch.no_grad():
+        assert rel_err(cross_entropy.linear_cross_entropy(h, w, y), ref.mean()) < 1e-6
+    assert rel_err(cross_entropy.linear_cross_entropy(h, w, y, reduction="none"), ref) < 1e-6
+
+
+def test_chunk_rows():
+    assert cross_entropy.chunk_rows(4096, 151936, 2, chunk_bytes=1 << 30) == 2048
+    assert cross_entropy.chunk_rows(4096, 151936, 2, chunk_bytes=4 << 30) == 4096
+    assert cross_entropy.chunk_rows(10, 100, 2) == 64
+    assert cross_entropy.chunk_rows(4096, 151936, 2) == 4096  # the workload: one chunk by default
+
+
+def test_opcheck_cpu():
+    T, k, E, H = 12, 2, 4, 16
+    idx, w = routing(T, k, E)
+    x = torch.randn(T, H, requires_grad=True)
+    xs, order, _ = moe_permute(x, idx, E)
+    cases = [
+        (torch.ops.polyaccel_cuda.rms_norm_fwd, (torch.randn(6, 32, requires_grad=True),
+                                                 torch.randn(32, requires_grad=True), 1e-6)),
+        (torch.ops.polyaccel_cuda.swiglu, (torch.randn(6, 64, requires_grad=True),)),
+        (torch.ops.polyaccel_cuda.moe_permute, (x, idx, E)),
+        (torch.ops.polyaccel_cuda.moe_unpermute, (xs.detach().requires_grad_(), order,
+                                                  w.requires_grad_())),
+        (torch.ops.polyaccel_cuda.linear_cross_entropy,
+         (torch.randn(20, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True),
+          torch.randint(0, 30, (20,)), -100, "mean", 8, True)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+def test_register_all_registers_every_op_for_cuda():
+    seen = {}
+
+    class Recorder:
+        def register(self, op, device_type, fn, *, impl, backend=""):
+            seen[op] = (device_type, impl)
+
+    kernels.register_all(Recorder())
+    assert seen["grouped_mm"] == ("cuda", "torch._grouped_mm")
+    assert seen["moe_permute"][0] == "cuda"
+    from polyaccel.cuda._triton import has_triton
+
+    if has_triton():
+        assert {"rms_norm", "swiglu", "moe_unpermute", "linear_cross_entropy"} <= set(seen)
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: Triton kernels and torch._grouped_mm
+# ---------------------------------------------------------------------------------------
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", [(4096, 2048), (2, 333, 128), (17, 100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_rms_norm(shape, dtype):
+    x, w = torch.randn(*shape, device="cuda"), 1 + 0.1 * torch.randn(shape[-1], device="cuda")
+    check_against_reference(rms_norm, rms_ref, [x, w], dtype)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_swiglu(dtype):
+    check_against_reference(swiglu, ops.swiglu.reference, [torch.randn(3000, 2 * 768, device="cuda")], dtype)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_permute_unpermute(dtype):
+    T, k, E, H = 1000, 8, 128, 2048
+    idx, w = routing(T, k, E, "cuda")
+    x = torch.randn(T, H, device="cuda")
+    xs, order, counts = moe_permute(x.to(dtype), idx, E)
+    xs_r, order_r, counts_r = ops.moe_permute.reference(x.to(dtype), idx, E)
+    assert torch.equal(order, order_r) and torch.equal(counts, counts_r) and torch.equal(xs, xs_r)
+    fast, ref = permute_combine(True), permute_combine(False)
+    check_against_reference(lambda x, w: fast(x, w, idx, E), lambda x, w: ref(x, w, idx, E), [x, w], dtype)
+
+
+@gpu
+@needs_cuda
+def test_gpu_dispatch_has_no_host_sync():
+    T, k, E, H = 512, 8, 64, 256
+    idx, w = routing(T, k, E, "cuda")
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    wt = torch.randn(E, 2 * H, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    moe_permute(x, idx, E)  # first call outside the check: lazy init, Triton compile
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        xs, order, counts = moe_permute(x, idx, E)
+        h = kernels.grouped_mm(xs, wt, counts.cumsum(0))
+        out = moe_unpermute(swiglu(h), order, w)
+        out.float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@gpu
+@needs_cuda
+def test_gpu_grouped_mm_with_empty_groups():
+    E, K, N = 8, 256, 384
+    counts = torch.tensor([40, 0, 17, 64, 0, 3, 100, 12], device="cuda")
+    x, w = torch.randn(int(counts.sum()), K, device="cuda"), torch.randn(E, N, K, device="cuda") / 16
+    offsets = counts.cumsum(0).to(torch.int32)
+    check_against_reference(lambda x, w: kernels.grouped_mm(x, w, offsets),
+                            lambda x, w: ops.grouped_mm.reference(x, w, offsets), [x, w], torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_linear_cross_entropy_large_vocab(monkeypatch, dtype):
+    N, H, V = 1024, 512, 151936
+    monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 300 * V * 4)  # 4 chunks, fp32 accumulation
+    labels = torch.randint(0, V, (N,), device="cuda")
+    labels[-7:] = -100
+
+    def fast(h, w):
+        return cross_entropy.linear_cross_entropy(h, w, labels)
+
+    def ref(h, w):
+        return torch.nn.functional.cross_entropy(h @ w.T, labels)
+
+    check_against_reference(fast, ref, [torch.randn(N, H, device="cuda"),
+                                        torch.randn(V, H, device="cuda") / 8], dtype)
+
+
+@gpu
+@needs_cuda
+def test_gpu_opcheck():
+    T, k, E, H = 64, 4, 16, 128
+    idx, w = routing(T, k, E, "cuda")
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    xs, order, _ = moe_permute(x, idx, E)
+    dev = {"device": "cuda", "dtype": torch.bfloat16}
+    cases = [
+        (torch.ops.polyaccel_cuda.rms_norm_fwd, (torch.randn(6, 128, **dev, requires_grad=True),
+                                                 torch.randn(128, **dev, requires_grad=True), 1e-6)),
+        (torch.ops.polyaccel_cuda.swiglu, (torch.randn(6, 256, **dev, requires_grad=True),)),
+        (torch.ops.polyaccel_cuda.moe_permute, (x, idx, E)),
+        (torch.ops.polyaccel_cuda.moe_unpermute, (xs.detach().requires_grad_(), order, w.requires_grad_())),
+        (torch.ops.polyaccel_cuda.linear_cross_entropy,
+         (torch.randn(200, 64, **dev, requires_grad=True), torch.randn(1000, 64, **dev, requires_grad=True),
+          torch.randint(0, 1000, (200,), device="cuda"), -100, "mean", 64, True)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+@gpu
+@needs_cuda
+def test_gpu_ops_under_torch_compile():
+    T, k, E, H = 256, 4, 16, 128
+    idx, w = routing(T, k, E, "cuda")
+    wt = torch.randn(E, 2 * H, H, device="cuda", dtype=torch.bfloat16) / 12
+    norm_w = torch.ones(H, device="cuda", dtype=torch.bfloat16)
+    head = torch.randn(1000, H, device="cuda", dtype=torch.bfloat16) / 12
+    labels = torch.randint(0, 1000, (T,), device="cuda")
+
+    def step(x):
+        h = rms_norm(x, norm_w)
+        xs, order, counts = moe_permute(h, idx, E)
+        y = swiglu(kernels.grouped_mm(xs, wt, counts.cumsum(0)))
+        return cross_entropy.linear_cross_entropy(x + moe_unpermute(y, order, w), head, labels)
+
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    eager = step(x)
+    (g_eager,) = torch.autograd.grad(eager, x)
+    compiled = torch.compile(step, fullgraph=True)(x)
+    (g_comp,) = torch.autograd.grad(compiled, x)
+    assert rel_err(compiled, eager) < 1e-2 and rel_err(g_comp, g_eager) < 2e-2

@@ -1,0 +1,399 @@
+"""MoE fine-tuning throughput: polyaccel beside Hugging Face Transformers, in one run.
+
+Workload "qwen3-30b-a3b-L8" (docs/benchmarks.md): Qwen3-30B-A3B layer shapes, random init,
+bf16 parameters, synthetic tokens, AdamW (fused), ``--accum`` micro-batches of ``--mbs`` x
+``--seq`` tokens per optimizer step. The loop is the anchor's (``anchor_moe_hf.py``):
+``--warmup`` steps, then the median of ``--steps`` steps; tokens/s = accum x mbs x seq /
+median step; peak memory = ``torch.cuda.max_memory_allocated``; MFU = model FLOPs/s over
+the H200's measured dense bf16 rate (``--peak-tflops``).
+
+Each variant runs in its own process (a clean allocator and peak counter); the anchor runs
+in the same invocation with ``--anchor PATH``. One JSON line per variant on stdout (and in
+``--out``), then a table.
+
+  python tools/bench_moe.py --anchor .anchors/anchor_moe_hf.py --variants learned,balanced
+  python tools/bench_moe.py --kernels          # per-op micro-benchmarks, ours vs torch
+  python tools/bench_moe.py --sanity           # our loss vs HF's on identical weights
+  python tools/bench_moe.py --variants hf --profile   # torch.profiler table per variant
+
+Variants: ``hf`` is Transformers in this process (grouped_mm experts, sdpa; for profiling
+and as a check of the anchor); the others build ``polyaccel.moe.AutoModelForCausalLM``
+with the :data:`VARIANTS` ``BackendConfig``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+H200_DENSE_BF16_TFLOPS = 790.0
+"""8192^3 bf16 matmul measured on the device machine (KINDS.md, 2026-10/11)."""
+
+_OURS = dict(experts="grouped_mm", loss="fused", rms_norm="fused")
+VARIANTS: dict[str, dict | None] = {
+    "hf": None,
+    "learned": {**_OURS, "gate": "learned", "compile": False},
+    "balanced": {**_OURS, "gate": "balanced", "compile": False},
+    "learned-nocache": {**_OURS, "gate": "learned", "compile": False},
+    "balanced-nocache": {**_OURS, "gate": "balanced", "compile": False},
+    "learned-compile": {**_OURS, "gate": "learned", "compile": True},
+    "balanced-compile": {**_OURS, "gate": "balanced", "compile": True},
+    "learned-unfused": {"experts": "grouped_mm", "loss": "standard", "rms_norm": "torch",
+                        "gate": "learned", "compile": False},
+}
+"""name -> ``BackendConfig`` keyword arguments (None: Transformers itself)."""
+
+NO_CACHE = ("-nocache", "-compile")
+"""Variants whose forward gets ``use_cache=False``. A training step needs no KV cache;
+Transformers builds one anyway (``config.use_cache``), and under ``torch.compile`` a cache's
+per-layer state made every decoder layer recompile. Our model now turns the cache off in
+training by itself, so for it this is a no-op kept so that the recorded runs stay reproducible."""
+
+
+def forward_kwargs(variant: str) -> dict:
+    """Extra keyword arguments of ``model(...)`` for ``variant``."""
+    return {"use_cache": False} if variant.endswith(NO_CACHE) else {}
+
+
+# ---------------------------------------------------------------------------------------
+# Workload
+# ---------------------------------------------------------------------------------------
+
+
+def qwen3_config(layers: int):
+    """The anchor's Qwen3-30B-A3B-shaped config with ``layers`` layers."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+        rope_theta=1e6, tie_word_embeddings=False, router_aux_loss_coef=0.001, output_router_logits=False,
+    )
+
+
+def flops_per_token(cfg, seq: int) -> float:
+    """Model FLOPs per trained token, forward + backward (3x forward), causal attention.
+
+    Counts matmuls only: attention projections, QK^T and PV (each query sees seq/2 keys on
+    average), router, the k active experts' three projections, and the LM head.
+    """
+    h, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    proj = 2 * h * (nh * d + 2 * nkv * d) + 2 * nh * d * h
+    attn = 2 * 2 * nh * d * (seq / 2)
+    router = 2 * h * cfg.num_experts
+    experts = cfg.num_experts_per_tok * 3 * 2 * h * cfg.moe_intermediate_size
+    fwd = cfg.num_hidden_layers * (proj + attn + router + experts) + 2 * h * cfg.vocab_size
+    return 3 * fwd
+
+
+def build_model(variant: str, cfg):
+    """The model for ``variant`` on the GPU in bf16, in train mode."""
+    torch.manual_seed(0)
+    spec = VARIANTS[variant]
+    if spec is None:
+        from transformers import Qwen3MoeForCausalLM
+
+        cfg._attn_implementation = "sdpa"
+        with torch.device("cuda"):
+            model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+        model.set_experts_implementation("grouped_mm")
+    else:
+        from polyaccel.moe import AutoModelForCausalLM, BackendConfig
+
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(cfg, backend=BackendConfig(**spec))
+        model = model.to(device="cuda", dtype=torch.bfloat16)
+    return model.train()
+
+
+def train_step(model, opt, ids, accum: int, **forward_kw) -> torch.Tensor:
+    """``accum`` forward/backward passes on ``ids``, one AdamW step; returns the last loss."""
+    for _ in range(accum):
+        loss = model(input_ids=ids, labels=ids, **forward_kw).loss
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def run_variant(a) -> dict:
+    """Time one variant in this process; returns its JSON record."""
+    cfg = qwen3_config(a.layers)
+    t_build = time.perf_counter()
+    model = build_model(a.one, cfg)
+    build_s = time.perf_counter() - t_build
+    nparams = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(0, cfg.vocab_size, (a.mbs, a.seq), device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    times, first_s = [], None
+    for i in range(a.warmup + a.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = train_step(model, opt, ids, a.accum, **forward_kwargs(a.one))
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        first_s = first_s if first_s is not None else dt
+        if i >= a.warmup:
+            times.append(dt)
+    med = sorted(times)[len(times) // 2]
+    tokens = a.mbs * a.seq * a.accum
+    fpt = flops_per_token(cfg, a.seq)
+    rec = {
+        "variant": a.one, "backend": VARIANTS[a.one] or {"hf": "grouped_mm+sdpa"},
+        "forward_kwargs": forward_kwargs(a.one),
+        "layers": a.layers, "seq": a.seq, "mbs": a.mbs, "accum": a.accum,
+        "params_b": round(nparams / 1e9, 3), "step_s_median": round(med, 4),
+        "step_s_all": [round(t, 4) for t in times], "first_step_s": round(first_s, 2),
+        "build_s": round(build_s, 1), "tokens_per_s": round(tokens / med, 1),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "gflop_per_token": round(fpt / 1e9, 3),
+        "mfu": round(tokens / med * fpt / (a.peak_tflops * 1e12), 4),
+        "loss": round(float(loss), 4), "torch": torch.__version__,
+    }
+    if a.profile:
+        rec["profile"] = profile_step(model, opt, ids, a)
+    return rec
+
+
+def profile_step(model, opt, ids, a) -> str:
+    """One optimizer step under torch.profiler; the top CUDA kernels go to a text file."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        train_step(model, opt, ids, a.accum, **forward_kwargs(a.one))
+        torch.cuda.synchronize()
+    path = os.path.join(a.out_dir, f"profile_{a.one}.txt")
+    averages = prof.key_averages()
+    with open(path, "w") as f:
+        for key in ("self_cuda_time_total", "cuda_time_total"):
+            f.write(f"sorted by {key}\n")
+            f.write(averages.table(sort_by=key, row_limit=60, max_name_column_width=90))
+            f.write("\n\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# Side checks: kernels alone, and our loss against HF's on the same weights
+# ---------------------------------------------------------------------------------------
+
+
+def bench_kernels() -> list[dict]:
+    """Median time (ms) of each op, forward + backward, ours vs plain torch, at workload shapes."""
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from polyaccel.core import ops
+    from polyaccel.cuda import kernels
+    from polyaccel.cuda.cross_entropy import linear_cross_entropy
+    from polyaccel.cuda.moe_permute import moe_permute, moe_unpermute
+    from polyaccel.cuda.swiglu import swiglu
+    from polyaccel.cuda.triton_rmsnorm import rms_norm
+
+    dev, bf = "cuda", torch.bfloat16
+    T, H, E, k, inter, V = 4096, 2048, 128, 8, 768, 151936
+
+    def fwd_bwd(fn, *inputs):
+        def run():
+            out = fn(*inputs)
+            grads = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+            torch.autograd.grad(out, grads, torch.ones_like(out))
+        return run
+
+    def leaf(*shape, scale=1.0, dtype=bf):
+        return (torch.randn(*shape, device=dev) * scale).to(dtype).requires_grad_()
+
+    idx = torch.rand(T, E, device=dev).argsort(-1)[:, :k]
+    topw = torch.softmax(torch.randn(T, k, device=dev), -1).requires_grad_()
+    x, nw = leaf(T, H), leaf(H)
+    gu = leaf(T * k, 2 * inter)
+    xs0, order, counts = moe_permute(x.detach(), idx, E)
+    ys = leaf(T * k, H)
+    w_gu = leaf(E, 2 * inter, H, scale=0.02)
+    offs = counts.cumsum(0).to(torch.int32)
+    xs = xs0.detach().requires_grad_()
+    hid, head = leaf(T, H), leaf(V, H, scale=0.02)
+    labels = torch.randint(0, V, (T,), device=dev)
+
+    def ref_ce(h, w, y):
+        return F.cross_entropy(F.linear(h, w).float(), y)
+
+    cases = {
+        "rms_norm [4096,2048]": (fwd_bwd(rms_norm, x, nw), fwd_bwd(ops.rms_norm.reference, x, nw)),
+        "rms_norm q/k [4096*32,128]": (fwd_bwd(rms_norm, leaf(T * 32, 128), leaf(128)),
+                                       fwd_bwd(ops.rms_norm.reference, leaf(T * 32, 128), leaf(128))),
+        "swiglu [32768,1536]": (fwd_bwd(swiglu, gu), fwd_bwd(ops.swiglu.reference, gu)),
+        "permute+unpermute T4096 k8 E128": (
+            fwd_bwd(lambda x, w: moe_unpermute(moe_permute(x, idx, E)[0], order, w), x, topw),
+            fwd_bwd(lambda x, w: ops.moe_unpermute.reference(ops.moe_permute.reference(x, idx, E)[0], order, w),
+                    x, topw)),
+        "unpermute only": (fwd_bwd(moe_unpermute, ys, order, topw),
+                           fwd_bwd(ops.moe_unpermute.reference, ys, order, topw)),
+        "grouped_mm gate_up [32768,2048]x[128,1536,2048]": (
+            fwd_bwd(kernels.grouped_mm, xs, w_gu, offs), None),
+        "linear_cross_entropy N4096 V151936": (fwd_bwd(linear_cross_entropy, hid, head, labels),
+                                              fwd_bwd(ref_ce, hid, head, labels)),
+    }
+    rows = []
+    for name, (ours, ref) in cases.items():
+        rec = {"kernel": name, "ours_ms": round(do_bench(ours, warmup=50, rep=200, return_mode="median"), 3)}
+        if ref is not None:
+            rec["torch_ms"] = round(do_bench(ref, warmup=50, rep=200, return_mode="median"), 3)
+            rec["speedup"] = round(rec["torch_ms"] / rec["ours_ms"], 2)
+        rows.append(rec)
+        print(json.dumps(rec), flush=True)
+    gemm = next(r for r in rows if r["kernel"].startswith("grouped_mm"))
+    gemm["tflops"] = round(3 * 2 * T * k * H * 2 * inter / (gemm["ours_ms"] * 1e-3) / 1e12, 1)
+    return rows
+
+
+def loss_sanity(layers: int, seq: int) -> dict:
+    """Our model's loss and HF's on identical weights and tokens, bf16 on the GPU."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from polyaccel.moe import AutoModelForCausalLM, BackendConfig
+
+    cfg = qwen3_config(layers)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    hf.set_experts_implementation("grouped_mm")
+    ids = torch.randint(0, cfg.vocab_size, (1, seq), device="cuda")
+    rec = {"sanity": "loss_vs_hf", "layers": layers, "seq": seq}
+    with torch.no_grad():
+        ref = hf(input_ids=ids, labels=ids).loss.float().item()
+    rec["hf_loss"] = round(ref, 5)
+    state = hf.state_dict()
+    del hf
+    for spec_name in ("learned", "learned-unfused"):
+        with torch.device("cuda"):  # a fresh config: HF's set_experts_implementation edited the other
+            ours = AutoModelForCausalLM.from_config(qwen3_config(layers),
+                                                    backend=BackendConfig(**VARIANTS[spec_name]))
+        ours = ours.to(device="cuda", dtype=torch.bfloat16)
+        missing, unexpected = ours.load_state_dict(state, strict=False)
+        with torch.no_grad():
+            got = ours(input_ids=ids, labels=ids).loss.float().item()
+        rec[f"{spec_name}_loss"] = round(got, 5)
+        rec[f"{spec_name}_rel_err"] = abs(got - ref) / abs(ref)
+        rec[f"{spec_name}_missing_keys"] = list(missing)[:5]
+        rec[f"{spec_name}_unexpected_keys"] = list(unexpected)[:5]
+        del ours
+        torch.cuda.empty_cache()
+    return rec
+
+
+# ---------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------
+
+
+def run_subprocess(cmd: list[str], timeout: float) -> list[dict]:
+    """Run ``cmd``; its JSON lines (others echoed to stderr)."""
+    print(f"# {' '.join(cmd)}", file=sys.stderr, flush=True)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return [{"cmd": " ".join(cmd), "error": f"timed out after {timeout:.0f}s",
+                 "stderr_tail": (e.stderr or b"")[-1500:].decode(errors="replace")
+                 if isinstance(e.stderr, bytes) else str(e.stderr)[-1500:]}]
+    recs = []
+    for line in p.stdout.splitlines():
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(line, file=sys.stderr)
+    if p.returncode != 0:
+        recs.append({"cmd": " ".join(cmd), "error": f"exit {p.returncode}", "stderr_tail": p.stderr[-3000:]})
+    return recs
+
+
+def print_table(recs: list[dict]) -> None:
+    anchor = next((r for r in recs if r.get("anchor") and "tokens_per_s" in r), None)
+    print("\n| config | tokens/s | vs HF anchor | step s | peak GiB | MFU |")
+    print("|---|---|---|---|---|---|")
+    for r in recs:
+        if "tokens_per_s" not in r:
+            continue
+        name = "HF anchor (grouped_mm, sdpa)" if r.get("anchor") else r["variant"]
+        ratio = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.2f}x" if anchor else "-"
+        mfu = f"{r['mfu'] * 100:.1f}%" if "mfu" in r else "-"
+        print(f"| {name} | {r['tokens_per_s']:,.0f} | {ratio} | {r['step_s_median']} | {r['peak_gib']} | {mfu} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--mbs", type=int, default=1)
+    p.add_argument("--accum", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--variants", default="learned,balanced", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--anchor", help="path of anchor_moe_hf.py to run first, same workload")
+    p.add_argument("--kernels", action="store_true", help="per-op micro-benchmarks instead")
+    p.add_argument("--sanity", action="store_true", help="our loss vs HF's on identical weights")
+    p.add_argument("--sanity-layers", type=int, default=2)
+    p.add_argument("--profile", action="store_true", help="write a torch.profiler table per variant")
+    p.add_argument("--peak-tflops", type=float, default=H200_DENSE_BF16_TFLOPS)
+    p.add_argument("--timeout", type=float, default=420, help="seconds per variant process")
+    p.add_argument("--out", help="append every JSON line to this file")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.out_dir = os.path.dirname(os.path.abspath(a.out)) if a.out else os.getcwd()
+
+    if a.one:  # child process: one variant
+        from polyaccel.core import select_backend
+
+        select_backend("cuda")
+        print(json.dumps(run_variant(a)), flush=True)
+        return
+
+    recs: list[dict] = []
+    if a.kernels or a.sanity:
+        from polyaccel.core import select_backend
+
+        select_backend("cuda")
+        if a.kernels:
+            recs += bench_kernels()
+        if a.sanity:
+            recs.append(loss_sanity(a.sanity_layers, a.seq))
+            print(json.dumps(recs[-1]), flush=True)
+    common = ["--layers", str(a.layers), "--seq", str(a.seq), "--mbs", str(a.mbs), "--accum", str(a.accum),
+              "--steps", str(a.steps), "--warmup", str(a.warmup), "--peak-tflops", str(a.peak_tflops)]
+    if a.anchor:
+        for r in run_subprocess([sys.executable, a.anchor, "--layers", str(a.layers), "--seq", str(a.seq),
+                                 "--mbs", str(a.mbs), "--accum", str(a.accum), "--steps", str(a.steps),
+                                 "--warmup", str(a.warmup)], a.timeout):
+            if "tokens_per_s" in r:
+                r["mfu"] = round(r["tokens_per_s"] * flops_per_token(qwen3_config(a.layers), a.seq)
+                                 / (a.peak_tflops * 1e12), 4)
+            recs.append(r)
+            print(json.dumps(r), flush=True)
+    for v in filter(None, a.variants.split(",")):
+        if v not in VARIANTS:
+            raise SystemExit(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", v, *common]
+        if a.profile:
+            cmd.append("--profile")
+        if a.out:
+            cmd += ["--out", a.out]
+        for r in run_subprocess(cmd, a.timeout):
+            recs.append(r)
+            print(json.dumps(r), flush=True)
+    if a.out:
+        with open(a.out, "a") as f:
+            for r in recs:
+                f.write(json.dumps(r) + "\n")
+    print_table(recs)
+
+
+if __name__ == "__main__":
+    main()
