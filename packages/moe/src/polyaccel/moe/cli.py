@@ -1,0 +1,127 @@
+"""``polyaccel-moe``: fine-tune (``finetune``) and benchmark (``bench``) MoE models; examples in ``--help``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+_EPILOG = """examples:
+  polyaccel-moe presets
+  polyaccel-moe finetune packages/moe/examples/tiny_synthetic_cpu.yaml
+  polyaccel-moe finetune sft.yaml --set train.lr=2e-5 --set train.max_steps=500
+  torchrun --nproc-per-node 8 -m polyaccel.moe.cli finetune sft.yaml
+  ray job submit -- polyaccel-moe finetune sft.yaml --ray --workers 8
+  polyaccel-moe bench --preset qwen3-30b-a3b-L8 --steps 10 --peak-tflops 800
+
+config precedence: --set key=value > the YAML file > the preset named by model.preset.
+docs: docs/moe_finetune.md"""
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    extra = list(args.set or [])
+    if getattr(args, "peak_tflops", None):
+        extra.append(f"log.peak_tflops={args.peak_tflops}")
+    return extra
+
+
+def _finetune(args: argparse.Namespace) -> int:
+    from polyaccel.moe.train_config import load_config
+
+    cfg = load_config(args.config, _overrides(args))
+    if args.ray:
+        from polyaccel.moe.ray_train import run_with_ray
+
+        summary = run_with_ray(cfg, workers=args.workers, address=args.address,
+                               storage_path=args.storage_path)
+        print(json.dumps(summary))
+        return 0
+    from polyaccel.moe.train import finetune
+
+    result = finetune(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(result.summary()))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from polyaccel.moe.train import benchmark
+    from polyaccel.moe.train_config import load_config
+
+    overrides = _overrides(args)
+    if args.preset:
+        overrides.insert(0, f"model.preset={args.preset}")
+    cfg = load_config(args.config, overrides)
+    print(json.dumps(benchmark(cfg, steps=args.steps, warmup=args.warmup)))
+    return 0
+
+
+def _presets(args: argparse.Namespace) -> int:
+    from polyaccel.moe.flops import train_flops_per_token
+    from polyaccel.moe.train_config import PRESETS
+
+    for name, fn in PRESETS.items():
+        cfg = fn()
+        mc, t = cfg.model.config, cfg.train
+        gflop = train_flops_per_token(mc, t.seq_len) / 1e9
+        print(f"{name:<20} {mc.get('model_type')}: {mc.get('num_hidden_layers')} layers, hidden "
+              f"{mc.get('hidden_size')}, {mc.get('num_experts') or mc.get('num_local_experts', 0)} experts top-{mc.get('num_experts_per_tok', 0)}; "
+              f"seq {t.seq_len} x micro-batch {t.micro_batch} x accum {t.grad_accum}, {t.dtype}; "
+              f"{gflop:.3g} GFLOP/token fwd+bwd")
+        if args.verbose:
+            print("  " + (fn.__doc__ or "").strip().replace("\n", "\n  "))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``polyaccel-moe`` argument parser."""
+    p = argparse.ArgumentParser(prog="polyaccel-moe", description="Fine-tune and benchmark Mixture-of-Experts models.",
+                                epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    f = sub.add_parser("finetune", help="train a model from a YAML config (in-process, torchrun or Ray)",
+                       epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    f.add_argument("config", help="YAML config file (see packages/moe/examples/)")
+    f.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set train.lr=2e-5 (repeatable)")
+    f.add_argument("--ray", action="store_true", help="run on Ray Train workers")
+    f.add_argument("--workers", type=int, default=1, help="Ray Train workers (one GPU each when GPUs exist)")
+    f.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
+    f.add_argument("--storage-path", help="Ray Train run storage (shared storage on several nodes)")
+    f.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per device for MFU (default: datasheet)")
+    f.set_defaults(fn=_finetune)
+
+    b = sub.add_parser("bench", help="measure tokens/s, MFU and peak memory of a preset or config",
+                       epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("--preset", help="preset name (polyaccel-moe presets)")
+    b.add_argument("--config", help="YAML config instead of / on top of the preset")
+    b.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one config key")
+    b.add_argument("--steps", type=int, default=10, help="measured optimizer steps")
+    b.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
+    b.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per device for MFU")
+    b.set_defaults(fn=_bench)
+
+    pr = sub.add_parser("presets", help="list the named presets")
+    pr.add_argument("-v", "--verbose", action="store_true")
+    pr.set_defaults(fn=_presets)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 for configuration errors)."""
+    from polyaccel.moe.train_config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    if args.command == "bench" and not (args.preset or args.config):
+        build_parser().error("bench needs --preset or --config")
+    try:
+        return args.fn(args)
+    except (ConfigError, NotImplementedError) as e:
+        print(f"polyaccel-moe: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

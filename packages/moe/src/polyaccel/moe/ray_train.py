@@ -1,0 +1,85 @@
+"""Run :func:`polyaccel.moe.train.finetune` on N Ray Train workers.
+
+``polyaccel-moe finetune CONFIG --ray --workers N`` calls :func:`run_with_ray`: every worker
+runs the same training function as torchrun ranks do, in a process group Ray Train sets up
+(NCCL when the cluster has GPUs, gloo otherwise), one GPU per worker. Submitted as a job
+(``ray job submit -- polyaccel-moe finetune CONFIG --ray --workers N``) it attaches to that
+cluster through ``RAY_ADDRESS``; run directly it starts a local one.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from polyaccel.moe.train_config import FinetuneConfig, from_dict
+
+SUMMARY_FILE = "summary.json"
+
+
+def _import_ray():
+    try:
+        import ray
+        import ray.train
+        import ray.train.torch
+    except ImportError as e:
+        raise ImportError("--ray needs Ray Train: pip install 'polyaccel-moe[ray]' "
+                          "(ray[default,train])") from e
+    return ray
+
+
+def _train_worker(loop_config: dict[str, Any]) -> None:
+    """The per-worker function: rebuild the config, train, report the summary."""
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    from polyaccel.moe.train import finetune
+
+    cfg = from_dict(FinetuneConfig, loop_config["config"])
+    device = ray.train.torch.get_device() if loop_config["use_gpu"] else torch.device("cpu")
+    result = finetune(cfg, device=device)
+    summary = {**result.summary(), "losses": result.losses}
+    # Ray Train keeps what a report carries in a checkpoint; rank 0's summary travels that way.
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = None
+        if ray.train.get_context().get_world_rank() == 0:
+            Path(tmp, SUMMARY_FILE).write_text(json.dumps(summary))
+            checkpoint = ray.train.Checkpoint.from_directory(tmp)
+        ray.train.report({"final_loss": summary["final_loss"]}, checkpoint=checkpoint)
+
+
+def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = None,
+                 use_gpu: bool | None = None, storage_path: str | None = None) -> dict[str, Any]:
+    """Train ``cfg`` on ``workers`` Ray Train workers; return rank 0's summary metrics.
+
+    :param address: Ray cluster address; None means ``RAY_ADDRESS``, else a cluster ``ray start``
+        began on this machine, else a new local one (an already initialised Ray is reused).
+    :param use_gpu: one GPU per worker; None = whether the cluster has GPUs.
+    :param storage_path: where Ray Train keeps run state (default: Ray's, ``~/ray_results``;
+        on several nodes it must be shared storage).
+    """
+    ray = _import_ray()
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    if not ray.is_initialized():
+        ray.init(address=address)
+    if use_gpu is None:
+        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    trainer = TorchTrainer(
+        _train_worker,
+        train_loop_config={"config": cfg.to_dict(), "use_gpu": use_gpu},
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        run_config=RunConfig(name="polyaccel-moe-finetune", storage_path=storage_path),
+    )
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"the Ray Train run returned no summary (error: {result.error})")
+    with result.checkpoint.as_directory() as d:
+        return json.loads(Path(d, SUMMARY_FILE).read_text())

@@ -1,0 +1,478 @@
+"""The fine-tuning loop behind ``polyaccel-moe finetune`` and ``polyaccel-moe bench``.
+
+One function, :func:`finetune`, runs a :class:`~polyaccel.moe.train_config.FinetuneConfig`
+in any of three settings: in-process on one device, one rank of ``torchrun`` (reads
+``RANK``/``WORLD_SIZE``; gloo on CPU, NCCL on CUDA), or one Ray Train worker (the process
+group is already up). With more than one rank the model is sharded with FSDP2 over the
+data-parallel mesh of a :class:`~polyaccel.core.ParallelPlan`.
+
+Loss normalisation: every micro-batch's summed token loss is divided by the number of
+target tokens in the *global* batch (all micro-batches, all ranks), so the gradient is the
+global per-token mean whatever ``micro_batch``, ``grad_accum`` and ``dp`` are; dp=2 with
+micro-batch 1 trains exactly like one process with micro-batch 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyaccel.core.parallel import ParallelPlan
+from polyaccel.moe import checkpoint as ckpt
+from polyaccel.moe.data import IGNORE_INDEX, Batches, build_dataset
+from polyaccel.moe.flops import mfu, peak_flops, train_flops_per_token
+from polyaccel.moe.train_config import ConfigError, FinetuneConfig, ModelConfig, TrainConfig, did_you_mean
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclasses.dataclass(slots=True)
+class TrainResult:
+    """What a run did. Throughput figures are medians over steps after the first (warm-up).
+
+    Attributes:
+        losses: global mean token loss of each optimizer step run in this process.
+        step_times: wall seconds of each of those steps.
+        tokens_per_s_per_device: global tokens per step / median step time / world size.
+        mfu: model FLOPs utilisation per device, None where the peak is unknown (CPU).
+        peak_memory_gib: ``torch.cuda.max_memory_allocated`` (CUDA) or peak RSS (CPU).
+    """
+
+    start_step: int
+    steps: int
+    losses: list[float]
+    step_times: list[float]
+    tokens_per_step: int
+    tokens_per_s_per_device: float | None
+    flops_per_token: float
+    peak_flops: float | None
+    mfu: float | None
+    peak_memory_gib: float | None
+    world_size: int
+    output_dir: str | None
+    last_checkpoint: str | None
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able headline numbers."""
+        return {k: getattr(self, k) for k in ("start_step", "steps", "tokens_per_step",
+                                              "tokens_per_s_per_device", "flops_per_token", "mfu",
+                                              "peak_memory_gib", "world_size", "output_dir",
+                                              "last_checkpoint")} | {
+            "final_loss": self.losses[-1] if self.losses else None}
+
+
+# --------------------------------------------------------------------------------------------
+# Processes and devices
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(slots=True)
+class Runtime:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    owns_process_group: bool
+
+
+def init_runtime(device: str | torch.device = "auto") -> Runtime:
+    """Join the process group torchrun describes (``WORLD_SIZE`` > 1) unless one exists
+    (Ray Train), and pick this rank's device (``cuda:LOCAL_RANK`` or CPU)."""
+    if isinstance(device, torch.device):
+        want_cuda = device.type == "cuda"
+    else:
+        want_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if want_cuda and not torch.cuda.is_available():
+            raise RuntimeError("train.device is 'cuda' but CUDA is not available here")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if not isinstance(device, torch.device):
+        device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    owns = False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if want_cuda else "gloo")
+        owns = True
+    if dist.is_initialized():
+        return Runtime(dist.get_rank(), dist.get_world_size(), device, owns)
+    return Runtime(0, 1, device, owns)
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+def resolve_model_config(cfg: ModelConfig):
+    """The Hugging Face ``PretrainedConfig`` of ``cfg`` (checkpoint config + overrides, or
+    built from ``cfg.config`` with its ``model_type``); never touches the network."""
+    from transformers import AutoConfig
+
+    fields = dict(cfg.config)
+    if cfg.path is not None:
+        if not Path(cfg.path, "config.json").is_file():
+            raise ConfigError(f"model.path {cfg.path} is not a Hugging Face checkpoint (no config.json)")
+        fields = AutoConfig.from_pretrained(cfg.path, local_files_only=True).to_dict() | {
+            k: v for k, v in fields.items() if k != "model_type"}
+    elif "model_type" not in fields:
+        raise ConfigError("model: set path (a checkpoint directory), preset, or config with a model_type")
+    fields.pop("transformers_version", None)
+    # Through __init__, so derived fields (e.g. per-layer types) follow the overrides.
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def validate(cfg: FinetuneConfig, model_config: Any) -> None:
+    """Shape checks that need the model's config; raises :class:`ConfigError`."""
+    t = cfg.train
+    for name in ("seq_len", "micro_batch", "grad_accum", "max_steps"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+    max_pos = getattr(model_config, "max_position_embeddings", None)
+    if max_pos is not None and t.seq_len > max_pos:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds the model's max_position_embeddings={max_pos}")
+    if cfg.checkpoint.every_steps < 0 or cfg.checkpoint.keep_last < 0:
+        raise ConfigError("checkpoint.every_steps and checkpoint.keep_last must be >= 0")
+    if cfg.model.backend and cfg.model.implementation != "polyaccel":
+        raise ConfigError("model.backend applies to implementation: polyaccel only")
+
+
+def auto_model_class(implementation: str) -> tuple[type, type | None]:
+    """(AutoModel class, its BackendConfig class or None). ``polyaccel`` falls back to plain
+    Transformers, with a warning, while ``polyaccel.moe`` does not export its model."""
+    import transformers
+
+    if implementation == "transformers":
+        return transformers.AutoModelForCausalLM, None
+    try:
+        from polyaccel.moe import AutoModelForCausalLM, BackendConfig
+    except ImportError as e:
+        warnings.warn(f"polyaccel.moe.AutoModelForCausalLM is not available ({e}); training with "
+                      "transformers.AutoModelForCausalLM instead", stacklevel=2)
+        return transformers.AutoModelForCausalLM, None
+    return AutoModelForCausalLM, BackendConfig
+
+
+def backend_config(cfg: ModelConfig) -> Any:
+    """``BackendConfig(**cfg.backend)`` for the polyaccel model (None for plain Transformers);
+    unknown fields and refused values become :class:`ConfigError`."""
+    _, backend_cls = auto_model_class(cfg.implementation)
+    if backend_cls is None:
+        return None
+    fields = [f.name for f in dataclasses.fields(backend_cls)]
+    for key in cfg.backend:
+        if key not in fields:
+            raise ConfigError(f"unknown config key 'model.backend.{key}'{did_you_mean(key, fields)}; "
+                              f"BackendConfig fields: {', '.join(fields)}")
+    try:
+        return backend_cls(**cfg.backend)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model.backend: {e}") from e
+
+
+def build_model(cfg: ModelConfig, model_config: Any, *, dtype: torch.dtype, device: torch.device,
+                weights: str | Path | None = None) -> nn.Module:
+    """Instantiate the model in ``dtype`` on ``device``: random init from ``model_config``, or
+    the weights of ``weights`` (a checkpoint to resume) or ``cfg.path``."""
+    cls, _ = auto_model_class(cfg.implementation)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    backend = backend_config(cfg)
+    if backend is not None:
+        kwargs["backend"] = backend
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    source = weights or cfg.path
+    if source is not None:
+        # Loaded on the CPU, then moved: a device_map would need `accelerate`.
+        model = cls.from_pretrained(str(source), config=model_config, local_files_only=True, **kwargs)
+    else:
+        with device:  # random init straight on the device
+            model = cls.from_config(model_config, **kwargs)
+    return model.to(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer and schedule
+# --------------------------------------------------------------------------------------------
+
+def lr_factor(t: TrainConfig) -> Callable[[int], float]:
+    """LR multiplier for optimizer step ``s`` (0-based): linear warm-up over
+    ``warmup_steps``, then cosine/linear decay to ``min_lr_ratio`` at ``max_steps``, or flat."""
+    def factor(s: int) -> float:
+        if s < t.warmup_steps:
+            return (s + 1) / t.warmup_steps
+        if t.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (s - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.schedule == "cosine" else 1 - progress
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
+    return factor
+
+
+def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW, fused on CUDA; no weight decay on vectors (norms, biases)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, fused=fused,
+                             foreach=None if fused else True)
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------
+
+def finetune(cfg: FinetuneConfig, *, device: torch.device | None = None,
+             stop_after: int | None = None) -> TrainResult:
+    """Run (or resume) the fine-tuning job ``cfg`` describes; see the module docstring.
+
+    :param device: force this process's device (Ray Train passes its own); default from
+        ``cfg.train.device`` and ``LOCAL_RANK``.
+    :param stop_after: return after this optimizer step, as if pre-empted (the LR schedule
+        still spans ``train.max_steps``; no final output is written). Tests resume with it.
+    """
+    if cfg.parallel.ep > 1:
+        raise NotImplementedError("expert parallelism (parallel.ep > 1) is not implemented yet; "
+                                  "use parallel.ep: 1 (FSDP2 data parallelism over all ranks)")
+    rt = init_runtime(device or cfg.train.device)
+    try:
+        return _finetune(cfg, rt, stop_after)
+    finally:
+        if rt.owns_process_group:
+            dist.destroy_process_group()
+
+
+def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> TrainResult:
+    t = cfg.train
+    model_config = resolve_model_config(cfg.model)
+    validate(cfg, model_config)
+    backend_config(cfg.model)  # fail on a bad backend section before loading anything
+    num_experts = next((getattr(model_config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                        if getattr(model_config, k, None)), None)
+    try:
+        plan = ParallelPlan(dp=cfg.parallel.dp or rt.world_size, ep=cfg.parallel.ep,
+                            dp_replicate=cfg.parallel.dp_replicate)
+        plan.validate(rt.world_size, num_experts)
+    except ValueError as e:
+        raise ConfigError(f"parallel: {e}") from e
+
+    source = build_dataset(cfg.data, seq_len=t.seq_len, vocab_size=model_config.vocab_size, seed=t.seed,
+                           tokenizer_path=cfg.model.path)
+    batches = Batches(source, micro_batch=t.micro_batch, grad_accum=t.grad_accum, dp_rank=rt.rank,
+                      dp_size=rt.world_size, seed=t.seed, shuffle=cfg.data.shuffle)
+
+    resume_from = None
+    if cfg.checkpoint.resume == "auto":
+        resume_from = ckpt.latest_checkpoint(cfg.checkpoint.dir)
+    elif cfg.checkpoint.resume != "none":
+        resume_from = Path(cfg.checkpoint.resume)
+        if not (resume_from / ckpt.TRAINER_STATE).is_file():
+            raise ConfigError(f"checkpoint.resume: {resume_from} is not a complete checkpoint")
+
+    compute_dtype = _DTYPES[t.dtype]
+    param_dtype = torch.float32 if t.fp32_master else compute_dtype
+    torch.manual_seed(t.seed)  # identical random init on every rank (FSDP2 does not broadcast)
+    model = build_model(cfg.model, model_config, dtype=param_dtype, device=rt.device, weights=resume_from)
+    model.train()
+    if t.activation_checkpointing:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    sharded = rt.world_size > 1
+    if sharded:
+        from polyaccel.moe.parallelize import apply_fsdp
+
+        apply_fsdp(model, plan, plan.build(rt.world_size, rt.device.type), param_dtype=compute_dtype,
+                   reduce_dtype=torch.float32)
+    optimizer = build_optimizer(model, t, rt.device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t))
+    step = 0
+    if resume_from is not None:
+        state = ckpt.load_trainer_state(resume_from, model, optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+        batches.load_state_dict(state["data"])
+        step = state["step"]
+    start_step = step
+
+    autocast = (torch.autocast(rt.device.type, dtype=compute_dtype)
+                if param_dtype != compute_dtype and not sharded else contextlib.nullcontext())
+    tokens_per_step = batches.samples_per_step * t.seq_len
+    flops_tok = train_flops_per_token(model_config, t.seq_len)
+    peak = peak_flops(rt.device, cfg.log.peak_tflops)
+    bar = _progress_bar(cfg, rt, start_step)
+    metrics_file = open(cfg.log.metrics_jsonl, "a") if cfg.log.metrics_jsonl and rt.rank == 0 else None
+    losses: list[float] = []
+    times: list[float] = []
+    last_saved: Path | None = None
+    try:
+        while step < min(t.max_steps, stop_after or t.max_steps):
+            t0 = time.perf_counter()
+            micro_batches = batches.next_step()
+            n_targets = torch.tensor(sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches),
+                                     dtype=torch.float32, device=rt.device)
+            if sharded:
+                dist.all_reduce(n_targets)
+            n_targets.clamp_(min=1)
+            loss_sum = torch.zeros((), device=rt.device)
+            for m, mb in enumerate(micro_batches):
+                if sharded:
+                    model.set_requires_gradient_sync(m == len(micro_batches) - 1)
+                with autocast:
+                    out = model(input_ids=mb["input_ids"].to(rt.device), labels=mb["labels"].to(rt.device),
+                                num_items_in_batch=n_targets, use_cache=False)
+                loss_part = _scaled_loss(out, model.config, rt.world_size, len(micro_batches))
+                loss_part.backward()
+                loss_sum += loss_part.detach().float() / rt.world_size
+            grad_norm = _clip_grads(model, t.grad_clip)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if sharded:
+                dist.all_reduce(loss_sum)
+            loss = loss_sum.item()
+            step += 1
+            times.append(time.perf_counter() - t0)
+            losses.append(loss)
+
+            tok_s = tokens_per_step / times[-1] / rt.world_size
+            record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                      "tokens_per_s_per_device": tok_s, "mfu": mfu(tok_s, flops_tok, peak)}
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}",
+                                mfu="n/a" if record["mfu"] is None else f"{record['mfu']:.1%}")
+            if rt.rank == 0 and step % cfg.log.every_steps == 0:
+                if metrics_file is not None:
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
+                if bar is None:
+                    print(json.dumps(record), flush=True)
+            every = cfg.checkpoint.every_steps
+            if cfg.checkpoint.dir and ((every and step % every == 0) or step == t.max_steps):
+                last_saved = ckpt.save_checkpoint(cfg.checkpoint.dir, step, model, optimizer,
+                                                  _trainer_extra(cfg, scheduler, batches),
+                                                  keep_last=cfg.checkpoint.keep_last)
+    finally:
+        if bar is not None:
+            bar.close()
+        if metrics_file is not None:
+            metrics_file.close()
+
+    if cfg.output_dir and step == t.max_steps:
+        save_final(model, cfg, rt)
+    measured = times[1:] or times
+    tok_s_dev = tokens_per_step / statistics.median(measured) / rt.world_size if measured else None
+    return TrainResult(
+        start_step=start_step, steps=step, losses=losses, step_times=times, tokens_per_step=tokens_per_step,
+        tokens_per_s_per_device=tok_s_dev, flops_per_token=flops_tok, peak_flops=peak,
+        mfu=mfu(tok_s_dev, flops_tok, peak) if tok_s_dev else None, peak_memory_gib=_peak_memory_gib(rt.device),
+        world_size=rt.world_size, output_dir=cfg.output_dir,
+        last_checkpoint=str(last_saved or resume_from) if (last_saved or resume_from) else None)
+
+
+def _scaled_loss(out: Any, config: Any, world_size: int, micro_batches: int) -> torch.Tensor:
+    """The micro-batch loss to back-propagate so that, after FSDP averages gradients over
+    ``world_size`` ranks, the step's gradient is the global per-token mean of the token loss
+    (already divided by the global target count) plus the router's load-balancing loss
+    averaged over micro-batches and ranks."""
+    aux = getattr(out, "aux_loss", None)
+    coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    if aux is None or not getattr(config, "output_router_logits", False) or not coef:
+        return out.loss * world_size
+    aux_part = coef * aux.to(out.loss.device)
+    return (out.loss - aux_part) * world_size + aux_part / micro_batches
+
+
+def _clip_grads(model: nn.Module, max_norm: float | None) -> float:
+    """Clip the global gradient norm to ``max_norm`` (None: only measure); return the norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def _trainer_extra(cfg: FinetuneConfig, scheduler, batches: Batches) -> dict[str, Any]:
+    return {"scheduler": scheduler.state_dict(), "data": batches.state_dict(), "config": cfg.to_dict()}
+
+
+def save_final(model: nn.Module, cfg: FinetuneConfig, rt: Runtime) -> None:
+    """``save_pretrained`` the trained model (and the tokenizer, if there is one) to
+    ``cfg.output_dir``; collective under FSDP (rank 0 writes)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rt.rank == 0:
+        model.save_pretrained(cfg.output_dir, state_dict=state)
+        tok_dir = cfg.data.tokenizer or cfg.model.path
+        if tok_dir and any(Path(tok_dir).glob("tokenizer*")):
+            from polyaccel.moe.data import load_tokenizer
+
+            load_tokenizer(tok_dir).save_pretrained(cfg.output_dir)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _progress_bar(cfg: FinetuneConfig, rt: Runtime, start: int):
+    if rt.rank != 0 or not cfg.log.progress_bar:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.train.max_steps, initial=start, desc="finetune", unit="step", dynamic_ncols=True)
+
+
+def _peak_memory_gib(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    except ImportError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Benchmark
+# --------------------------------------------------------------------------------------------
+
+def benchmark(cfg: FinetuneConfig, *, steps: int = 10, warmup: int = 3) -> dict[str, Any]:
+    """Throughput of ``cfg``'s workload: runs ``warmup + steps`` optimizer steps without
+    checkpoints or output and reports the median over the last ``steps`` as one JSON-able
+    dict (tokens/s per device, MFU, peak memory, FLOPs per token)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.output_dir = None
+    cfg.train.max_steps = warmup + steps
+    cfg.checkpoint.dir = None
+    cfg.checkpoint.resume = "none"
+    cfg.log.progress_bar = False
+    cfg.log.metrics_jsonl = None
+    cfg.log.every_steps = cfg.train.max_steps + 1  # no per-step lines
+    result = finetune(cfg)
+    measured = result.step_times[warmup:] or result.step_times
+    step_s = statistics.median(measured)
+    tok_s = result.tokens_per_step / step_s / result.world_size
+    return {
+        "preset": cfg.model.preset, "implementation": cfg.model.implementation, "backend": cfg.model.backend,
+        "world_size": result.world_size, "seq_len": cfg.train.seq_len, "micro_batch": cfg.train.micro_batch,
+        "grad_accum": cfg.train.grad_accum, "dtype": cfg.train.dtype, "steps": steps, "warmup": warmup,
+        "step_time_s": step_s, "tokens_per_s_per_device": tok_s, "flops_per_token": result.flops_per_token,
+        "mfu": mfu(tok_s, result.flops_per_token, result.peak_flops), "peak_memory_gib": result.peak_memory_gib,
+        "final_loss": result.losses[-1] if result.losses else None,
+    }

@@ -1,0 +1,123 @@
+"""``polyaccel-moe`` CLI and config loading: precedence, clear errors, presets, an in-process
+fine-tune whose output loads in plain Transformers, and ``bench``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from polyaccel.moe.cli import main
+from polyaccel.moe.train_config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "packages/moe/examples"
+
+
+def _write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_precedence_cli_over_file_over_preset(tmp_path):
+    cfg_file = _write(tmp_path / "c.yaml", {"model": {"preset": "qwen3-moe-tiny"},
+                                            "train": {"lr": "2e-4", "max_steps": 7},
+                                            "checkpoint": {"dir": "ck"}})
+    cfg = load_config(cfg_file, ["train.max_steps=9", "model.config.num_hidden_layers=1"])
+    assert cfg.train.max_steps == 9  # --set wins over the file
+    assert cfg.train.lr == 2e-4  # the file wins over the preset (YAML's "2e-4" string accepted)
+    assert cfg.train.seq_len == 32 and cfg.model.config["hidden_size"] == 32  # preset defaults
+    assert cfg.model.config["num_hidden_layers"] == 1  # nested mappings merge key by key
+    assert cfg.checkpoint.dir == str(tmp_path / "ck")  # relative to the config file
+    # A file naming another data source replaces the preset's synthetic data.
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    assert load_config(values={"model": {"preset": "qwen3-moe-tiny"}, "data": {"jsonl": str(data)}}).data.synthetic is None
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"train": {"lrr": 1.0}}, "unknown config key 'train.lrr' (did you mean 'lr'?)"),
+    ({"trian": {}}, "unknown config key 'trian' (did you mean 'train'?)"),
+    ({"train": {"micro_batch": "two"}}, "train.micro_batch: expected an integer, got 'two'"),
+    ({"train": {"dtype": "fp16"}}, "train.dtype: 'fp16' is not one of 'bf16', 'fp32'"),
+    ({"train": {"betas": [0.9]}}, "train.betas: expected a list of 2 values"),
+    ({"train": {"activation_checkpointing": "yes"}}, "expected true/false"),
+    ({"model": {"preset": "qwen3-tiny"}}, "unknown preset 'qwen3-tiny' (did you mean 'qwen3-moe-tiny'?)"),
+])
+def test_config_errors_are_clear(raw, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(values=raw)
+    assert message in str(e.value)
+
+
+def test_bad_set_syntax():
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_config(overrides=["train.lr"])
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["data.jsonl=missing.jsonl"], "missing.jsonl does not exist"),
+    (["train.seq_len=1000"], "train.seq_len=1000 exceeds the model's max_position_embeddings=256"),
+    (["parallel.ep=2"], "expert parallelism (parallel.ep > 1) is not implemented yet"),
+    (["data.synthetic.vocab=1000"], "data.synthetic.vocab=1000 exceeds the model's vocab_size=128"),
+    (["model.backend.expert=eager"], "unknown config key 'model.backend.expert' (did you mean 'experts'?)"),
+])
+def test_finetune_refuses_bad_configs_with_exit_2(capsys, tmp_path, sets, message):
+    args = [a for s in sets for a in ("--set", s)]
+    code, _, err = _run(capsys, "finetune", str(EXAMPLES / "tiny_synthetic_cpu.yaml"),
+                        "--set", f"checkpoint.dir={tmp_path}/ck", *args)
+    assert code == 2
+    assert message in err
+
+
+def test_presets_and_help(capsys):
+    code, out, _ = _run(capsys, "presets")
+    assert code == 0
+    assert "qwen3-moe-tiny" in out and "qwen3-30b-a3b-L8" in out and "5.4 GFLOP/token" in out
+    with pytest.raises(SystemExit):
+        main(["finetune", "--help"])
+    assert "torchrun --nproc-per-node" in capsys.readouterr().out
+
+
+def test_example_configs_load(tmp_path):
+    for example in sorted(EXAMPLES.glob("*.yaml")):
+        cfg = load_config(example)
+        assert cfg.train.max_steps > 0, example
+
+
+def test_finetune_in_process_writes_a_transformers_checkpoint(capsys, tmp_path):
+    code, out, _ = _run(capsys, "finetune", str(EXAMPLES / "tiny_synthetic_cpu.yaml"),
+                        "--set", f"checkpoint.dir={tmp_path}/ck", "--set", f"output_dir={tmp_path}/out",
+                        "--set", "train.max_steps=3", "--set", "log.progress_bar=false",
+                        "--set", "train.activation_checkpointing=true")
+    assert code == 0
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and summary["world_size"] == 1 and summary["mfu"] is None
+    assert summary["tokens_per_step"] == 2 * 2 * 32 and summary["tokens_per_s_per_device"] > 0
+    assert summary["last_checkpoint"].endswith("step_00000003")
+
+    import torch
+    import transformers
+
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    assert plain.config.num_hidden_layers == 2
+    ids = torch.randint(0, 128, (1, 16))
+    assert torch.isfinite(plain(input_ids=ids, labels=ids).loss)
+
+
+def test_bench_reports_throughput(capsys):
+    code, out, _ = _run(capsys, "bench", "--preset", "qwen3-moe-tiny", "--steps", "2", "--warmup", "1",
+                        "--peak-tflops", "1")
+    assert code == 0
+    row = json.loads(out.strip().splitlines()[-1])
+    assert row["preset"] == "qwen3-moe-tiny" and row["steps"] == 2
+    assert row["tokens_per_s_per_device"] > 0 and 0 < row["mfu"] < 1
+    assert row["flops_per_token"] == pytest.approx(112128.0)
