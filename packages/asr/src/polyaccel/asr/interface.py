@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import nn
+
+from polyaccel.core.graphs import GraphSpec
 
 
 @dataclasses.dataclass
@@ -73,9 +76,11 @@ class ASRModel(nn.Module, abc.ABC):
         """Tokens fed before the first generated token (e.g. <|startoftranscript|>...)."""
 
     @abc.abstractmethod
-    def new_decoder_state(self, enc: torch.Tensor, enc_mask: torch.Tensor, max_len: int) -> DecoderState:
+    def new_decoder_state(self, enc: torch.Tensor, enc_mask: torch.Tensor, max_len: int,
+                          out: DecoderState | None = None) -> DecoderState:
         """Allocate the static self-attention cache of ``max_len`` positions and compute the
-        cross-attention K/V from ``enc`` once."""
+        cross-attention K/V from ``enc`` once. With ``out`` (a state of the same shapes), write
+        into it in place and return it, so captured graphs keep reading the same memory."""
 
     @abc.abstractmethod
     def decode_step(self, tokens: torch.Tensor, position: torch.Tensor, state: DecoderState) -> torch.Tensor:
@@ -89,7 +94,19 @@ class ASRModel(nn.Module, abc.ABC):
     def decode_text(self, ids: list[int]) -> str:
         """Token ids (generated part only) -> text, special tokens removed."""
 
-    # ---- static graphs -------------------------------------------------------------
     def suppress_ids(self) -> list[int]:
         """Token ids never generated (Whisper's suppress_tokens); empty by default."""
         return []
+
+    def begin_suppress_ids(self) -> list[int]:
+        """Token ids not allowed as the first generated token (Whisper's
+        begin_suppress_tokens); empty by default."""
+        return []
+
+    # ---- static graphs -------------------------------------------------------------
+    def graph_specs(self, batch_buckets: Sequence[int]) -> list[GraphSpec]:
+        """``encode`` (features [B, M, F], lengths [B] -> enc [B, S, D], enc mask [B, S]) and ``decode_step`` (tokens [B],
+        position [B], then ``DecoderState.tensors()`` -> logits [B, V] fp32) per batch bucket,
+        as :class:`polyaccel.core.graphs.GraphSpec`s; the runner compiles them through
+        :class:`polyaccel.core.graphs.GraphCache`."""
+        raise NotImplementedError(f"{type(self).__name__} declares no static graphs")

@@ -1,0 +1,509 @@
+"""Whisper (Radford et al., 2022, "Robust Speech Recognition via Large-Scale Weak
+Supervision") as a polyaccel :class:`~polyaccel.asr.interface.ASRModel`.
+
+One file, top to bottom: config, log-mel front end, attention, encoder and decoder layers,
+encoder, decoder, and the model with its static-shape graphs. It loads Hugging Face
+Whisper checkpoints (``config.json`` + ``model.safetensors``; parameter names match, minus
+the ``model.`` prefix) and gives the same greedy tokens as ``transformers``' ``generate()``.
+
+Decoding runs one token per call over a preallocated self-attention cache of ``C`` positions
+written in place at ``position`` (a scatter; no host syncs, no data-dependent shapes), so a
+backend can capture ``decode_step`` once per batch bucket. Cross-attention K/V are computed
+once per utterance in :meth:`WhisperASR.new_decoder_state`.
+
+Shape legend: B batch, N audio samples, M mel bins, F feature frames (3000 per 30 s),
+S encoder frames (F / 2 = 1500), T decoder tokens, C cache length (max_target_positions),
+D model dim, NH heads, Dh head dim, L decoder layers, V vocab, K n_fft // 2 + 1 bins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from polyaccel.asr.interface import ASRModel, DecoderState
+from polyaccel.core import ops
+from polyaccel.core.graphs import GraphSpec, ShapeBuckets
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+# ---- config ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class WhisperConfig:
+    """Architecture and decoding facts of one checkpoint.
+
+    Read from a Hugging Face directory by :meth:`from_pretrained`: dimensions from
+    ``config.json``, token ids and suppression rules from ``generation_config.json``
+    (falling back to ``config.json``).
+    """
+
+    num_mel_bins: int = 80
+    d_model: int = 384
+    encoder_layers: int = 4
+    encoder_attention_heads: int = 6
+    encoder_ffn_dim: int = 1536
+    decoder_layers: int = 4
+    decoder_attention_heads: int = 6
+    decoder_ffn_dim: int = 1536
+    vocab_size: int = 51864
+    max_source_positions: int = 1500
+    max_target_positions: int = 448
+    layer_norm_eps: float = 1e-5
+    # decoding
+    decoder_start_token_id: int = 50257
+    eos_token_id: int = 50256
+    no_timestamps_token_id: int | None = 50362
+    suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_tokens: tuple[int, ...] = ()
+    is_multilingual: bool = False
+    lang_to_id: dict[str, int] = dataclasses.field(default_factory=dict)
+    task_to_id: dict[str, int] = dataclasses.field(default_factory=dict)
+    # audio front end
+    sample_rate: int = 16000
+    n_fft: int = 400
+    hop_length: int = 160
+    chunk_seconds: int = 30
+
+    @property
+    def n_samples(self) -> int:
+        return self.sample_rate * self.chunk_seconds
+
+    @property
+    def n_frames(self) -> int:
+        return self.n_samples // self.hop_length
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> WhisperConfig:
+        path = Path(path)
+        cfg = json.loads((path / "config.json").read_text())
+        if cfg.get("model_type") != "whisper":
+            raise ValueError(f"{path}/config.json: model_type {cfg.get('model_type')!r} is not 'whisper'")
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        if cfg.get("activation_function", "gelu") != "gelu" or cfg.get("scale_embedding", False):
+            raise ValueError(f"{path}: only Whisper's gelu activation without embedding scaling is supported")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in cfg.items() if k in fields}
+        for k in ("decoder_start_token_id", "eos_token_id", "no_timestamps_token_id", "suppress_tokens",
+                  "begin_suppress_tokens", "is_multilingual", "lang_to_id", "task_to_id"):
+            if gen.get(k) is not None:
+                kw[k] = gen[k]
+        if isinstance(kw.get("eos_token_id"), list):
+            kw["eos_token_id"] = kw["eos_token_id"][0]
+        kw["suppress_tokens"] = tuple(kw.get("suppress_tokens") or ())
+        kw["begin_suppress_tokens"] = tuple(kw.get("begin_suppress_tokens") or ())
+        kw.setdefault("is_multilingual", cfg.get("vocab_size", 51864) >= 51865)
+        return cls(**kw)
+
+
+# ---- log-mel front end --------------------------------------------------------------------
+
+def _hz_to_mel(f: np.ndarray) -> np.ndarray:
+    """Slaney mel scale: linear (3 mels per 200 Hz) below 1 kHz, logarithmic above."""
+    f = np.asarray(f, dtype=np.float64)
+    log_step = np.log(6.4) / 27.0
+    return np.where(f < 1000.0, 3.0 * f / 200.0, 15.0 + np.log(np.maximum(f, 1e-10) / 1000.0) / log_step)
+
+
+def _mel_to_hz(m: np.ndarray) -> np.ndarray:
+    m = np.asarray(m, dtype=np.float64)
+    log_step = np.log(6.4) / 27.0
+    return np.where(m < 15.0, 200.0 * m / 3.0, 1000.0 * np.exp(log_step * (m - 15.0)))
+
+
+def mel_filterbank(n_mels: int, n_fft: int = 400, sample_rate: int = 16000,
+                   fmin: float = 0.0, fmax: float | None = None) -> np.ndarray:
+    """Triangular mel filters with Slaney area normalization, float64 [K, M].
+
+    Each filter rises from mel point ``i`` to ``i + 1`` and falls to ``i + 2`` (points evenly
+    spaced in mel between ``fmin`` and ``fmax``) and is scaled by ``2 / bandwidth_hz`` so all
+    filters have equal area -- Whisper's front end (the librosa default).
+    """
+    fmax = sample_rate / 2 if fmax is None else fmax
+    fft_hz = np.linspace(0.0, sample_rate // 2, n_fft // 2 + 1)
+    edges_hz = _mel_to_hz(np.linspace(_hz_to_mel(fmin), _hz_to_mel(fmax), n_mels + 2))
+    width = np.diff(edges_hz)                                   # [M + 1]
+    dist = edges_hz[None, :] - fft_hz[:, None]                  # [K, M + 2]
+    rising = -dist[:, :-2] / width[:-1]
+    falling = dist[:, 2:] / width[1:]
+    filters = np.maximum(0.0, np.minimum(rising, falling))      # [K, M]
+    return filters * (2.0 / (edges_hz[2:] - edges_hz[:-2]))[None, :]
+
+
+class LogMel(nn.Module):
+    """Whisper's log-mel spectrogram on the model's device.
+
+    Waveforms [B, N] (N = 30 s of samples) -> [B, M, F] float32: STFT (Hann window of
+    ``n_fft``, hop ``hop_length``, reflect-padded, last frame dropped), power, mel filters,
+    ``log10`` clamped at 1e-10, floored at (per-utterance max - 8), then ``(x + 4) / 4``.
+    """
+
+    def __init__(self, n_mels: int, n_fft: int = 400, hop_length: int = 160, sample_rate: int = 16000) -> None:
+        super().__init__()
+        self.n_mels, self.n_fft, self.hop_length, self.sample_rate = n_mels, n_fft, hop_length, sample_rate
+        self._make_buffers(None)
+
+    def _make_buffers(self, device: torch.device | None) -> None:
+        filters = mel_filterbank(self.n_mels, self.n_fft, self.sample_rate).astype(np.float32)
+        self.register_buffer("window", torch.hann_window(self.n_fft, device=device), persistent=False)
+        self.register_buffer("filters_MK", torch.from_numpy(filters.T.copy()).to(device), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # The front end stays fp32 whatever the model dtype: recompute rather than cast.
+        super()._apply(fn, recurse)
+        self._make_buffers(self.window.device)
+        return self
+
+    def forward(self, audio_BN: torch.Tensor) -> torch.Tensor:
+        stft = torch.stft(audio_BN.float(), self.n_fft, self.hop_length, window=self.window, return_complex=True)
+        power_BKF = (stft[..., :-1].abs() ** 2).contiguous()
+        log_BMF = torch.clamp(self.filters_MK @ power_BKF, min=1e-10).log10()
+        peak = log_BMF.amax(dim=(1, 2), keepdim=True)
+        return (torch.maximum(log_BMF, peak - 8.0) + 4.0) / 4.0
+
+
+# ---- attention ---------------------------------------------------------------------------
+
+class WhisperAttention(nn.Module):
+    """Multi-head attention with Whisper's projections (no bias on ``k_proj``)."""
+
+    def __init__(self, d_model: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, d_model // num_heads
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model, bias=False)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def _heads(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        return x_BTD.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def query(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """[B, T, D] -> q [B, NH, T, Dh]."""
+        return self._heads(self.q_proj(x_BTD))
+
+    def key_value(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T, D] -> (k, v) [B, NH, T, Dh]."""
+        return self._heads(self.k_proj(x_BTD)), self._heads(self.v_proj(x_BTD))
+
+    def attend(self, q_BHTd: torch.Tensor, k_BHSd: torch.Tensor, v_BHSd: torch.Tensor,
+               mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        """Softmax attention then the output projection: -> [B, T, D].
+
+        SDPA rather than ``ops.attention``: it is the fused kernel every backend already has,
+        and the reference op's explicit fp32 scores would cost [B, NH, S, S] memory here.
+        """
+        o_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BHSd, v_BHSd, attn_mask=mask, is_causal=causal)
+        B, _, T, _ = o_BHTd.shape
+        return self.out_proj(o_BHTd.transpose(1, 2).reshape(B, T, -1))
+
+
+def _layer_norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    return ops.layer_norm(x, ln.weight, ln.bias, ln.eps)
+
+
+def _mlp(fc1: nn.Linear, fc2: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return ops.ffn(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, activation="gelu")
+
+
+# ---- layers ------------------------------------------------------------------------------
+
+class WhisperEncoderLayer(nn.Module):
+    """Pre-LN transformer block: self-attention, then a GELU MLP, each with a residual."""
+
+    def __init__(self, c: WhisperConfig) -> None:
+        super().__init__()
+        self.self_attn = WhisperAttention(c.d_model, c.encoder_attention_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps)
+        self.fc1 = nn.Linear(c.d_model, c.encoder_ffn_dim)
+        self.fc2 = nn.Linear(c.encoder_ffn_dim, c.d_model)
+        self.final_layer_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        h = _layer_norm(self.self_attn_layer_norm, x_BSD)
+        x_BSD = x_BSD + self.self_attn.attend(self.self_attn.query(h), *self.self_attn.key_value(h))
+        return x_BSD + _mlp(self.fc1, self.fc2, _layer_norm(self.final_layer_norm, x_BSD))
+
+
+class WhisperDecoderLayer(nn.Module):
+    """Pre-LN block: causal self-attention, cross-attention to the encoder, GELU MLP."""
+
+    def __init__(self, c: WhisperConfig) -> None:
+        super().__init__()
+        self.self_attn = WhisperAttention(c.d_model, c.decoder_attention_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps)
+        self.encoder_attn = WhisperAttention(c.d_model, c.decoder_attention_heads)
+        self.encoder_attn_layer_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps)
+        self.fc1 = nn.Linear(c.d_model, c.decoder_ffn_dim)
+        self.fc2 = nn.Linear(c.decoder_ffn_dim, c.d_model)
+        self.final_layer_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps)
+
+    def _cross_and_mlp(self, x_BTD: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor) -> torch.Tensor:
+        h = _layer_norm(self.encoder_attn_layer_norm, x_BTD)
+        x_BTD = x_BTD + self.encoder_attn.attend(self.encoder_attn.query(h), cross_k, cross_v)
+        return x_BTD + _mlp(self.fc1, self.fc2, _layer_norm(self.final_layer_norm, x_BTD))
+
+    def forward(self, x_BTD: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor) -> torch.Tensor:
+        """Whole sequence at once (teacher forcing), causal self-attention."""
+        h = _layer_norm(self.self_attn_layer_norm, x_BTD)
+        x_BTD = x_BTD + self.self_attn.attend(self.self_attn.query(h), *self.self_attn.key_value(h), causal=True)
+        return self._cross_and_mlp(x_BTD, cross_k, cross_v)
+
+    def step(self, x_B1D: torch.Tensor, position_B: torch.Tensor, visible_B11C: torch.Tensor,
+             cache_k: torch.Tensor, cache_v: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor
+             ) -> torch.Tensor:
+        """One token per sequence. Writes this token's K/V into ``cache_k``/``cache_v``
+        [B, NH, C, Dh] at ``position_B`` and attends to the positions ``visible_B11C`` marks."""
+        h = _layer_norm(self.self_attn_layer_norm, x_B1D)
+        k_BH1d, v_BH1d = self.self_attn.key_value(h)
+        where = position_B.view(-1, 1, 1, 1).expand_as(k_BH1d)
+        cache_k.scatter_(2, where, k_BH1d)
+        cache_v.scatter_(2, where, v_BH1d)
+        x_B1D = x_B1D + self.self_attn.attend(self.self_attn.query(h), cache_k, cache_v, mask=visible_B11C)
+        return self._cross_and_mlp(x_B1D, cross_k, cross_v)
+
+
+# ---- encoder and decoder -------------------------------------------------------------------
+
+class WhisperEncoder(nn.Module):
+    """Two conv1d (kernel 3; the second stride 2) with GELU, fixed positions, pre-LN blocks."""
+
+    def __init__(self, c: WhisperConfig) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(c.num_mel_bins, c.d_model, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(c.d_model, c.d_model, kernel_size=3, stride=2, padding=1)
+        self.embed_positions = nn.Embedding(c.max_source_positions, c.d_model)
+        self.layers = nn.ModuleList(WhisperEncoderLayer(c) for _ in range(c.encoder_layers))
+        self.layer_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps)
+
+    def forward(self, features_BMF: torch.Tensor) -> torch.Tensor:
+        x_BDS = F.gelu(self.conv2(F.gelu(self.conv1(features_BMF))))
+        x_BSD = x_BDS.transpose(1, 2) + self.embed_positions.weight[: x_BDS.shape[-1]]
+        for layer in self.layers:
+            x_BSD = layer(x_BSD)
+        return _layer_norm(self.layer_norm, x_BSD)
+
+
+class WhisperDecoder(nn.Module):
+    """Token + learned position embeddings, pre-LN blocks, final LayerNorm."""
+
+    def __init__(self, c: WhisperConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.d_model)
+        self.embed_positions = nn.Embedding(c.max_target_positions, c.d_model)
+        self.layers = nn.ModuleList(WhisperDecoderLayer(c) for _ in range(c.decoder_layers))
+        self.layer_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and the output projection tied to ``embed_tokens``: [..., D] -> [..., V] fp32."""
+        return F.linear(_layer_norm(self.layer_norm, x), self.embed_tokens.weight).float()
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+class WhisperASR(ASRModel):
+    """Whisper encoder-decoder with static-shape ``encode`` and ``decode_step`` graphs.
+
+    Build it with :meth:`from_pretrained` from a Hugging Face Whisper directory (see
+    :func:`polyaccel.asr.weights.resolve_model` for names and CTranslate2 checkpoints).
+    ``language``/``task`` pick the prompt of multilingual checkpoints (ignored for ``.en``).
+    """
+
+    def __init__(self, config: WhisperConfig, tokenizer_file: str | os.PathLike | None = None, *,
+                 language: str = "en", task: str = "transcribe") -> None:
+        super().__init__()
+        self.config = config
+        self.n_mels = config.num_mel_bins
+        self.sample_rate = config.sample_rate
+        self.max_decode_len = config.max_target_positions
+        self.eos_token_id = config.eos_token_id
+        self.language, self.task = language, task
+        self.encoder = WhisperEncoder(config)
+        self.decoder = WhisperDecoder(config)
+        self.log_mel = LogMel(config.num_mel_bins, config.n_fft, config.hop_length, config.sample_rate)
+        self._tokenizer = None
+        self._tokenizer_file = Path(tokenizer_file) if tokenizer_file else None
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | None = None, language: str = "en",
+                        task: str = "transcribe") -> WhisperASR:
+        """Load a Hugging Face Whisper directory (``config.json``, ``*.safetensors``,
+        ``generation_config.json``, ``tokenizer.json``) onto ``device`` in ``dtype`` (default:
+        the checkpoint's, fp32 for converted ones). A known
+        name (``whisper-tiny.en``) or a CTranslate2 directory is converted first (cached)."""
+        from safetensors.torch import load_file
+
+        from polyaccel.asr.weights import resolve_model
+
+        path = resolve_model(path)
+        config = WhisperConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = cls(config, path / "tokenizer.json", language=language, task=task)
+        state: dict[str, torch.Tensor] = {}
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors weights")
+        for f in files:
+            state.update(load_file(str(f)))
+        state = {k.removeprefix("model."): v for k, v in state.items() if k != "proj_out.weight"}
+        model.load_state_dict(state, strict=True, assign=True)
+        # Buffers are computed, not stored: rebuild them off the meta device.
+        model.log_mel = LogMel(config.num_mel_bins, config.n_fft, config.hop_length, config.sample_rate)
+        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.embed_tokens.weight.dtype
+
+    # ---- front end ---------------------------------------------------------------------
+    def max_audio_seconds(self) -> float:
+        return float(self.config.chunk_seconds)
+
+    def compute_features(self, audio: list[np.ndarray], num_frames: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-mel features of 30 s windows: each waveform zero-padded (or cut) to 30 s.
+
+        Returns ([B, M, 3000] in the model dtype, valid frames [B] int64). ``num_frames``
+        must be None or 3000: Whisper's encoder only takes full windows.
+        """
+        n = self.config.n_samples
+        if num_frames not in (None, self.config.n_frames):
+            raise ValueError(f"Whisper takes {self.config.n_frames} frames per window, not {num_frames}")
+        batch = np.zeros((len(audio), n), dtype=np.float32)
+        lengths = []
+        for i, a in enumerate(audio):
+            a = np.asarray(a, dtype=np.float32).reshape(-1)[:n]
+            batch[i, : a.shape[0]] = a
+            lengths.append(-(-a.shape[0] // self.config.hop_length))
+        feats = self.log_mel(torch.from_numpy(batch).to(self.device))
+        return feats.to(self.dtype), torch.tensor(lengths, dtype=torch.int64, device=self.device)
+
+    # ---- encoder -------------------------------------------------------------------------
+    def encode(self, features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """features [B, M, 3000] -> (enc [B, S, D], mask [B, S] all True: Whisper attends to
+        the whole 30 s window, padding included, as it was trained)."""
+        enc_BSD = self.encoder(features)
+        return enc_BSD, torch.ones(enc_BSD.shape[:2], dtype=torch.bool, device=enc_BSD.device)
+
+    # ---- decoder ---------------------------------------------------------------------------
+    def prompt_ids(self) -> list[int]:
+        """``<|startoftranscript|>`` [``<|lang|>`` ``<|task|>``] ``<|notimestamps|>``."""
+        c = self.config
+        ids = [c.decoder_start_token_id]
+        if c.is_multilingual:
+            lang = self.language if self.language.startswith("<|") else f"<|{self.language}|>"
+            if lang not in c.lang_to_id or self.task not in c.task_to_id:
+                raise ValueError(f"language {self.language!r} / task {self.task!r} not in this checkpoint's "
+                                 f"generation_config (lang_to_id / task_to_id)")
+            ids += [c.lang_to_id[lang], c.task_to_id[self.task]]
+        if c.no_timestamps_token_id is not None:
+            ids.append(c.no_timestamps_token_id)
+        return ids
+
+    def suppress_ids(self) -> list[int]:
+        return list(self.config.suppress_tokens)
+
+    def begin_suppress_ids(self) -> list[int]:
+        return list(self.config.begin_suppress_tokens)
+
+    def new_decoder_state(self, enc: torch.Tensor, enc_mask: torch.Tensor, max_len: int,
+                          out: DecoderState | None = None) -> DecoderState:
+        """Cross-attention K/V of every layer from ``enc`` [B, S, D] and an empty self-attention
+        cache of ``max_len`` positions. With ``out`` (same shapes) the tensors are written into
+        it instead, so a captured ``decode_step`` keeps reading the same memory."""
+        kv = [layer.encoder_attn.key_value(enc) for layer in self.decoder.layers]
+        cross_k, cross_v = torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])  # [L, B, NH, S, Dh]
+        if out is not None:
+            out.cross_k.copy_(cross_k)
+            out.cross_v.copy_(cross_v)
+            out.enc_mask.copy_(enc_mask)
+            out.self_k.zero_()
+            out.self_v.zero_()
+            return out
+        L, B, NH, _, Dh = cross_k.shape
+        self_k = enc.new_zeros(L, B, NH, max_len, Dh)
+        return DecoderState(self_k, torch.zeros_like(self_k), cross_k, cross_v, enc_mask.clone())
+
+    def decode_step(self, tokens: torch.Tensor, position: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        """tokens [B] at position [B] -> logits [B, V] fp32; K/V written into ``state``."""
+        dec = self.decoder
+        x_B1D = (dec.embed_tokens(tokens) + dec.embed_positions(position)).unsqueeze(1)
+        C = state.self_k.shape[3]
+        visible_B11C = (torch.arange(C, device=position.device) <= position[:, None])[:, None, None, :]
+        for i, layer in enumerate(dec.layers):
+            x_B1D = layer.step(x_B1D, position, visible_B11C, state.self_k[i], state.self_v[i],
+                               state.cross_k[i], state.cross_v[i])
+        return dec.logits(x_B1D[:, 0])
+
+    def forward(self, features: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits without a cache: features [B, M, F], ids [B, T] -> [B, T, V].
+        The full-recompute reference ``decode_step`` is checked against."""
+        return self.decoder_logits(self.encoder(features), decoder_input_ids)
+
+    def decoder_logits(self, enc_BSD: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
+        """Decoder over a whole token sequence (causal, no cache): ids [B, T] -> [B, T, V] fp32."""
+        dec = self.decoder
+        T = decoder_input_ids.shape[1]
+        x_BTD = dec.embed_tokens(decoder_input_ids) + dec.embed_positions.weight[:T]
+        for layer in dec.layers:
+            x_BTD = layer(x_BTD, *layer.encoder_attn.key_value(enc_BSD))
+        return dec.logits(x_BTD)
+
+    def decode_text(self, ids: list[int]) -> str:
+        """Generated ids -> text; special and timestamp tokens (ids >= <|endoftext|>) dropped."""
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
+
+            if self._tokenizer_file is None or not self._tokenizer_file.is_file():
+                raise FileNotFoundError(f"tokenizer.json not found ({self._tokenizer_file})")
+            self._tokenizer = Tokenizer.from_file(str(self._tokenizer_file))
+        return self._tokenizer.decode([i for i in ids if i < self.eos_token_id]).strip()
+
+    # ---- static graphs -----------------------------------------------------------------------
+    def graph_specs(self, batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS) -> list[GraphSpec]:
+        """``encode`` (features [B, M, 3000], lengths [B] -> enc [B, S, D], mask [B, S]) and ``decode_step`` (tokens,
+        position, then the five :class:`DecoderState` tensors -> logits [B, V]) per batch bucket;
+        frames and cache length are fixed, so batch is the only bucketed dimension."""
+        c, dev, dt = self.config, self.device, self.dtype
+        buckets = ShapeBuckets({"batch": tuple(batch_buckets)})
+        heads = c.decoder_attention_heads
+        head_dim = c.d_model // heads
+        S = c.max_source_positions
+
+        def encode_fn(features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.encode(features, lengths)
+
+        def decode_fn(tokens, position, self_k, self_v, cross_k, cross_v, enc_mask) -> torch.Tensor:
+            return self.decode_step(tokens, position, DecoderState(self_k, self_v, cross_k, cross_v, enc_mask))
+
+        def encode_example(b: dict[str, int]) -> list[torch.Tensor]:
+            return [torch.zeros(b["batch"], c.num_mel_bins, c.n_frames, device=dev, dtype=dt),
+                    torch.full((b["batch"],), c.n_frames, dtype=torch.int64, device=dev)]
+
+        def decode_example(b: dict[str, int]) -> list[torch.Tensor]:
+            B, L = b["batch"], c.decoder_layers
+            self_kv = torch.zeros(L, B, heads, self.max_decode_len, head_dim, device=dev, dtype=dt)
+            cross_kv = torch.zeros(L, B, heads, S, head_dim, device=dev, dtype=dt)
+            return [torch.zeros(B, dtype=torch.int64, device=dev), torch.zeros(B, dtype=torch.int64, device=dev),
+                    self_kv, self_kv.clone(), cross_kv, cross_kv.clone(),
+                    torch.ones(B, S, dtype=torch.bool, device=dev)]
+
+        return [GraphSpec("encode", encode_fn, buckets, encode_example),
+                GraphSpec("decode_step", decode_fn, buckets, decode_example)]
+

@@ -1,0 +1,147 @@
+"""Exactness against Hugging Face ``transformers`` on real speech: our log-mel equals
+``WhisperFeatureExtractor``'s, and our runner's greedy tokens equal ``generate()``'s for
+Whisper tiny.en (batch 1, 2, 5) and base (batch 5) on the five LibriVox clips, so the WER
+is the same too."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from polyaccel.asr import weights
+from polyaccel.asr.runner import ASRRunner
+from polyaccel.asr.text import normalize_text, wer
+from polyaccel.asr.whisper import WhisperASR, mel_filterbank
+
+LIBRIVOX = Path("/usr/share/pocketsphinx/test/data/librivox")
+pytestmark = pytest.mark.skipif(not (LIBRIVOX / "transcription").is_file(),
+                                reason="needs Debian package pocketsphinx-testdata")
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory):
+    """Shared with test_ct2_convert.py / test_runner.py: converted once per session."""
+    return tmp_path_factory.getbasetemp() / "polyaccel-cache"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: these small decode ops only lose to thread hand-offs on a shared
+    2-core machine (4x slower with 2 threads under load). Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def clips() -> tuple[list[np.ndarray], list[str]]:
+    import soundfile as sf
+
+    refs = {}
+    for line in (LIBRIVOX / "transcription").read_text().splitlines():
+        m = re.match(r"<s>(.*)</s>\s*\((\S+)\)", line.strip())
+        if m:
+            refs[m.group(2)] = m.group(1).strip()
+    names = sorted(refs)
+    audio = []
+    for n in names:
+        a, sr = sf.read(LIBRIVOX / f"{n}.wav", dtype="float32")
+        assert sr == 16000 and a.ndim == 1
+        audio.append(a)
+    return audio, [refs[n] for n in names]
+
+
+def _hf_greedy(path: Path, audio: list[np.ndarray], **generate_kwargs) -> tuple[list[list[int]], list[str]]:
+    """Reference tokens: transformers' WhisperProcessor + generate(), greedy, fp32, one batch."""
+    import transformers
+
+    proc = transformers.WhisperProcessor.from_pretrained(path)
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    feats = proc(audio, sampling_rate=16000, return_tensors="pt").input_features
+    with torch.inference_mode():
+        out = model.generate(feats, num_beams=1, do_sample=False, **generate_kwargs)
+    eos = model.generation_config.eos_token_id
+    start = model.generation_config.decoder_start_token_id
+    tokens = []
+    for row in out.tolist():
+        row = [t for t in row if t < eos]  # drop prompt (if returned), eos and padding
+        tokens.append(row)
+    assert all(start not in r for r in tokens)
+    return tokens, [t.strip() for t in proc.batch_decode(out, skip_special_tokens=True)]
+
+
+def _report(name: str, refs: list[str], ours: list[str], theirs: list[str]) -> tuple[float, float]:
+    w_ours, w_hf = wer(refs, ours), wer(refs, theirs)
+    print(f"\n{name}: WER ours {w_ours:.4f}  HF {w_hf:.4f}")
+    for r, o in zip(refs, ours, strict=True):
+        print(f"  ref: {normalize_text(r)}\n  hyp: {o}")
+    return w_ours, w_hf
+
+
+def test_mel_filterbank_matches_transformers():
+    from transformers.audio_utils import mel_filter_bank
+
+    for n_mels in (80, 128):
+        ref = mel_filter_bank(num_frequency_bins=201, num_mel_filters=n_mels, min_frequency=0.0,
+                              max_frequency=8000.0, sampling_rate=16000, norm="slaney", mel_scale="slaney")
+        np.testing.assert_allclose(mel_filterbank(n_mels), ref, rtol=1e-9, atol=1e-12)
+
+
+def test_log_mel_matches_feature_extractor(model_cache, clips, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    path = weights.resolve_model("whisper-tiny.en", cache=model_cache)
+    fe = transformers.WhisperFeatureExtractor.from_pretrained(path)
+    model = WhisperASR.from_pretrained(path)
+    rng = np.random.default_rng(0)
+    audio = clips[0] + [0.1 * rng.standard_normal(int(16000 * 31.5)).astype(np.float32)]  # > 30 s: cut
+    ours, lengths = model.compute_features(audio)
+    ref = fe(audio, sampling_rate=16000, return_tensors="pt").input_features
+    assert ours.shape == ref.shape == (6, 80, 3000)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
+    assert lengths.tolist() == [-(-min(len(a), 480000) // 160) for a in audio]
+
+
+@pytest.mark.slow
+def test_tiny_en_greedy_tokens_equal_transformers(model_cache, clips, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    audio, refs = clips
+    path = weights.resolve_model("whisper-tiny.en", cache=model_cache)
+    hf_tokens, hf_text = _hf_greedy(path, audio)
+
+    model = WhisperASR.from_pretrained(path)
+    assert model.prompt_ids() == [50257, 50362]
+    runner = ASRRunner(model, backend="cpu", batch_buckets=(1, 2, 4, 8))
+    by_batch = {}
+    for batch in (1, 2, 5):  # batch 5 runs in the 8-row bucket: 3 padding rows
+        hyps = []
+        for i in range(0, len(audio), batch):
+            hyps += runner.recognize(audio[i:i + batch])
+        by_batch[batch] = hyps
+        assert [h.tokens for h in hyps] == hf_tokens, f"batch {batch}"
+        assert [h.text for h in hyps] == hf_text, f"batch {batch}"
+        assert all(h.avg_logprob is not None and h.avg_logprob < 0 for h in hyps)
+    w_ours, w_hf = _report("whisper-tiny.en", refs, [h.text for h in by_batch[5]], hf_text)
+    assert w_ours == w_hf < 0.25
+
+
+@pytest.mark.slow
+def test_base_greedy_tokens_equal_transformers(model_cache, clips, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    audio, refs = clips
+    path = weights.resolve_model("whisper-base", cache=model_cache)
+    hf_tokens, hf_text = _hf_greedy(path, audio, language="en", task="transcribe")
+
+    model = WhisperASR.from_pretrained(path, language="en", task="transcribe")
+    assert model.prompt_ids() == [50258, 50259, 50359, 50363]
+    hyps = ASRRunner(model, backend="cpu", batch_buckets=(5,)).recognize(audio)
+    assert [h.tokens for h in hyps] == hf_tokens
+    assert [h.text for h in hyps] == hf_text
+    w_ours, w_hf = _report("whisper-base", refs, [h.text for h in hyps], hf_text)
+    assert w_ours == w_hf < 0.25
