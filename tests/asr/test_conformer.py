@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
+
 from polyaccel.asr.char_tokenizer import CharTokenizer
 from polyaccel.asr.conformer import ConformerAED, mel_filterbank
 from polyaccel.asr.conformer_config import (
@@ -21,7 +23,6 @@ from polyaccel.asr.conformer_config import (
 )
 from polyaccel.asr.interface import DecoderState
 from polyaccel.core import GraphCache, registry, select_backend
-from torch.utils.flop_counter import FlopCounterMode
 
 SR = 16000
 # Odd sample counts on purpose: frames and the stride-2 convs both round up.

@@ -193,3 +193,23 @@ def test_half_precision_keeps_fp32_front_end(model):
     f16, _ = m16.compute_features(audio)
     assert f16.dtype == torch.bfloat16
     torch.testing.assert_close(f16.float(), f32, rtol=1e-2, atol=1e-2)
+
+
+def test_min_new_tokens_suppresses_eos_until_reached():
+    """An always-eos step function stops at once, unless min_new_tokens forces more steps."""
+    import torch
+
+    from polyaccel.asr.decoding import LogitsRules, greedy_decode
+
+    V, eos = 7, 3
+
+    def step(tokens, position):
+        logits = torch.zeros(tokens.shape[0], V)
+        logits[:, eos] = 10.0
+        logits[:, 5] = 1.0
+        return logits
+
+    kw = dict(batch=2, num_real=2, prompt=[0], eos_id=eos, max_new_tokens=8,
+              rules=LogitsRules([], []), device="cpu", check_every=1)
+    assert [h.tokens for h in greedy_decode(step, **kw)] == [[], []]
+    assert [h.tokens for h in greedy_decode(step, min_new_tokens=5, **kw)] == [[5] * 5, [5] * 5]

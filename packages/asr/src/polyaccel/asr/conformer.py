@@ -30,13 +30,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_model, save_model
+from torch import nn
+
 from polyaccel.asr.char_tokenizer import CharTokenizer
 from polyaccel.asr.conformer_config import ConformerAEDConfig
 from polyaccel.asr.interface import ASRModel, DecoderState
 from polyaccel.core import ops
 from polyaccel.core.graphs import GraphSpec, ShapeBuckets
-from safetensors.torch import load_model, save_model
-from torch import nn
 
 WEIGHTS_NAME = "model.safetensors"
 

@@ -54,13 +54,16 @@ StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 @torch.inference_mode()
 def greedy_decode(step: StepFn, *, batch: int, num_real: int, prompt: Sequence[int], eos_id: int,
                   max_new_tokens: int, rules: LogitsRules, device: torch.device | str,
-                  check_every: int = 8, with_logprobs: bool = True) -> list[Hypothesis]:
+                  check_every: int = 8, with_logprobs: bool = True,
+                  min_new_tokens: int = 0) -> list[Hypothesis]:
     """Greedy search for ``num_real`` sequences in a batch bucket of ``batch`` rows.
 
     ``step(tokens [B] int64, position [B] int64) -> logits [B, V] fp32`` runs the decoder one
     token for every row (updating its cache in place). Rows ``num_real..batch-1`` are padding:
-    they start finished and are never read. Returns one :class:`Hypothesis` per real row
-    (text left empty: the caller detokenizes).
+    they start finished and are never read. ``eos`` is suppressed for the first
+    ``min_new_tokens`` steps (Hugging Face's ``min_new_tokens``; benchmarks use it to force a
+    fixed amount of work). Returns one :class:`Hypothesis` per real row (text left empty:
+    the caller detokenizes).
     """
     if not prompt:
         raise ValueError("the prompt must hold at least the start token")
@@ -77,6 +80,8 @@ def greedy_decode(step: StepFn, *, batch: int, num_real: int, prompt: Sequence[i
     steps = 0
     for t in range(max_new_tokens):
         logits_BV = rules.apply(step(current, position), first_step=(t == 0))
+        if t < min_new_tokens:
+            logits_BV[:, eos_id] = float("-inf")
         nxt = logits_BV.argmax(dim=-1)
         if with_logprobs:
             live = (~finished).float()

@@ -32,11 +32,12 @@ class ASRRunner:
             as Hugging Face ``generate()`` does for Whisper).
         use_graphs: compile graphs with the backend (False: call the model eagerly).
         check_every: steps between host checks of "all rows finished".
+        min_new_tokens: suppress ``eos`` until this many tokens (benchmarks: fixed work).
     """
 
     def __init__(self, model: ASRModel, backend: str | Backend = "cpu",
                  batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, max_new_tokens: int | None = None,
-                 use_graphs: bool = True, check_every: int = 4) -> None:
+                 use_graphs: bool = True, check_every: int = 4, min_new_tokens: int = 0) -> None:
         self.model = model
         self.backend = select_backend(backend) if isinstance(backend, str) else backend
         self.buckets = ShapeBuckets({"batch": tuple(batch_buckets)})
@@ -45,6 +46,7 @@ class ASRRunner:
         room = self.cache_len - len(self.prompt)
         self.max_new_tokens = room if max_new_tokens is None else min(max_new_tokens, room)
         self.check_every = check_every
+        self.min_new_tokens = min(min_new_tokens, self.max_new_tokens)
         self.graphs = GraphCache(self.backend, model.graph_specs(self.buckets.sizes["batch"])) if use_graphs else None
         self._states: dict[int, DecoderState] = {}
         self._rules = LogitsRules(model.suppress_ids(), model.begin_suppress_ids())
@@ -95,7 +97,8 @@ class ASRRunner:
 
         hyps = greedy_decode(step, batch=B, num_real=n, prompt=self.prompt, eos_id=self.model.eos_token_id,
                              max_new_tokens=self.max_new_tokens, rules=self._rules,
-                             device=self.device, check_every=self.check_every)
+                             device=self.device, check_every=self.check_every,
+                             min_new_tokens=self.min_new_tokens)
         for h in hyps:
             h.text = self.model.decode_text(h.tokens)
         return hyps

@@ -1,0 +1,344 @@
+"""``polyaccel-asr``: transcribe, score, benchmark, compile and convert from the command line.
+
+Exit status is 2 for usage errors (bad arguments, unknown model or backend, no inputs) and 0
+otherwise: files that fail are reported in the output (``"error"``) and in the summary, they
+do not fail the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+EXAMPLES = """\
+examples:
+  polyaccel-asr transcribe clips/ -o out.jsonl
+  polyaccel-asr transcribe a.wav b.flac --model whisper-base --backend cuda --batch-size 32 -o out.jsonl
+  polyaccel-asr transcribe manifest.jsonl -o out.jsonl            # NeMo manifest; its "text" gives WER
+  polyaccel-asr transcribe clips/ --refs transcription -o out.jsonl
+  polyaccel-asr transcribe clips/ --ray --num-actors 4 -o out.jsonl
+  ray job submit --address http://127.0.0.1:8265 -- polyaccel-asr transcribe --ray /data/clips -o /data/out.jsonl
+  polyaccel-asr wer --refs transcription --hyps out.jsonl
+  polyaccel-asr bench clips/*.wav --batch-sizes 1,8,32
+  polyaccel-asr convert path/to/ct2_model ./whisper-hf
+"""
+
+TRANSCRIBE_HELP = """\
+Transcribe audio files, directories (searched recursively) or JSONL manifests into a JSONL file
+with one line per input: {"path", "text", "duration_s", "error", "windows", "model", "rtfx", ...}.
+Lines are written in input order as results arrive. Rerunning with the same -o resumes: files
+already transcribed without error are skipped, failed ones are retried, a torn last line is
+repaired. Audio longer than the model's window (30 s for Whisper) is cut into overlapping
+windows and stitched back.
+"""
+
+
+class UsageError(Exception):
+    """A mistake in how the command was called (exit status 2)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for all subcommands."""
+    p = argparse.ArgumentParser(prog="polyaccel-asr", description="High-throughput batch speech-to-text.",
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def model_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--model", default="whisper-tiny.en",
+                        help="model directory (Hugging Face or CTranslate2) or known name "
+                             "(whisper-tiny.en, whisper-base; default: %(default)s)")
+        sp.add_argument("--backend", default="auto", help="auto, cpu, cuda or neuron (default: %(default)s)")
+        sp.add_argument("--replicas", type=int, default=None,
+                        help="model replicas (default: one per device of the backend)")
+        sp.add_argument("--batch-size", type=int, default=8, help="items per replica batch (default: %(default)s)")
+        sp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="model dtype (default: the backend's)")
+
+    t = sub.add_parser("transcribe", help="transcribe files to JSONL", description=TRANSCRIBE_HELP,
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("inputs", nargs="+", metavar="INPUT", help="audio files, directories or manifest .jsonl files")
+    t.add_argument("-o", "--output", required=True, help="results JSONL (appended to when resuming)")
+    model_args(t)
+    t.add_argument("--refs", help="reference texts: JSONL {path|id, text} or Sphinx '<s> text </s> (id)' lines")
+    t.add_argument("--overwrite", action="store_true", help="start the output afresh instead of resuming")
+    t.add_argument("--overlap", type=float, default=3.0, help="seconds of overlap between long-audio windows")
+    t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--ray", action="store_true", help="run as a Ray Data job (an actor per device)")
+    t.add_argument("--address", default=None,
+                   help="Ray cluster address (default: RAY_ADDRESS, the job's cluster under `ray job submit`, "
+                        "else a local in-process cluster)")
+    t.add_argument("--num-actors", type=int, default=None, help="Ray actors (default: one per device/node)")
+
+    w = sub.add_parser("wer", help="word error rate of a results file against references")
+    w.add_argument("--refs", required=True, help="JSONL {path|id, text} or Sphinx transcription file")
+    w.add_argument("--hyps", required=True, help="results JSONL written by `transcribe`")
+    w.add_argument("--per-file", action="store_true", help="also print one JSON line per file")
+
+    b = sub.add_parser("bench", help="RTFx at several batch sizes (one JSON line each)")
+    b.add_argument("inputs", nargs="+", metavar="INPUT", help="audio files, directories or manifests")
+    model_args(b)
+    b.add_argument("--batch-sizes", default="1,4,8", help="comma-separated (default: %(default)s)")
+    b.add_argument("--repeat", type=int, default=1, help="use the inputs this many times (fills large batches)")
+
+    c = sub.add_parser("compile", help="compile every shape bucket ahead of time")
+    model_args(c)
+
+    sub.add_parser("convert", help="convert a CTranslate2 Whisper model to a Hugging Face directory",
+                   add_help=False)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "convert":  # its own parser (owned by the converter module)
+        from polyaccel.asr.ct2_convert import main as convert_main
+
+        return convert_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return {"transcribe": cmd_transcribe, "wer": cmd_wer, "bench": cmd_bench,
+                "compile": cmd_compile}[args.command](args)
+    except UsageError as e:
+        print(f"polyaccel-asr {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+# ---- transcribe -----------------------------------------------------------------------------
+
+
+def cmd_transcribe(args: argparse.Namespace) -> int:
+    """Transcribe inputs into args.output, resuming if it exists; print a summary."""
+    from polyaccel.asr.manifest import ResultsWriter, attach_refs, load_results, read_refs
+
+    items = _gather(args.inputs)
+    if args.refs:
+        attach_refs(items, _read_refs(args.refs, read_refs))
+    writer = ResultsWriter(args.output, resume=not args.overwrite)
+    todo = [it for it in items if it.path not in writer.done]
+    skipped = len(items) - len(todo)
+    if skipped and not args.quiet:
+        print(f"resuming {args.output}: {skipped} of {len(items)} already done", file=sys.stderr)
+    ok = failed = 0
+    audio_s = 0.0
+    start = time.perf_counter()
+    bar = None
+    try:
+        records = _results(todo, args)
+        bar = _progress(len(todo), args.quiet)
+        for rec in records:
+            writer.write(rec)
+            if rec.get("error"):
+                failed += 1
+            else:
+                ok += 1
+                audio_s += rec.get("duration_s") or 0.0
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"{audio_s / max(time.perf_counter() - start, 1e-9):.1f} audio-s/s")
+    finally:
+        writer.close()
+        if bar is not None:
+            bar.close()
+    wall = time.perf_counter() - start
+    summary = (f"{ok} ok, {failed} failed, {skipped} skipped; {audio_s:.1f} s of audio in {wall:.1f} s: "
+               f"RTFx {audio_s / wall if wall > 0 else 0:.1f} (end to end, feature extraction included)")
+    print(summary, file=sys.stderr)
+    for rec in load_results(args.output) if failed and not args.quiet else []:
+        if rec.get("error"):
+            print(f"  failed: {rec['path']}: {rec['error']}", file=sys.stderr)
+    with_refs = [r for r in load_results(args.output) if r.get("ref") is not None and not r.get("error")]
+    if with_refs:
+        from polyaccel.asr.wer import wer_counts
+
+        c = wer_counts([r["ref"] for r in with_refs], [r["text"] for r in with_refs])
+        print(f"WER {100 * c.wer:.2f}% over {len(with_refs)} files ({c.ref_words} reference words)",
+              file=sys.stderr)
+    return 0
+
+
+def _results(todo: list[Any], args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """Output records for ``todo`` in input order, from the local pool or a Ray job. Model,
+    backend and Ray problems are raised here, before the first record is asked for."""
+    if not todo:
+        return iter(())
+    if args.ray:
+        from polyaccel.asr.ray_job import RayJobOptions, import_ray, transcribe_with_ray
+        from polyaccel.core import backends
+
+        try:
+            import_ray()
+        except ImportError as e:
+            raise UsageError(str(e)) from None
+        if args.backend != "auto" and args.backend not in backends():
+            raise UsageError(f"unknown backend {args.backend!r}; known: {', '.join(backends())}")
+        opts = RayJobOptions(model=args.model, backend=args.backend, replicas=args.replicas,
+                             batch_size=args.batch_size, dtype=args.dtype, overlap_s=args.overlap,
+                             address=args.address, num_actors=args.num_actors)
+        return transcribe_with_ray(todo, opts)
+    return _local_records(_transcriber(args), todo, args.model)
+
+
+def _local_records(tr: Any, todo: list[Any], model: str) -> Iterator[dict[str, Any]]:
+    from polyaccel.asr.wer import wer
+
+    try:
+        for r in tr.transcribe_iter(todo):
+            extra: dict[str, Any] = {"model": model, "rtfx": round(tr.running_rtfx(), 2)}
+            if r.ref is not None and r.ok:
+                extra["wer"] = round(wer([r.ref], [r.text]), 4)
+            yield r.to_record(**extra)
+    finally:
+        tr.close()
+
+
+def _transcriber(args: argparse.Namespace, batch_size: int | None = None) -> Any:
+    from polyaccel.asr.transcriber import Transcriber
+    from polyaccel.core import BackendUnavailable
+
+    try:
+        return Transcriber.from_pretrained(args.model, backend=args.backend, replicas=args.replicas,
+                                           batch_size=batch_size or args.batch_size, dtype=_dtype(args.dtype),
+                                           overlap_s=getattr(args, "overlap", 3.0))
+    except (BackendUnavailable, KeyError, ValueError, FileNotFoundError, ModuleNotFoundError) as e:
+        raise UsageError(str(e).strip("'\"")) from None
+
+
+def _gather(specs: Sequence[str]) -> list[Any]:
+    from polyaccel.asr.manifest import expand_inputs
+
+    try:
+        items = expand_inputs(specs)
+    except (ValueError, json.JSONDecodeError) as e:
+        raise UsageError(f"bad manifest: {e}") from None
+    if not items:
+        raise UsageError(f"no audio files found in {' '.join(specs)}")
+    return items
+
+
+def _read_refs(path: str, read_refs: Any) -> dict[str, str]:
+    if not Path(path).is_file():
+        raise UsageError(f"reference file not found: {path}")
+    try:
+        return read_refs(path)
+    except (ValueError, json.JSONDecodeError) as e:
+        raise UsageError(f"bad reference file: {e}") from None
+
+
+def _dtype(name: str | None) -> Any:
+    if name is None:
+        return None
+    import torch
+
+    return getattr(torch, name)
+
+
+def _progress(total: int, quiet: bool) -> Any:
+    if quiet or total == 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="file", file=sys.stderr, dynamic_ncols=True)
+
+
+# ---- wer ------------------------------------------------------------------------------------------
+
+
+def cmd_wer(args: argparse.Namespace) -> int:
+    """Print the corpus WER of a results file against references (as one JSON line)."""
+    from polyaccel.asr.manifest import load_results, read_refs
+    from polyaccel.asr.wer import wer, wer_counts
+
+    refs = _read_refs(args.refs, read_refs)
+    if not Path(args.hyps).is_file():
+        raise UsageError(f"results file not found: {args.hyps}")
+    pairs, missing, failed = [], 0, 0
+    for rec in load_results(args.hyps):
+        ref = refs.get(rec["path"], refs.get(Path(rec["path"]).stem))
+        if ref is None:
+            missing += 1
+        elif rec.get("error"):
+            failed += 1
+        else:
+            pairs.append((rec["path"], ref, rec.get("text", "")))
+            if args.per_file:
+                print(json.dumps({"path": rec["path"], "wer": round(wer([ref], [rec.get("text", "")]), 4),
+                                  "ref": ref, "hyp": rec.get("text", "")}))
+    if not pairs:
+        raise UsageError("no results match the references (by path or file stem)")
+    c = wer_counts([p[1] for p in pairs], [p[2] for p in pairs])
+    print(json.dumps({"wer": round(c.wer, 5), "files": len(pairs), "ref_words": c.ref_words,
+                      "substitutions": c.substitutions, "deletions": c.deletions, "insertions": c.insertions,
+                      "failed": failed, "without_ref": missing}))
+    return 0
+
+
+# ---- bench -----------------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """RTFx of the whole pipeline (audio already in memory) at each batch size; JSON lines."""
+    from polyaccel.asr.audio import AudioError, load_audio
+
+    try:
+        sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
+    except ValueError:
+        raise UsageError(f"--batch-sizes must be integers, got {args.batch_sizes!r}") from None
+    audio = []
+    for it in _gather(args.inputs):
+        try:
+            audio.append(load_audio(it.path))
+        except AudioError as e:
+            print(f"skipping {it.path}: {e}", file=sys.stderr)
+    if not audio:
+        raise UsageError("no readable audio")
+    audio = audio * max(1, args.repeat)
+    for bs in sizes:
+        tr = _transcriber(args, batch_size=bs)
+        try:
+            tr.transcribe(audio[: max(bs * tr.replicas, 1)])  # warm-up: graphs, caches, allocator
+            results = tr.transcribe(audio)
+            m = tr.last_metrics
+            print(json.dumps({"model": args.model, "backend": tr.backend_name, "replicas": tr.replicas,
+                              "batch_size": bs, **m.as_dict(),
+                              "errors": sum(not r.ok for r in results)}), flush=True)
+        finally:
+            tr.close()
+    return 0
+
+
+# ---- compile -----------------------------------------------------------------------------------------
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    """Compile every (graph, bucket) of the model for the backend, so serving starts warm."""
+    from polyaccel.core import BackendUnavailable, select_backend
+
+    try:
+        be = select_backend(args.backend)
+    except (BackendUnavailable, KeyError) as e:
+        raise UsageError(str(e).strip("'\"")) from None
+    if be.device_type == "cpu":
+        print(f"backend {be.name!r} runs eagerly: nothing to compile ahead of time", file=sys.stderr)
+        return 0
+    tr = _transcriber(args)
+    start = time.perf_counter()
+    try:
+        compiled = tr.compile_all()
+    finally:
+        tr.close()
+    print(json.dumps({"backend": be.name, "model": args.model, "graphs": compiled,
+                      "seconds": round(time.perf_counter() - start, 2)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

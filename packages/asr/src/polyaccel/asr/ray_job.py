@@ -1,0 +1,169 @@
+"""Transcription as a Ray Data job: file paths go through ``map_batches`` to a pool of actors,
+one per device (a GPU, a Trainium chip's 8 NeuronCores, or some CPUs), each holding its own
+:class:`~polyaccel.asr.transcriber.Transcriber` and replica pool. Results come back to the
+driver in input order as JSONL records (the CLI writes them, resumably).
+
+Works inside ``ray job submit`` (connects to the job's cluster), against ``--address``, or
+with an in-process local cluster when neither is given (``ray.init()``, shut down at the end).
+Ray is imported only here, when asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from polyaccel.asr.manifest import InputItem
+
+RAY_INSTALL_HINT = "pip install 'polyaccel-asr[ray]' (or: pip install 'ray[default,data]')"
+
+
+@dataclasses.dataclass(slots=True)
+class RayJobOptions:
+    """How to run the job. ``backend="auto"`` picks the best backend the *cluster* has
+    resources for (GPU -> cuda, neuron_cores -> neuron, else cpu), not the driver's."""
+
+    model: str = "whisper-tiny.en"
+    backend: str = "auto"
+    replicas: int | None = None
+    batch_size: int = 8
+    dtype: str | None = None
+    overlap_s: float = 3.0
+    address: str | None = None
+    num_actors: int | None = None
+    rows_per_call: int | None = None  # paths per map_batches call (default: 4 batches per replica)
+    local_num_cpus: int | None = None  # CPUs of the in-process cluster (default: all)
+
+
+def import_ray() -> Any:
+    """``import ray`` with a clear message when it is missing."""
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"the --ray job needs Ray Data: {RAY_INSTALL_HINT} ({e})") from None
+    return ray
+
+
+class TranscribeActor:
+    """A Ray Data actor: one :class:`Transcriber` (with its own replica pool) per actor.
+
+    Called with a batch of rows ``{"idx", "path", "read_path", "ref"}``; returns
+    ``{"idx", "record"}`` where ``record`` is the JSON line for each row.
+    """
+
+    def __init__(self, opts: RayJobOptions, backend: str):
+        from polyaccel.asr.transcriber import Transcriber
+
+        dtype = None
+        if opts.dtype:
+            import torch
+
+            dtype = getattr(torch, opts.dtype)
+        self.model = opts.model
+        self.transcriber = Transcriber.from_pretrained(opts.model, backend=backend, replicas=opts.replicas,
+                                                       batch_size=opts.batch_size, dtype=dtype,
+                                                       overlap_s=opts.overlap_s)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        from polyaccel.asr.wer import wer
+
+        items = [InputItem(str(p), str(r) if r else None) for p, r in zip(batch["read_path"], batch["ref"])]
+        records = []
+        for shown, r in zip(batch["path"], self.transcriber.transcribe(items)):
+            extra: dict[str, Any] = {"model": self.model, "rtfx": round(self.transcriber.last_metrics.rtfx, 2),
+                                     "actor": os.getpid()}
+            if r.ref is not None and r.ok:
+                extra["wer"] = round(wer([r.ref], [r.text]), 4)
+            r.path = str(shown)
+            records.append(json.dumps(r.to_record(**extra), ensure_ascii=False))
+        return {"idx": np.asarray(batch["idx"]), "record": np.asarray(records, dtype=object)}
+
+
+def cluster_backend(ray: Any, requested: str) -> tuple[str, dict[str, Any]]:
+    """The backend actors run and the Ray resources each actor asks for.
+
+    The resource key comes from the backend's ``ray_resource`` field: ``"GPU"`` ->
+    ``num_gpus=1``, ``"CPU"`` -> ``num_cpus=1``, anything else (``"neuron_cores"``) ->
+    ``resources={key: n}`` with n = the backend's ``ray_units_per_actor`` (8 NeuronCores, one
+    Trainium2 chip at LNC=1, when the backend does not say).
+    """
+    from polyaccel.core import backends
+
+    known = backends()
+    have = ray.cluster_resources()
+    if requested == "auto":
+        fits = [b for b in known.values() if b.ray_resource and have.get(b.ray_resource, 0) > 0]
+        be = fits[0] if fits else known["cpu"]
+    elif requested in known:
+        be = known[requested]
+    else:
+        raise KeyError(f"unknown backend {requested!r}; known: {', '.join(known)}")
+    key = be.ray_resource or "CPU"
+    units = getattr(be, "ray_units_per_actor", None) or (8 if key == "neuron_cores" else 1)
+    if key == "GPU":
+        return be.name, {"num_gpus": units}
+    if key == "CPU":
+        return be.name, {"num_cpus": units}
+    return be.name, {"num_cpus": 1, "resources": {key: units}}
+
+
+def _default_actors(ray: Any, resources: dict[str, Any]) -> int:
+    have = ray.cluster_resources()
+    if "num_gpus" in resources:
+        return max(1, int(have.get("GPU", 1) // resources["num_gpus"]))
+    if "resources" in resources:
+        (key, units), = resources["resources"].items()
+        return max(1, int(have.get(key, units) // units))
+    # CPU: one actor per 4 CPUs leaves room for Ray Data's own tasks and torch's threads.
+    return max(1, int(have.get("CPU", 1)) // 4)
+
+
+def transcribe_with_ray(items: Sequence[InputItem], opts: RayJobOptions) -> Iterator[dict[str, Any]]:
+    """Run ``items`` through a Ray Data actor pool; yield one output record per item, in
+    input order (the same records the in-process path writes)."""
+    ray = import_ray()
+    started_here = False
+    if not ray.is_initialized():
+        if opts.address:
+            ray.init(address=opts.address, logging_level="WARNING")
+        elif os.environ.get("RAY_ADDRESS"):  # e.g. the driver of `ray job submit`
+            ray.init(logging_level="WARNING")
+        else:
+            # address="local": always a fresh in-process cluster, never one that happens to
+            # be running on this machine already.
+            ray.init(address="local", num_cpus=opts.local_num_cpus or os.cpu_count(),
+                     include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+            started_here = True
+    ctx = ray.data.DataContext.get_current()
+    saved = ctx.execution_options.preserve_order, ctx.enable_progress_bars
+    try:
+        backend, resources = cluster_backend(ray, opts.backend)
+        actors = opts.num_actors or _default_actors(ray, resources)
+        per_call = opts.rows_per_call or max(1, 4 * opts.batch_size * (opts.replicas or 1))
+        logging.getLogger("ray.data").setLevel(logging.WARNING)  # per-dataset INFO lines are noise here
+        ctx.execution_options.preserve_order = True  # results in input order, on the driver
+        ctx.enable_progress_bars = False
+        rows = [{"idx": i, "path": it.path, "read_path": os.path.abspath(it.path), "ref": it.ref or ""}
+                for i, it in enumerate(items)]
+        ds = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_call)))
+        ds = ds.map_batches(TranscribeActor, fn_constructor_kwargs={"opts": opts, "backend": backend},
+                            batch_size=per_call, batch_format="numpy",
+                            compute=ray.data.ActorPoolStrategy(size=actors), **resources)
+        expected = 0
+        for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            for idx, rec in zip(batch["idx"], batch["record"]):
+                if int(idx) != expected:  # preserve_order makes this impossible; be loud if not
+                    raise RuntimeError(f"Ray returned row {int(idx)} where {expected} was expected")
+                expected += 1
+                yield json.loads(rec)
+    finally:
+        ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
+        if started_here:
+            ray.shutdown()

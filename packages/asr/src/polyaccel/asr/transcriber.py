@@ -1,0 +1,463 @@
+"""Batch transcription: files or arrays in, :class:`TranscriptResult` out, in input order.
+
+A :class:`Transcriber` owns a :class:`polyaccel.core.runtime.ReplicaPool` whose replicas each
+hold an :class:`~polyaccel.asr.runner.ASRRunner` (its own graphs, caches and state; replicas on
+the same device share the model weights). The calling thread decodes audio, cuts long files
+into overlapping windows of ``model.max_audio_seconds()``, orders each lookahead block by
+duration so batches are homogeneous, and feeds the pool; the replicas compute features,
+encode and decode; windows are stitched back per file. A bad file becomes a result with
+``error`` set, never an exception.
+
+Metrics are end to end from the first file read to the last result: RTFx = audio seconds /
+wall seconds, with decoding, resampling and feature extraction included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from polyaccel.asr.audio import (
+    DEFAULT_OVERLAP_S,
+    AudioError,
+    bucket_order,
+    load_audio,
+    prepare_waveform,
+    stitch,
+    window_bounds,
+)
+from polyaccel.asr.manifest import InputItem
+
+AudioInput = str | os.PathLike | np.ndarray | InputItem | tuple
+"""A path, an :class:`InputItem`, a mono float32 array at the model's rate, or (array, rate)."""
+
+Recognize = Callable[[list[np.ndarray]], list[str]]
+"""What a replica does: waveforms at the model's rate -> one text each (same order)."""
+
+
+@dataclasses.dataclass(slots=True)
+class TranscriptResult:
+    """The transcript of one input.
+
+    Attributes:
+        path: the input path, or ``"<array i>"`` for in-memory audio.
+        text: the transcript ("" when ``error`` is set).
+        duration_s: audio length in seconds (0.0 if it could not be read).
+        error: a short reason when the input failed, else None.
+        windows: how many windows long audio was cut into (1 for short audio).
+        ref: the reference text, when one was given with the input.
+    """
+
+    path: str
+    text: str = ""
+    duration_s: float = 0.0
+    error: str | None = None
+    windows: int = 1
+    ref: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_record(self, **extra: Any) -> dict[str, Any]:
+        """The JSONL line for this result (``extra`` fields such as model and rtf appended)."""
+        rec: dict[str, Any] = {"path": self.path, "text": self.text, "duration_s": round(self.duration_s, 3),
+                               "error": self.error, "windows": self.windows}
+        if self.ref is not None:
+            rec["ref"] = self.ref
+        rec.update(extra)
+        return rec
+
+
+@dataclasses.dataclass(slots=True)
+class TranscribeMetrics:
+    """Throughput of one ``transcribe`` call (or of all calls, see :attr:`Transcriber.metrics`).
+
+    ``rtfx`` = ``audio_s`` / ``wall_s``; ``features_included`` says feature extraction (and
+    audio decoding) ran inside the timed region, as it does here.
+    """
+
+    items: int = 0
+    failed: int = 0
+    audio_s: float = 0.0
+    wall_s: float = 0.0
+    windows: int = 0
+    features_included: bool = True
+
+    @property
+    def rtfx(self) -> float:
+        return self.audio_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def items_per_s(self) -> float:
+        return self.items / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"items": self.items, "failed": self.failed, "windows": self.windows,
+                "audio_s": round(self.audio_s, 3), "wall_s": round(self.wall_s, 3),
+                "rtfx": round(self.rtfx, 2), "items_per_s": round(self.items_per_s, 3),
+                "features_included": self.features_included}
+
+
+@dataclasses.dataclass(slots=True)
+class _Window:
+    """One unit of pool work: window ``win`` of input ``idx``."""
+
+    idx: int
+    win: int
+    audio: np.ndarray
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    """An input whose windows are in flight: their texts so far and how many are left."""
+
+    result: TranscriptResult
+    texts: list[str | None]
+    left: int
+    spans_s: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+
+
+class Transcriber:
+    """Transcribes many files fast: decoding on the caller's thread, recognition on a pool of
+    replicas.
+
+    Build one with :meth:`from_pretrained`; the constructor takes a ready replica factory,
+    which is also how another model (or a fake, in tests) is plugged in.
+
+    Args:
+        replica_factory: ``factory(i) -> recognize`` for replica ``i``, called in that
+            replica's worker thread; ``recognize(list[np.ndarray]) -> list[str]``.
+        sample_rate: the rate (Hz) waveforms are resampled to.
+        max_audio_seconds: longest window one recognize call gets; longer audio is split.
+        replicas / batch_size: pool size and most windows per recognize call.
+        overlap_s: seconds consecutive windows share.
+        bucket_s: if set, batch only windows whose lengths fall in the same ``bucket_s``
+            seconds bucket (for encoders whose cost follows the input length).
+        pool_options: extra :class:`~polyaccel.core.runtime.ReplicaPool` arguments.
+        compile_fn: ``compile_fn(i) -> graphs compiled`` for :meth:`compile_all`.
+    """
+
+    def __init__(self, replica_factory: Callable[[int], Recognize], *, sample_rate: int = 16000,
+                 max_audio_seconds: float = 30.0, replicas: int = 1, batch_size: int = 8,
+                 overlap_s: float = DEFAULT_OVERLAP_S, bucket_s: float | None = None,
+                 model_name: str = "", backend_name: str = "cpu", pool_options: dict[str, Any] | None = None,
+                 compile_fn: Callable[[int], Any] | None = None):
+        self.sample_rate = sample_rate
+        self.max_audio_seconds = max_audio_seconds
+        self.replicas = max(1, replicas)
+        self.batch_size = max(1, batch_size)
+        self.overlap_s = overlap_s
+        self.model_name = model_name
+        self.backend_name = backend_name
+        self.metrics = TranscribeMetrics()
+        self.last_metrics = TranscribeMetrics()
+        self._factory = replica_factory
+        self._pool_options = {"bucket_s": bucket_s, **(pool_options or {})}
+        self._compile_fn = compile_fn
+        self._running: tuple[TranscribeMetrics, float] | None = None
+        self._pool: Any = None
+        self._lock = threading.Lock()
+
+    # ---- construction --------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path_or_name: str | os.PathLike = "whisper-tiny.en", *, backend: Any = "auto",
+                        replicas: int | None = None, batch_size: int = 8, dtype: Any = None,
+                        overlap_s: float = DEFAULT_OVERLAP_S, use_graphs: bool = True,
+                        max_new_tokens: int | None = None, **runner_options: Any) -> Transcriber:
+        """Load a model (a directory, or a known name such as ``"whisper-tiny.en"``) and build
+        ``replicas`` runners on ``backend`` (``"auto"``, ``"cpu"``, ``"cuda"``, ``"neuron"``).
+
+        ``replicas`` defaults to the backend's device count (1 on CPU). Replicas on one device
+        share the weights; each owns its runner, graphs and caches. ``dtype`` defaults to the
+        backend's. Extra keyword arguments go to the runner (e.g. ``batch_buckets``).
+        """
+        from polyaccel.core import select_backend
+
+        be = select_backend(backend)
+        n = replicas or max(1, be.device_count())
+        dtype = dtype or be.default_dtype()
+        path = _resolve_model(path_or_name)
+        devices = be.replica_devices(n)
+        models: dict[str, Any] = {}
+        load_lock = threading.Lock()
+
+        def model_on(device: Any) -> Any:
+            with load_lock:
+                key = str(device)
+                if key not in models:
+                    models[key] = _load_model(path, device, dtype)
+                return models[key]
+
+        first = model_on(devices[0])  # loaded up front: its rate and window length shape the job
+
+        def make_runner(i: int) -> Any:
+            from polyaccel.asr.runner import ASRRunner
+
+            opts = {"batch_buckets": _batch_buckets(batch_size), **runner_options}
+            return ASRRunner(model_on(devices[i % len(devices)]), backend=be,
+                             max_new_tokens=max_new_tokens, use_graphs=use_graphs, **opts)
+
+        def replica_factory(i: int) -> Recognize:
+            runner = make_runner(i)
+            return lambda audio: [h.text for h in runner.recognize(audio)]
+
+        def compile_replica(i: int) -> int:
+            graphs = make_runner(i).graphs
+            return graphs.warmup() if graphs is not None else 0
+
+        # Whisper pads every window to 30 s, so mixing lengths in a batch costs nothing; other
+        # encoders batch windows of similar length (5 s buckets).
+        bucket_s = None if _model_type(path) == "whisper" else 5.0
+        return cls(replica_factory, sample_rate=int(first.sample_rate),
+                   max_audio_seconds=float(first.max_audio_seconds()), replicas=n, batch_size=batch_size,
+                   overlap_s=overlap_s, bucket_s=bucket_s, model_name=str(path_or_name),
+                   backend_name=be.name, compile_fn=compile_replica)
+
+    # ---- running ---------------------------------------------------------------------------
+
+    def transcribe(self, inputs: Iterable[AudioInput]) -> list[TranscriptResult]:
+        """Transcribe everything in ``inputs``; one result per input, in input order."""
+        return list(self.transcribe_iter(inputs))
+
+    def transcribe_iter(self, inputs: Iterable[AudioInput], lookahead: int | None = None
+                        ) -> Iterator[TranscriptResult]:
+        """Yield one result per input, in input order, as soon as it and all before it are
+        done. Inputs are read ``lookahead`` at a time (default: 4 batches per replica); each
+        block is ordered by duration before it goes to the pool."""
+        block = lookahead or max(8, 4 * self.batch_size * self.replicas)
+        m = TranscribeMetrics()
+        start = time.perf_counter()
+        self._running = (m, start)
+        pending: dict[int, _Pending] = {}
+        next_out = 0
+        try:
+            for win, out in self._pool_map(self._windows(iter(inputs), block, pending, m)):
+                p = pending[win.idx]
+                if isinstance(out, BaseException) or not isinstance(out, str):
+                    p.result.error = p.result.error or f"recognition failed: {_short(out)}"
+                    p.texts[win.win] = ""
+                else:
+                    p.texts[win.win] = out
+                p.left -= 1
+                while next_out in pending and pending[next_out].left == 0:
+                    yield self._finish(pending.pop(next_out), m, start)
+                    next_out += 1
+            while next_out in pending:  # inputs that failed before producing any window
+                yield self._finish(pending.pop(next_out), m, start)
+                next_out += 1
+        finally:
+            m.wall_s = time.perf_counter() - start
+            self.last_metrics = m
+            with self._lock:
+                t = self.metrics
+                t.items += m.items
+                t.failed += m.failed
+                t.audio_s += m.audio_s
+                t.wall_s += m.wall_s
+                t.windows += m.windows
+
+    def running_rtfx(self) -> float:
+        """RTFx of the ``transcribe_iter`` in progress (or the last one) up to now."""
+        if self._running is None:
+            return 0.0
+        m, start = self._running
+        wall = time.perf_counter() - start
+        return m.audio_s / wall if wall > 0 else 0.0
+
+    def compile_all(self) -> int:
+        """Build every replica's runner and compile all its (graph, bucket) pairs ahead of
+        time; returns how many graphs were compiled (0 on backends that run eagerly)."""
+        if self._compile_fn is None:
+            return 0
+        return sum(int(self._compile_fn(i) or 0) for i in range(self.replicas))
+
+    def _finish(self, p: _Pending, m: TranscribeMetrics, start: float) -> TranscriptResult:
+        r = p.result
+        if r.error is None:
+            r.text = stitch([t or "" for t in p.texts], p.spans_s) if len(p.texts) > 1 else (p.texts[0] or "").strip()
+            m.audio_s += r.duration_s
+        else:
+            r.text = ""
+            m.failed += 1
+        m.items += 1
+        m.wall_s = time.perf_counter() - start
+        return r
+
+    def _windows(self, inputs: Iterator[AudioInput], block: int, pending: dict[int, _Pending],
+                 m: TranscribeMetrics) -> Iterator[_Window]:
+        """Read inputs ``block`` at a time, register each in ``pending`` and yield its windows,
+        each block sorted by duration (longest first)."""
+        idx = 0
+        while items := _take(inputs, block):
+            numbered: list[_Window] = []
+            for item in items:
+                result, audio = self._load(idx, item)
+                bounds = []
+                if audio is not None:
+                    bounds = window_bounds(len(audio), self.sample_rate, self.max_audio_seconds, self.overlap_s)
+                    numbered += [_Window(idx, k, audio[a:b]) for k, (a, b) in enumerate(bounds)]
+                    result.windows = len(bounds)
+                pending[idx] = _Pending(result, [None] * len(bounds), len(bounds),
+                                        [(a / self.sample_rate, b / self.sample_rate) for a, b in bounds])
+                idx += 1
+            m.windows += len(numbered)
+            for j in bucket_order([len(w.audio) for w in numbered], self.batch_size):
+                yield numbered[j]
+            del numbered
+            if len(items) < block:
+                return
+
+    def _load(self, idx: int, item: AudioInput) -> tuple[TranscriptResult, np.ndarray | None]:
+        """Decode one input; a failure becomes a result with ``error`` set and no audio."""
+        ref = None
+        if isinstance(item, InputItem):
+            ref, item = item.ref, item.path
+        in_memory = isinstance(item, (np.ndarray, tuple))
+        name = f"<array {idx}>" if in_memory else os.fspath(item)
+        try:
+            if isinstance(item, tuple):
+                arr, rate = item
+                audio = prepare_waveform(arr, int(rate), self.sample_rate)
+            elif isinstance(item, np.ndarray):
+                audio = prepare_waveform(item, self.sample_rate, self.sample_rate)
+            else:
+                audio = load_audio(name, self.sample_rate)
+        except AudioError as e:
+            return TranscriptResult(name, error=str(e), ref=ref, windows=0), None
+        except Exception as e:  # never let one input stop the job
+            return TranscriptResult(name, error=f"could not read: {_short(e)}", ref=ref, windows=0), None
+        return TranscriptResult(name, duration_s=len(audio) / self.sample_rate, ref=ref), audio
+
+    # ---- the pool ---------------------------------------------------------------------------
+
+    def _pool_map(self, windows: Iterator[_Window]) -> Iterator[tuple[_Window, Any]]:
+        """Run ``windows`` through the replica pool; yield (window, text or exception) in
+        submission order."""
+        pool = self._ensure_pool()
+        yield from pool.map_items(windows)
+
+    def _ensure_pool(self) -> Any:
+        with self._lock:
+            if self._pool is None:
+                self._pool = _PoolAdapter(self._factory, self.replicas, self.batch_size,
+                                          self.sample_rate, self._pool_options)
+            return self._pool
+
+    def pool_metrics(self) -> dict[str, Any]:
+        """The replica pool's own counters (busy time per replica, queue depth...), if started."""
+        return self._pool.metrics() if self._pool is not None else {}
+
+    def close(self) -> None:
+        """Stop the replica threads (the transcriber can be used again; it restarts them)."""
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+    def __enter__(self) -> Transcriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class _PoolAdapter:
+    """Binds the transcriber's windows to :class:`polyaccel.core.runtime.ReplicaPool`."""
+
+    def __init__(self, factory: Callable[[int], Recognize], replicas: int, batch_size: int,
+                 sample_rate: int, options: dict[str, Any]):
+        from polyaccel.core.runtime import ReplicaPool
+
+        def make(i: int) -> Callable[[list[_Window]], list[str]]:
+            recognize = factory(i)
+            return lambda batch: recognize([w.audio for w in batch])
+
+        options = dict(options)
+        bucket_s = options.pop("bucket_s", None)
+        opts = {"queue_capacity": max(8, 4 * replicas * batch_size), "parallel_start": False,
+                "name": "polyaccel-asr", **options}
+        if bucket_s:  # variable-length encoders batch windows of similar length together
+            opts.setdefault("batch_key", lambda w: math.ceil(len(w.audio) / sample_rate / bucket_s))
+        self.pool = ReplicaPool(make, replicas, batch_size=batch_size,
+                                work_units=lambda w: len(w.audio) / sample_rate, **opts)
+
+    def map_items(self, windows: Iterator[_Window]) -> Iterator[tuple[_Window, Any]]:
+        for r in self.pool.map(windows):
+            yield r.item, (r.value if r.error is None else r.error)
+
+    def metrics(self) -> dict[str, Any]:
+        return self.pool.metrics().as_dict()
+
+    def close(self) -> None:
+        self.pool.close(cancel_pending=True)
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _take(it: Iterator[Any], n: int) -> list[Any]:
+    out = []
+    for x in it:
+        out.append(x)
+        if len(out) == n:
+            break
+    return out
+
+
+def _short(e: Any) -> str:
+    s = f"{type(e).__name__}: {e}" if isinstance(e, BaseException) else repr(e)
+    return s.splitlines()[0][:200] if s else type(e).__name__
+
+
+def _batch_buckets(batch_size: int) -> tuple[int, ...]:
+    """Batch sizes a runner compiles: powers of two up to ``batch_size``, and it."""
+    sizes = {batch_size}
+    b = 1
+    while b < batch_size:
+        sizes.add(b)
+        b *= 2
+    return tuple(sorted(sizes))
+
+
+def _resolve_model(path_or_name: str | os.PathLike) -> Path:
+    from polyaccel.asr.weights import resolve_model
+
+    return Path(resolve_model(str(path_or_name)))
+
+
+def _model_type(path: Path) -> str:
+    import json
+
+    cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    return str(cfg.get("model_type", "whisper"))
+
+
+def _load_model(path: Path, device: Any, dtype: Any) -> Any:
+    """Load the ASR model in ``path`` (Whisper or ConformerAED, by ``config.json``)."""
+    kind = _model_type(path)
+    if kind == "whisper":
+        from polyaccel.asr.whisper import WhisperASR
+
+        return WhisperASR.from_pretrained(path, device=device, dtype=dtype).eval()
+    try:
+        from polyaccel.asr.conformer import ConformerAED
+    except ImportError:
+        raise ValueError(f"{path}: model_type {kind!r} is not supported by this installation") from None
+    return ConformerAED.from_pretrained(path, device=device, dtype=dtype).eval()
+
