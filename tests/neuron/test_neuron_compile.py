@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+
 from polyaccel.core import GraphCache, GraphSpec, ShapeBuckets
 from polyaccel.neuron import compile as ncompile
 from polyaccel.neuron.plugin import NeuronBackend, visible_cores

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from polyaccel.core import ops
 from polyaccel.neuron import nki_api
 from polyaccel.neuron.kernels import conv2d_subsample as conv2d_mod

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+
 from polyaccel.neuron import sim as nki
 from polyaccel.neuron.sim import NKIRuleError
 

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+
 from polyaccel.neuron import nrt, runtime
 
 FAKE_LIBNRT_C = r"""

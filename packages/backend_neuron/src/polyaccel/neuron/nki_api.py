@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
 from polyaccel.neuron import sim
 
 IMPL_ENV = "POLYACCEL_NKI"

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
 from polyaccel.core.backend import Availability, Backend
 from polyaccel.core.hookspec import hookimpl
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from polyaccel.neuron import nrt
 
 CORES_PER_CHIP_LNC1 = 8

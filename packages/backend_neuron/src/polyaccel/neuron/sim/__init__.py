@@ -29,6 +29,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+
 from polyaccel.neuron.sim import isa, language
 from polyaccel.neuron.sim.rules import NKIRuleError
 from polyaccel.neuron.sim.tensor import DMAStats, NDArray, SimRun, set_run, shared_hbm

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from polyaccel.neuron.sim import rules
 from polyaccel.neuron.sim.language import Op
 from polyaccel.neuron.sim.rules import NKIRuleError

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+
 from polyaccel.neuron.sim import rules
 from polyaccel.neuron.sim.tensor import (
     NDArray,

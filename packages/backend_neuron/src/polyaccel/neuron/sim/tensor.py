@@ -16,6 +16,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+
 from polyaccel.neuron.sim.rules import (
     NUM_PARTITIONS,
     PSUM_BANK_BYTES,
