@@ -113,10 +113,12 @@ def section_ours(args, device, dtype):
         model = build_model(name, device, dtype)
         for b in [int(x) for x in args.batches.split(",")]:
             audio = waveforms(b)
-            modes = [("graphs", True)] + ([("eager", False)] if args.eager else [])
-            for mode, graphs in modes:
+            modes = [("graphs", True, args.new_tokens)] + ([("eager", False, args.new_tokens)] if args.eager else [])
+            if args.breakdown:  # one decode step: encoder + features + setup, the rest is decoding
+                modes.append(("graphs_1tok", True, 1))
+            for mode, graphs, new_tokens in modes:
                 try:
-                    runner = make_runner(model, args.backend, b, args.new_tokens, graphs)
+                    runner = make_runner(model, args.backend, b, new_tokens, graphs)
                     hyps = []
                     dt = time_it(lambda r=runner, a=audio, h=hyps: h.append(r.recognize(a)), args.repeats)
                     ntok = len(hyps[-1][0].tokens)
@@ -228,6 +230,26 @@ def section_runtime(args, device, dtype):
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
+def section_profile(args, device, dtype):
+    """Top GPU kernels of one recognize() call at the largest batch (where the time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    name, b = args.models.split(",")[0], max(int(x) for x in args.batches.split(","))
+    model = build_model(name, device, dtype)
+    runner = make_runner(model, args.backend, b, args.new_tokens, True)
+    audio = waveforms(b)
+    runner.recognize(audio)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner.recognize(audio)
+        sync()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    print(table, file=sys.stderr)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "asr_profile.txt").write_text(table)
+
+
 def section_anchor(args):
     path = Path(args.anchor_dir) / "anchor_asr_hf.py"
     if not path.is_file():
@@ -253,6 +275,7 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eager", action="store_true", help="also time the eager (no graphs) path")
+    p.add_argument("--breakdown", action="store_true", help="also time 1-token decoding (encoder share)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--anchor-dir", default=".anchors")
@@ -283,6 +306,8 @@ def main(argv=None) -> int:
         section_anchor(args)
     if "runtime" in sections:
         section_runtime(args, device, dtype)
+    if "profile" in sections and device == "cuda":
+        section_profile(args, device, dtype)
     return 0
 
 

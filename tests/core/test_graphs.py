@@ -37,3 +37,14 @@ def test_graph_cache_compiles_each_bucket_once():
         assert torch.equal(cache("double", bucket, x), x * 2)
     assert [c[1] for c in compiled] == [((1, 3),), ((4, 3),)]
     assert cache.warmup() == 2 and len(compiled) == 2
+
+
+def test_graph_cache_refuses_other_buffers_for_a_compiled_graph():
+    """A graph compiled over one set of state tensors must not silently serve another."""
+    spec = GraphSpec("inc", lambda x: x.add_(1), ShapeBuckets({"batch": (2,)}), lambda b: [torch.zeros(2)])
+    cache = GraphCache(select_backend("cpu"), [spec])
+    mine = torch.zeros(2)
+    cache.get("inc", {"batch": 2}, example_inputs=[mine])
+    assert cache.get("inc", {"batch": 2}, example_inputs=[mine]) is not None
+    with pytest.raises(RuntimeError, match="compiled over other input tensors"):
+        cache.get("inc", {"batch": 2}, example_inputs=[torch.zeros(2)])

@@ -29,76 +29,143 @@ class Hypothesis:
 
 
 class LogitsRules:
-    """Additive logit biases: ``-inf`` on ``suppress`` ids at every step, and also on
-    ``begin_suppress`` ids at the first generated step (as Hugging Face's
-    ``SuppressTokensLogitsProcessor`` / ``SuppressTokensAtBeginLogitsProcessor``).
-    The [V] bias tensors are built on the logits' device at first use."""
+    """Additive logit biases: ``-inf`` on ``suppress`` ids at every step, on ``begin_suppress``
+    ids at the first generated step (as Hugging Face's ``SuppressTokensLogitsProcessor`` /
+    ``SuppressTokensAtBeginLogitsProcessor``), and on ``eos`` while fewer than
+    ``min_new_tokens`` tokens exist. The [V] bias tensors are built once per device."""
 
-    def __init__(self, suppress: Sequence[int], begin_suppress: Sequence[int]) -> None:
+    def __init__(self, suppress: Sequence[int], begin_suppress: Sequence[int], eos_id: int | None = None,
+                 min_new_tokens: int = 0) -> None:
         self.suppress, self.begin_suppress = list(suppress), list(begin_suppress)
-        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.eos_id, self.min_new_tokens = eos_id, min_new_tokens
+        self._bias: dict[tuple[bool, bool], torch.Tensor] = {}
+        self._key: tuple[int, torch.device] | None = None
+
+    def bias(self, step: int, vocab_size: int, device: torch.device | str) -> torch.Tensor:
+        """The [V] fp32 bias for generated step ``step`` (0-based). Same tensor for same kind."""
+        if self._key != (vocab_size, torch.device(device)):
+            self._bias.clear()
+            self._key = (vocab_size, torch.device(device))
+        kind = (step == 0, self.eos_id is not None and step < self.min_new_tokens)
+        b = self._bias.get(kind)
+        if b is None:
+            b = torch.zeros(vocab_size, device=device)
+            b[self.suppress] = float("-inf")
+            if kind[0]:
+                b[self.begin_suppress] = float("-inf")
+            if kind[1]:
+                b[self.eos_id] = float("-inf")
+            self._bias[kind] = b
+        return b
 
     def apply(self, logits_BV: torch.Tensor, first_step: bool) -> torch.Tensor:
-        if self._bias is None or self._bias[0].device != logits_BV.device:
-            always = torch.zeros(logits_BV.shape[-1], device=logits_BV.device)
-            always[self.suppress] = float("-inf")
-            first = always.clone()
-            first[self.begin_suppress] = float("-inf")
-            self._bias = (always, first)
-        return logits_BV + self._bias[1 if first_step else 0]
+        """``logits`` plus the suppress biases of the first (or a later) step."""
+        return logits_BV + self.bias(0 if first_step else max(1, self.min_new_tokens), logits_BV.shape[-1],
+                                     logits_BV.device)
+
+
+@dataclasses.dataclass(slots=True)
+class GreedyBuffers:
+    """Device tensors one greedy loop reads and updates in place, fixed per batch bucket, so
+    the whole step (decoder, bias, argmax, bookkeeping) can be one captured graph.
+
+    tokens/position [B] int64: the next input token and its position; finished [B] bool;
+    logprob_sum/counted [B] fp32; out [B, T] int64 generated ids; step [1] int64.
+    """
+
+    tokens: torch.Tensor
+    position: torch.Tensor
+    finished: torch.Tensor
+    logprob_sum: torch.Tensor
+    counted: torch.Tensor
+    out: torch.Tensor
+    step: torch.Tensor
+
+    @classmethod
+    def allocate(cls, batch: int, max_new_tokens: int, device: torch.device | str) -> GreedyBuffers:
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(torch.zeros(batch, **i64), torch.zeros(batch, **i64),
+                   torch.zeros(batch, dtype=torch.bool, device=device), torch.zeros(batch, device=device),
+                   torch.zeros(batch, device=device), torch.zeros(batch, max(1, max_new_tokens), **i64),
+                   torch.zeros(1, **i64))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.tokens, self.position, self.finished, self.logprob_sum, self.counted, self.out, self.step]
+
+    def reset(self, num_real: int, eos_id: int) -> None:
+        self.position.zero_()
+        self.finished.copy_(torch.arange(self.finished.shape[0], device=self.finished.device) >= num_real)
+        self.logprob_sum.zero_()
+        self.counted.zero_()
+        self.out.fill_(eos_id)
+        self.step.zero_()
+
+
+def greedy_update(logits_BV: torch.Tensor, bias_V: torch.Tensor, buf: GreedyBuffers, eos_id: int) -> None:
+    """One greedy step's bookkeeping, in place and graph-capturable (no host syncs): argmax of
+    ``logits + bias``, its log-probability, ``eos`` for finished rows, and the next input."""
+    logits_BV = logits_BV.float() + bias_V
+    nxt = logits_BV.argmax(dim=-1)
+    lp = torch.log_softmax(logits_BV, dim=-1).gather(1, nxt[:, None])[:, 0]
+    live = (~buf.finished).float()
+    buf.logprob_sum.add_(lp * live)
+    buf.counted.add_(live)
+    nxt = nxt.masked_fill(buf.finished, eos_id)
+    buf.out.scatter_(1, buf.step.expand(nxt.shape[0], 1), nxt[:, None])
+    buf.finished.logical_or_(nxt == eos_id)
+    buf.tokens.copy_(nxt)
+    buf.position.add_(1)
+    buf.step.add_(1)
 
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+AdvanceFn = Callable[[torch.Tensor], object]
 
 
 @torch.inference_mode()
 def greedy_decode(step: StepFn, *, batch: int, num_real: int, prompt: Sequence[int], eos_id: int,
                   max_new_tokens: int, rules: LogitsRules, device: torch.device | str,
-                  check_every: int = 8, with_logprobs: bool = True,
-                  min_new_tokens: int = 0) -> list[Hypothesis]:
+                  check_every: int = 8, with_logprobs: bool = True, min_new_tokens: int | None = None,
+                  buffers: GreedyBuffers | None = None, advance: AdvanceFn | None = None,
+                  vocab_size: int | None = None) -> list[Hypothesis]:
     """Greedy search for ``num_real`` sequences in a batch bucket of ``batch`` rows.
 
     ``step(tokens [B] int64, position [B] int64) -> logits [B, V] fp32`` runs the decoder one
     token for every row (updating its cache in place). Rows ``num_real..batch-1`` are padding:
     they start finished and are never read. ``eos`` is suppressed for the first
     ``min_new_tokens`` steps (Hugging Face's ``min_new_tokens``; benchmarks use it to force a
-    fixed amount of work). Returns one :class:`Hypothesis` per real row (text left empty:
-    the caller detokenizes).
+    fixed amount of work; default: the rules' own). ``advance(bias)``, when given, performs a
+    whole generated step on ``buffers`` in place (the runner passes a captured graph of
+    :func:`greedy_update` over the decoder step); ``step`` then only feeds the prompt.
+    Returns one :class:`Hypothesis` per real row (text left empty: the caller detokenizes).
     """
     if not prompt:
         raise ValueError("the prompt must hold at least the start token")
-    position = torch.zeros(batch, dtype=torch.int64, device=device)
+    if min_new_tokens is not None and min_new_tokens != rules.min_new_tokens:
+        rules = LogitsRules(rules.suppress, rules.begin_suppress, eos_id, min_new_tokens)
+    elif rules.eos_id is None and rules.min_new_tokens:
+        rules.eos_id = eos_id
+    buf = buffers if buffers is not None else GreedyBuffers.allocate(batch, max_new_tokens, device)
+    buf.reset(num_real, eos_id)
+    logits = None
     for tok in prompt[:-1]:
-        step(torch.full((batch,), tok, dtype=torch.int64, device=device), position)
-        position += 1
-    current = torch.full((batch,), prompt[-1], dtype=torch.int64, device=device)
-    finished = torch.arange(batch, device=device) >= num_real
-    out_BT = torch.full((batch, max_new_tokens), eos_id, dtype=torch.int64, device=device)
-    logprob_sum = torch.zeros(batch, device=device)
-    counted = torch.zeros(batch, device=device)
-    eos = torch.tensor(eos_id, device=device)
+        buf.tokens.fill_(tok)
+        logits = step(buf.tokens, buf.position)
+        buf.position.add_(1)
+    buf.tokens.fill_(prompt[-1])
     steps = 0
     for t in range(max_new_tokens):
-        logits_BV = rules.apply(step(current, position), first_step=(t == 0))
-        if t < min_new_tokens:
-            logits_BV[:, eos_id] = float("-inf")
-        nxt = logits_BV.argmax(dim=-1)
-        if with_logprobs:
-            live = (~finished).float()
-            lp = torch.log_softmax(logits_BV, dim=-1).gather(1, nxt[:, None])[:, 0]
-            logprob_sum += lp * live
-            counted += live
-        nxt = torch.where(finished, eos, nxt)
-        out_BT[:, t] = nxt
-        finished |= nxt == eos_id
-        current = nxt
-        position += 1
+        if advance is not None:
+            advance(rules.bias(t, vocab_size, device))
+        else:
+            logits = step(buf.tokens, buf.position)
+            greedy_update(logits, rules.bias(t, logits.shape[-1], logits.device), buf, eos_id)
         steps = t + 1
-        if steps % check_every == 0 and bool(finished.all()):
+        if steps % check_every == 0 and bool(buf.finished.all()):
             break
 
-    tokens = out_BT[:num_real, :steps].tolist()
-    avg = (logprob_sum / counted.clamp(min=1)).tolist() if with_logprobs else [None] * num_real
+    tokens = buf.out[:num_real, :steps].tolist()
+    avg = (buf.logprob_sum / buf.counted.clamp(min=1)).tolist() if with_logprobs else [None] * num_real
     hyps = []
     for i in range(num_real):
         row = tokens[i]

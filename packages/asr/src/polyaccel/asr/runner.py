@@ -1,22 +1,28 @@
-"""Batch recognition on one device: features -> encoder graph -> greedy decoding through the
-decoder-step graph, each compiled once per batch bucket by the backend.
+"""Batch recognition on one device: features -> encoder graph -> greedy decoding, each graph
+compiled once per batch bucket by the backend.
 
 A batch of ``n`` utterances is padded up to the smallest batch bucket >= ``n``; padding
 rows never influence real ones (rows are independent, and padding rows are masked out of
 the stopping rule), so the tokens are the same at every batch size.
+
+With graphs, one generated token is ONE graph replay: the decoder step, the logits rules,
+the argmax and the bookkeeping (:func:`~polyaccel.asr.decoding.greedy_update`) are captured
+together over per-bucket buffers the runner owns (its :class:`_Slot`), so the host only
+launches a replay per token and looks at the ``finished`` flags every few steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from polyaccel.asr.decoding import Hypothesis, LogitsRules, greedy_decode
+from polyaccel.asr.decoding import GreedyBuffers, Hypothesis, LogitsRules, greedy_decode, greedy_update
 from polyaccel.asr.interface import ASRModel, DecoderState
-from polyaccel.core import Backend, GraphCache, ShapeBuckets, select_backend
+from polyaccel.core import Backend, GraphCache, GraphSpec, ShapeBuckets, select_backend
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -47,9 +53,16 @@ class ASRRunner:
         self.max_new_tokens = room if max_new_tokens is None else min(max_new_tokens, room)
         self.check_every = check_every
         self.min_new_tokens = min(min_new_tokens, self.max_new_tokens)
-        self.graphs = GraphCache(self.backend, model.graph_specs(self.buckets.sizes["batch"])) if use_graphs else None
-        self._states: dict[int, DecoderState] = {}
-        self._rules = LogitsRules(model.suppress_ids(), model.begin_suppress_ids())
+        self.vocab_size = int(model.config.vocab_size)
+        self.graphs = None
+        if use_graphs:
+            specs = model.graph_specs(self.buckets.sizes["batch"])
+            specs.append(GraphSpec("greedy_step", self._greedy_step, specs[0].buckets, self._no_example))
+            self.graphs = GraphCache(self.backend, specs)
+        self._slots: dict[int, _Slot] = {}
+        self._on_stream = self.backend.replica_stream(self.device)
+        self._rules = LogitsRules(model.suppress_ids(), model.begin_suppress_ids(), model.eos_token_id,
+                                  self.min_new_tokens)
 
     @property
     def device(self) -> torch.device:
@@ -60,8 +73,9 @@ class ASRRunner:
         """Greedy transcripts of mono float32 waveforms at the model's sample rate, in order."""
         largest = self.buckets.max["batch"]
         out: list[Hypothesis] = []
-        for start in range(0, len(audio), largest):
-            out += self._recognize_batch(audio[start:start + largest])
+        with self._on_stream():  # this runner's own stream: replicas on one device overlap
+            for start in range(0, len(audio), largest):
+                out += self._recognize_batch(audio[start:start + largest])
         return out
 
     def _recognize_batch(self, audio: list[np.ndarray]) -> list[Hypothesis]:
@@ -79,32 +93,78 @@ class ASRRunner:
             enc, enc_mask = self.graphs("encode", enc_bucket, features, lengths)
         else:
             enc, enc_mask = self.model.encode(features, lengths)
-        state = self._decoder_state(B, enc, enc_mask)
-
-        if self.graphs is not None:
-            tensors = state.tensors()
-            # The persistent per-bucket state doubles as the graph's input buffers, so a backend
-            # that keeps its example inputs (CUDA graphs) updates this very cache in place.
-            # A capture's warm-up may write at position 0, which the first prompt step overwrites.
-            zeros = torch.zeros(B, dtype=torch.int64, device=self.device)
-            graph = self.graphs.get("decode_step", bucket, example_inputs=[zeros, zeros.clone(), *tensors])
-
-            def step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-                return graph(tokens, position, *tensors)
-        else:
-            def step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-                return self.model.decode_step(tokens, position, state)
-
-        hyps = greedy_decode(step, batch=B, num_real=n, prompt=self.prompt, eos_id=self.model.eos_token_id,
-                             max_new_tokens=self.max_new_tokens, rules=self._rules,
-                             device=self.device, check_every=self.check_every,
-                             min_new_tokens=self.min_new_tokens)
+        slot = self._slot(B)
+        self.model.new_decoder_state(enc, enc_mask, self.cache_len, out=slot.state)
+        hyps = greedy_decode(slot.step, batch=B, num_real=n, prompt=self.prompt, eos_id=self.model.eos_token_id,
+                             max_new_tokens=self.max_new_tokens, rules=self._rules, device=self.device,
+                             check_every=self.check_every, buffers=slot.buffers, advance=slot.advance,
+                             vocab_size=self.vocab_size)
         for h in hyps:
             h.text = self.model.decode_text(h.tokens)
         return hyps
 
-    def _decoder_state(self, B: int, enc: torch.Tensor, enc_mask: torch.Tensor) -> DecoderState:
-        """One state per bucket, reused across batches so captured graphs read the same memory."""
-        state = self.model.new_decoder_state(enc, enc_mask, self.cache_len, out=self._states.get(B))
-        self._states[B] = state
-        return state
+    def warmup(self) -> int:
+        """Compile every graph of every batch bucket now (instead of at first use)."""
+        if self.graphs is None:
+            return 0
+        with self._on_stream():
+            for B in self.buckets.sizes["batch"]:
+                self._slot(B)
+                for bucket in self.graphs.specs["encode"].buckets.all():
+                    if bucket["batch"] == B:
+                        self.graphs.get("encode", bucket)
+        return len(self.graphs)
+
+    # ---- per-bucket state and graphs --------------------------------------------------------
+    def _slot(self, B: int) -> _Slot:
+        """The decoder state, greedy buffers and step functions of batch bucket ``B``; the
+        graphs are compiled over exactly these tensors, so their in-place updates are ours."""
+        slot = self._slots.get(B)
+        if slot is not None:
+            return slot
+        spec = {s.name: s for s in self.model.graph_specs((B,))}["decode_step"]
+        state = DecoderState(*spec.example_inputs({"batch": B})[2:])
+        buf = GreedyBuffers.allocate(B, self.max_new_tokens, self.device)
+        if self.graphs is None:
+            def step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+                return self.model.decode_step(tokens, position, state)
+            slot = _Slot(state, buf, step, None)
+        else:
+            bucket = {"batch": B}
+            decode = self.graphs.get("decode_step", bucket, example_inputs=[buf.tokens, buf.position, *state.tensors()])
+            bias = torch.zeros(self.vocab_size, device=self.device)
+            greedy = self.graphs.get("greedy_step", bucket, example_inputs=[*buf.tensors(), bias, *state.tensors()])
+            last: list[torch.Tensor | None] = [None]
+
+            def step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+                return decode(tokens, position, *state.tensors())
+
+            def advance(bias_V: torch.Tensor) -> None:
+                if bias_V is not last[0]:  # the rules hand out one tensor per kind of step
+                    bias.copy_(bias_V)
+                    last[0] = bias_V
+                greedy(*buf.tensors(), bias, *state.tensors())
+            slot = _Slot(state, buf, step, advance)
+        self._slots[B] = slot
+        return slot
+
+    def _greedy_step(self, tokens, position, finished, logprob_sum, counted, out, step, bias, *state) -> torch.Tensor:
+        """Decoder step + logits rules + argmax + bookkeeping, all in place (one graph)."""
+        buf = GreedyBuffers(tokens, position, finished, logprob_sum, counted, out, step)
+        greedy_update(self.model.decode_step(tokens, position, DecoderState(*state)), bias, buf,
+                      self.model.eos_token_id)
+        return finished
+
+    @staticmethod
+    def _no_example(bucket: dict[str, int]) -> list[torch.Tensor]:
+        raise RuntimeError("greedy_step is compiled only over a runner's own buffers (ASRRunner._slot)")
+
+
+@dataclasses.dataclass(slots=True)
+class _Slot:
+    """What one batch bucket owns: decoder state, greedy buffers, the prompt step, the fused step."""
+
+    state: DecoderState
+    buffers: GreedyBuffers
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    advance: Callable[[torch.Tensor], None] | None

@@ -212,8 +212,7 @@ class Transcriber:
             return lambda audio: [h.text for h in runner.recognize(audio)]
 
         def compile_replica(i: int) -> int:
-            graphs = make_runner(i).graphs
-            return graphs.warmup() if graphs is not None else 0
+            return make_runner(i).warmup()
 
         # Whisper pads every window to 30 s, so mixing lengths in a batch costs nothing; other
         # encoders batch windows of similar length (5 s buckets).

@@ -5,14 +5,21 @@ passes the very same tensors on every call skips the copy, which is how in-place
 as a decoder KV cache is shared between the caller and the graph. Other inputs are copied
 into those buffers before each replay. Outputs are the graph's static output tensors and
 are overwritten by the next replay: consume or clone them first.
+
+Replicas capture from their own threads: captures are serialized by a process-wide lock and
+use ``thread_local`` capture mode, so another replica's work on its own stream never
+invalidates a capture in progress.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+_CAPTURE_LOCK = threading.Lock()
 
 
 class CudaGraphRunner:
@@ -22,15 +29,17 @@ class CudaGraphRunner:
                  name: str = "graph", warmup: int = 2, pool: Any = None) -> None:
         self.name = name
         self.static_inputs = list(example_inputs)
-        stream = torch.cuda.Stream(device=self.static_inputs[0].device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up outside the capture (allocator, cuBLAS handles)
-            for _ in range(warmup):
-                fn(*self.static_inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.static_outputs = fn(*self.static_inputs)
+        with _CAPTURE_LOCK:
+            stream = torch.cuda.Stream(device=self.static_inputs[0].device)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm up outside the capture (allocator, cuBLAS handles)
+                for _ in range(warmup):
+                    fn(*self.static_inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+                self.static_outputs = fn(*self.static_inputs)
+            torch.cuda.current_stream().wait_stream(stream)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         for dst, src in zip(self.static_inputs, inputs, strict=True):

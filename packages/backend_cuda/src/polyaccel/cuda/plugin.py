@@ -40,6 +40,10 @@ class CudaBackend(Backend):
     def synchronize(self, device: torch.device | None = None) -> None:
         torch.cuda.synchronize(device)
 
+    def replica_stream(self, device: torch.device):
+        stream = torch.cuda.Stream(device=device)
+        return lambda: torch.cuda.stream(stream)
+
     def compile_graph(self, fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor], *,
                       name: str = "graph") -> Callable[..., Any]:
         from polyaccel.cuda.graphs import capture

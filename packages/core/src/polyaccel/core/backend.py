@@ -6,6 +6,7 @@ a handful of methods. Core calls backends; backends never patch core.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -82,6 +83,11 @@ class Backend:
 
     def synchronize(self, device: torch.device | None = None) -> None:
         """Wait for all queued work on ``device``."""
+
+    def replica_stream(self, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+        """A factory of context managers that run work on one replica's own queue (a CUDA
+        stream), so replicas sharing a device overlap. Call once per replica."""
+        return contextlib.nullcontext
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary for ``polyaccel backends``."""

@@ -86,6 +86,7 @@ class GraphCache:
         self.backend = backend
         self.specs = {s.name: s for s in specs}
         self._compiled: dict[tuple[str, tuple[tuple[str, int], ...]], Callable[..., Any]] = {}
+        self._inputs: dict[tuple[str, tuple[tuple[str, int], ...]], tuple[int, ...] | None] = {}
         self._lock = threading.Lock()
 
     def get(self, name: str, bucket: Mapping[str, int],
@@ -98,6 +99,11 @@ class GraphCache:
         """
         key = (name, tuple(sorted(bucket.items())))
         fn = self._compiled.get(key)
+        ids = None if example_inputs is None else tuple(id(t) for t in example_inputs)
+        if fn is not None and ids is not None and self._inputs.get(key) != ids:
+            # A backend may have kept other tensors as the graph's buffers: in-place state
+            # written by the graph would not reach the caller's tensors.
+            raise RuntimeError(f"graph {name}{dict(bucket)} was compiled over other input tensors")
         if fn is None:
             with self._lock:
                 fn = self._compiled.get(key)
@@ -106,13 +112,15 @@ class GraphCache:
                     example = example_inputs if example_inputs is not None else spec.example_inputs(dict(bucket))
                     fn = self.backend.compile_graph(spec.fn, example, name=f"{name}{dict(bucket)}")
                     self._compiled[key] = fn
+                    self._inputs[key] = ids
         return fn
 
     def __call__(self, name: str, bucket: Mapping[str, int], *inputs: torch.Tensor) -> Any:
         return self.get(name, bucket)(*inputs)
 
     def warmup(self, names: Sequence[str] | None = None) -> int:
-        """Compile every bucket of the named graphs (all by default); return how many."""
+        """Compile every bucket of the named graphs (all by default, from the specs' example
+        inputs); return how many. Graphs over caller-owned state are compiled by their owner."""
         n = 0
         for name in names or list(self.specs):
             for bucket in self.specs[name].buckets.all():
