@@ -111,7 +111,9 @@ def greedy_update(logits_BV: torch.Tensor, bias_V: torch.Tensor, buf: GreedyBuff
     buf.logprob_sum.add_(lp * live)
     buf.counted.add_(live)
     nxt = nxt.masked_fill(buf.finished, eos_id)
-    buf.out.scatter_(1, buf.step.expand(nxt.shape[0], 1), nxt[:, None])
+    # clamped: a graph capture's warm-up may run more steps than ``out`` has columns
+    column = buf.step.clamp(max=buf.out.shape[1] - 1).expand(nxt.shape[0], 1)
+    buf.out.scatter_(1, column, nxt[:, None])
     buf.finished.logical_or_(nxt == eos_id)
     buf.tokens.copy_(nxt)
     buf.position.add_(1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 import transformers
 from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
 
@@ -39,9 +40,13 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
 
     - ``backend``: a :class:`BackendConfig` (default ``BackendConfig()``: grouped GEMM
       experts, learned router, fused loss, SDPA attention, backend ``"auto"``).
-    - ``parallel``: a parallel plan (anything with an ``ep`` attribute) and ``device_mesh``:
-      accepted for data-parallel use (shard with FSDP2 after loading); expert parallelism
-      (``ep > 1``) raises ``NotImplementedError`` until it lands.
+    - ``parallel``: a :class:`polyaccel.core.ParallelPlan`, or ``device_mesh``: the
+      :class:`polyaccel.core.ParallelMeshes` it builds (or just its MoE mesh
+      ``("ep_shard", "ep")``). With ``ep > 1`` (under torchrun / Ray Train, process group up)
+      the meshes are built, each rank reads only its own experts from the checkpoint, and the
+      model comes back sharded: experts over the MoE mesh, the rest FSDP2 over dp (see
+      :mod:`polyaccel.moe.expert_parallel`). With ``ep == 1`` they are only recorded on the
+      model (shard it with FSDP2 after loading).
     """
 
     @classmethod
@@ -60,8 +65,16 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 pretrained_model_name_or_path, *model_args, config=config, **kwargs)
             return _apply_to_fallback(model, backend)
-        _check_parallel(device_mesh, parallel)
+        ep_setup = _expert_parallel_setup(device_mesh, parallel)
         _drop_ignored_kwargs(kwargs)
+        if ep_setup is not None:  # ---- expert parallelism: polyaccel.moe.ep_checkpoint
+            from polyaccel.moe.ep_checkpoint import load_expert_parallel
+
+            plan, meshes = ep_setup
+            model = load_expert_parallel(model_class, pretrained_model_name_or_path, config, plan, meshes,
+                                         dtype=_dtype(kwargs, config), device=_rank_device(), backend=backend)
+            model.device_mesh, model.parallel_plan = meshes, plan
+            return model
         model = model_class.from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
         return _finish(model, backend, device_mesh, parallel)
 
@@ -76,9 +89,16 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             _prepare_fallback_kwargs(kwargs, backend)
             model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
             return _apply_to_fallback(model, backend)
-        _check_parallel(device_mesh, parallel)
+        ep_setup = _expert_parallel_setup(device_mesh, parallel)
         _drop_ignored_kwargs(kwargs)
         model = model_class._from_config(config, **kwargs)
+        if ep_setup is not None:  # ---- expert parallelism: same seed on every rank, then shard
+            from polyaccel.moe.parallelize import apply_fsdp
+
+            plan, meshes = ep_setup
+            model = _finish(model.to(_rank_device()), backend, meshes, plan)
+            param_dtype = next(model.parameters()).dtype
+            return apply_fsdp(model, plan, meshes, param_dtype=param_dtype, reduce_dtype=torch.float32)
         return _finish(model, backend, device_mesh, parallel)
 
 
@@ -90,15 +110,57 @@ def _check_backend(backend: BackendConfig | None) -> BackendConfig:
     return backend
 
 
-def _check_parallel(device_mesh: Any, parallel: Any) -> None:
+def _expert_parallel_setup(device_mesh: Any, parallel: Any) -> tuple[Any, Any] | None:
+    """(plan, meshes) when ``parallel``/``device_mesh`` ask for ``ep > 1``, else None.
+
+    ``device_mesh`` may be a ``ParallelMeshes`` or a MoE mesh with dims ``("ep_shard", "ep")``
+    (the data-parallel mesh is then all ranks). Raises ``RuntimeError`` without a process group.
+    """
+    from polyaccel.core.parallel import ParallelMeshes, ParallelPlan
+
+    names = getattr(getattr(device_mesh, "moe", device_mesh), "mesh_dim_names", None) or ()
     ep = getattr(parallel, "ep", 1) if parallel is not None else 1
-    names = getattr(device_mesh, "mesh_dim_names", None) or ()
-    if device_mesh is not None and "ep" in names:
-        ep = max(ep, device_mesh["ep"].size())
-    if ep > 1:
-        raise NotImplementedError(
-            f"expert parallelism (ep={ep}) is not implemented yet in polyaccel.moe; load with ep=1 "
-            "(data parallel: shard the model with FSDP2 after loading) until it lands")
+    if "ep" in names:
+        ep = max(ep, getattr(device_mesh, "moe", device_mesh)["ep"].size())
+    if ep <= 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(f"expert parallelism (ep={ep}) needs torch.distributed initialised: run under torchrun "
+                           "or Ray Train (or call torch.distributed.init_process_group first)")
+    world = dist.get_world_size()
+    if isinstance(parallel, ParallelPlan):
+        plan = parallel
+    else:
+        plan = ParallelPlan(dp=world, ep=ep)
+    plan.validate(world)
+    if isinstance(device_mesh, ParallelMeshes):
+        meshes = device_mesh
+    elif device_mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dp = init_device_mesh(device_mesh.device_type, (world,), mesh_dim_names=("dp_shard",))
+        meshes = ParallelMeshes(dp=dp, moe=device_mesh)
+    else:
+        meshes = plan.build(world, _rank_device().type)
+    return plan, meshes
+
+
+def _rank_device() -> torch.device:
+    """This rank's device: the current CUDA device when there is one, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _dtype(kwargs: dict[str, Any], config: PreTrainedConfig) -> torch.dtype:
+    """The dtype Transformers' loader would use: ``dtype=``/``torch_dtype=``, ``"auto"`` = the
+    checkpoint's, default fp32."""
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype or torch.float32
 
 
 def _resolve_config(path: Any, kwargs: dict[str, Any]) -> tuple[PreTrainedConfig, dict[str, Any]]:

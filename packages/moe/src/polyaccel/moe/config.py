@@ -16,6 +16,7 @@ RMS_NORM = ("torch", "fused")
 EXPERTS = ("eager", "grouped_mm")
 GATE = ("learned", "balanced")
 LOSS = ("standard", "fused")
+DISPATCHER = ("auto", "nccl_a2a", "allgather", "symm_mem", "deepep")  # see polyaccel.moe.dispatchers
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -41,6 +42,12 @@ class BackendConfig:
             exist; ``logits`` is ``None`` in the output when labels are given) or
             ``"standard"`` (logits, then cross-entropy, exactly as Transformers).
         loss_chunk_size: rows of the ``[rows, vocab]`` fp32 logits block the fused loss holds.
+        dispatcher: how token copies reach their experts under expert parallelism (ignored at
+            ep=1): ``"auto"`` (``symm_mem`` on CUDA with NVSHMEM, else ``nccl_a2a``),
+            ``"nccl_a2a"`` (``all_to_all_single``; any torch.distributed backend),
+            ``"allgather"`` (all-gather tokens, reduce-scatter outputs; a baseline),
+            ``"symm_mem"`` (NVSHMEM ``all_to_all_vdev_2d``, no host sync; CUDA only),
+            ``"deepep"`` (DeepEP / UCCL-EP ``deep_ep.Buffer``; needs ``deep_ep``).
         compile: ``torch.compile`` each decoder layer.
         backend: the polyaccel hardware backend (``"auto"``, ``"cpu"``, ``"cuda"``, ...);
             selecting it registers its kernels for the core ops the model calls.
@@ -54,12 +61,14 @@ class BackendConfig:
     gate_noise: float = 0.0
     loss: str = "fused"
     loss_chunk_size: int = 1024
+    dispatcher: str = "auto"
     compile: bool = False
     backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name, allowed in (("attn", ATTN), ("linear", LINEAR), ("rms_norm", RMS_NORM),
-                              ("experts", EXPERTS), ("gate", GATE), ("loss", LOSS)):
+                              ("experts", EXPERTS), ("gate", GATE), ("loss", LOSS),
+                              ("dispatcher", DISPATCHER)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"BackendConfig.{name}={value!r} is not supported; choose one of "
@@ -74,8 +83,18 @@ class BackendConfig:
             raise ValueError(f"BackendConfig.compile={self.compile!r} must be a bool")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"BackendConfig.backend={self.backend!r} must be a backend name such as 'auto'")
+        if self.dispatcher == "deepep":
+            require_deep_ep()
         if "te" in (self.attn, self.linear):
             require_transformer_engine(f"BackendConfig(attn={self.attn!r}, linear={self.linear!r})")
+
+
+def require_deep_ep() -> None:
+    """Raise ``ImportError`` naming what to install when DeepEP (``deep_ep``) is missing."""
+    if importlib.util.find_spec("deep_ep") is None:
+        raise ImportError("BackendConfig(dispatcher='deepep') needs DeepEP (module 'deep_ep'), which is not "
+                          "installed: build https://github.com/deepseek-ai/DeepEP (NVSHMEM, Hopper GPUs) or "
+                          "install UCCL-EP (same deep_ep.Buffer API); or use dispatcher='nccl_a2a'")
 
 
 def require_transformer_engine(what: str) -> None:

@@ -330,6 +330,11 @@ class Experts(nn.Module):
     ``"grouped_mm"`` sorts token copies by expert and runs two grouped GEMMs (no per-expert
     Python loop, no host sync on a backend with a device grouped GEMM); ``"eager"`` loops
     over experts (a reference).
+
+    Under expert parallelism (:func:`polyaccel.moe.expert_parallel.apply_expert_parallel`) the
+    two parameters hold only this rank's ``E / ep`` experts (DTensor ``Shard(0)`` over ``ep``)
+    and ``dispatcher`` (a :class:`polyaccel.moe.dispatchers.TokenDispatcher`) moves token copies
+    to the experts' ranks and back; ``num_experts`` stays the global count.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str) -> None:
@@ -339,6 +344,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act = act
         self.impl = "grouped_mm"
+        self.dispatcher: Any = None  # set by expert parallelism
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up for [..., 2I] -> [..., I]."""
@@ -349,6 +355,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H], idx [T, k], w [T, k] -> sum_j w[t, j] * expert_{idx[t, j]}(x[t]), [T, H]."""
+        if self.dispatcher is not None:
+            return self._forward_expert_parallel(x, idx, w)
         if self.impl == "eager":
             return self._forward_eager(x, idx, w)
         x_sorted, order, counts = ops.moe_permute(x, idx, self.num_experts)
@@ -356,6 +364,15 @@ class Experts(nn.Module):
         h = self.gated(ops.grouped_mm(x_sorted, self.gate_up_proj, offsets))
         y = ops.grouped_mm(h, self.down_proj, offsets)
         return ops.moe_unpermute(y, order, w)
+
+    # ---- expert parallelism (polyaccel.moe.expert_parallel) ---------------------------------
+    def _forward_expert_parallel(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Dispatch copies to the experts' ranks, run the local experts, combine back."""
+        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        x_local, counts, handle = self.dispatcher.dispatch(x, idx, w)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = self.gated(ops.grouped_mm(x_local, gate_up, offsets))
+        return self.dispatcher.combine(ops.grouped_mm(h, down, offsets), handle)
 
     def _forward_eager(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -371,6 +388,11 @@ class Experts(nn.Module):
     def extra_repr(self) -> str:
         E, I2, H = self.gate_up_proj.shape
         return f"experts={E}, hidden={H}, intermediate={I2 // 2}, act={self.act}, impl={self.impl}"
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's block of a DTensor parameter (differentiable), or the tensor itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 class SparseMoeBlock(nn.Module):

@@ -2,7 +2,8 @@
 
 Each decoder layer (the classes in the model's ``_no_split_modules``) becomes one FSDP2 unit,
 so its parameters are all-gathered just before it runs and freed after; the root unit holds
-the embeddings, final norm and LM head. Experts sharded over ``ep`` are for a later session.
+the embeddings, final norm and LM head. With ``ep > 1`` the experts are first sharded over the
+MoE mesh (:mod:`polyaccel.moe.expert_parallel`) and the layer units leave them alone.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ def apply_fsdp(model: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes, *,
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if plan.ep > 1:
-        raise NotImplementedError("expert parallelism (ep > 1) is not implemented yet: experts would be "
-                                  "DTensor Shard(0) over the moe_mesh 'ep' dimension and excluded from "
-                                  "these FSDP units; run with ep=1 (FSDP over all ranks) for now")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if plan.ep > 1:  # experts: DTensor Shard(0) over "ep", own FSDP units over "ep_shard" (first)
+        from polyaccel.moe.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, meshes, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # The last layer's parameters are needed again at once by backward: keep them.
