@@ -202,6 +202,8 @@ def section_runtime(args, device, dtype):
         cfg = {**cfg_base, "batch": b}
         _RT.clear()
         _RT["cfg"] = cfg
+        # built here, once: replica threads must not draw CUDA random numbers while another captures
+        _RT["model"] = build_model(name, device, dtype)
         os.environ["POLYACCEL_BENCH_RT"] = json.dumps(cfg)
         n_items = b * args.replicas * args.runtime_rounds
         items = waveforms(min(n_items, 64))

@@ -7,6 +7,7 @@
 | ``grouped_mm`` | ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper), bf16 |
 | ``moe_permute`` / ``moe_unpermute`` | device sort + Triton gather-combine, no host sync (:mod:`.moe_permute`) |
 | ``linear_cross_entropy`` | chunked LM head + CE with in-forward gradients (:mod:`.cross_entropy`) |
+| ``attention`` | ``F.scaled_dot_product_attention`` (flash / cuDNN / mem-efficient) (:mod:`.attention`) |
 
 The kernel modules import Triton only when a kernel first runs.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from polyaccel.cuda._triton import has_triton
+from polyaccel.cuda.attention import attention
 from polyaccel.cuda.cross_entropy import linear_cross_entropy
 from polyaccel.cuda.moe_permute import moe_permute, moe_unpermute
 from polyaccel.cuda.swiglu import swiglu
@@ -33,6 +35,7 @@ def register_all(registry) -> None:
                           impl="chunked+triton", backend=BACKEND)
         registry.register("moe_unpermute", "cuda", moe_unpermute, impl="triton", backend=BACKEND)
     registry.register("moe_permute", "cuda", moe_permute, impl="device-sort", backend=BACKEND)
+    registry.register("attention", "cuda", attention, impl="sdpa", backend=BACKEND)
     if hasattr(torch, "_grouped_mm"):
         registry.register("grouped_mm", "cuda", grouped_mm, impl="torch._grouped_mm", backend=BACKEND)
 
