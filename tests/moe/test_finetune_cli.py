@@ -66,7 +66,7 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 @pytest.mark.parametrize("sets, message", [
     (["data.jsonl=missing.jsonl"], "missing.jsonl does not exist"),
     (["train.seq_len=1000"], "train.seq_len=1000 exceeds the model's max_position_embeddings=256"),
-    (["parallel.ep=2"], "expert parallelism (parallel.ep > 1) is not implemented yet"),
+    (["parallel.ep=2"], "ep=2 must divide the number of ranks"),
     (["data.synthetic.vocab=1000"], "data.synthetic.vocab=1000 exceeds the model's vocab_size=128"),
     (["model.backend.expert=eager"], "unknown config key 'model.backend.expert' (did you mean 'experts'?)"),
 ])

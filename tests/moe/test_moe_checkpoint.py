@@ -115,10 +115,10 @@ def test_unsupported_rope_falls_back_with_reason(caplog):
     assert "rope_type='dynamic'" in caplog.text
 
 
-def test_expert_parallel_is_refused_clearly():
+def test_expert_parallel_without_a_process_group_is_refused_clearly():
     from polyaccel.core.parallel import ParallelPlan
 
-    with pytest.raises(NotImplementedError, match="expert parallelism"):
+    with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
         AutoModelForCausalLM.from_config(tiny("qwen3_moe"), parallel=ParallelPlan(dp=2, ep=2))
     model = AutoModelForCausalLM.from_config(tiny("qwen3_moe"), parallel=ParallelPlan(dp=2),
                                              backend=BackendConfig(backend="cpu"))

@@ -153,9 +153,9 @@ def _rank_device() -> torch.device:
 
 
 def _dtype(kwargs: dict[str, Any], config: PreTrainedConfig) -> torch.dtype:
-    """The dtype Transformers' loader would use: ``dtype=``/``torch_dtype=``, ``"auto"`` = the
-    checkpoint's, default fp32."""
-    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    """The dtype Transformers v5's loader would use: ``dtype=`` (or ``torch_dtype=``), by default
+    ``"auto"``: the checkpoint config's dtype, else fp32."""
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype")) or "auto"
     if dtype == "auto":
         dtype = getattr(config, "dtype", None)
     if isinstance(dtype, str):

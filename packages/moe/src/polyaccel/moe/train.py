@@ -244,9 +244,6 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device | None = None,
     :param stop_after: return after this optimizer step, as if pre-empted (the LR schedule
         still spans ``train.max_steps``; no final output is written). Tests resume with it.
     """
-    if cfg.parallel.ep > 1:
-        raise NotImplementedError("expert parallelism (parallel.ep > 1) is not implemented yet; "
-                                  "use parallel.ep: 1 (FSDP2 data parallelism over all ranks)")
     rt = init_runtime(device or cfg.train.device)
     try:
         return _finetune(cfg, rt, stop_after)
@@ -398,14 +395,10 @@ def _scaled_loss(out: Any, config: Any, world_size: int, micro_batches: int) -> 
 
 def _clip_grads(model: nn.Module, max_norm: float | None) -> float:
     """Clip the global gradient norm to ``max_norm`` (None: only measure); return the norm."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if max_norm:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
-        norm = norm.full_tensor()
-    return float(norm)
+    from polyaccel.moe.expert_parallel import clip_grad_norm_
+
+    # Parameters may live on two meshes (FSDP's dp mesh, the experts' MoE mesh).
+    return float(clip_grad_norm_(model.parameters(), max_norm))
 
 
 def _trainer_extra(cfg: FinetuneConfig, scheduler, batches: Batches) -> dict[str, Any]:

@@ -1,0 +1,203 @@
+"""Expert parallelism on the MoE mesh, orthogonal to FSDP data parallelism: gloo processes
+(this file re-run as a script, one process per rank) against one process on the same global
+batch. Forward logits, loss, every parameter's gradient and a few AdamW steps must match."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SEQ, PER_RANK = 8, 2  # tokens per sequence, sequences per rank
+
+
+def _config():
+    from polyaccel.moe.presets import tiny
+
+    # 3 layers (one dense), 8 experts top-2, fp32; no aux loss so the loss is the token loss.
+    return tiny("qwen3_moe", router_aux_loss_coef=0.0)
+
+
+def _model(dispatcher: str = "nccl_a2a"):
+    from polyaccel.moe import AutoModelForCausalLM, BackendConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(), dtype=torch.float32,
+                                             backend=BackendConfig(backend="cpu", loss="standard",
+                                                                   dispatcher=dispatcher))
+    return model.train()
+
+
+def _batch(world: int, step: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(3, _config().vocab_size, (world * PER_RANK, SEQ), generator=g)
+
+
+def _loss(model, ids: torch.Tensor, n_global: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss summed over these rows / global target count, logits)."""
+    out = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(float(n_global)), use_cache=False)
+    return out.loss, out.logits
+
+
+# --------------------------------------------------------------------------------------------
+# Worker (one rank): python test_expert_parallel.py RANK WORLD EP PORT OUT DISPATCHER CKPT STEPS
+# --------------------------------------------------------------------------------------------
+
+def _worker(rank: int, world: int, ep: int, port: int, out: Path, dispatcher: str, ckpt: bool, steps: int) -> None:
+    import torch.distributed as dist
+
+    from polyaccel.core.parallel import ParallelPlan
+    from polyaccel.moe.expert_parallel import clip_grad_norm_
+    from polyaccel.moe.parallelize import apply_fsdp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model = _model(dispatcher)
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plan = ParallelPlan(dp=world, ep=ep)
+    apply_fsdp(model, plan, plan.build(world, "cpu"), param_dtype=torch.float32)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.to_local().shape[0] == 8 // ep  # only this rank's experts
+
+    ids = _batch(world)
+    n_global = ids.shape[0] * (SEQ - 1)
+    mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
+    loss, logits = _loss(model, mine, n_global)
+    (loss * world).backward()  # FSDP averages over the world: the global mean's gradient
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    result = {"loss": total, "logits": logits.detach(), "grads": grads,
+              "grad_norm": clip_grad_norm_(model.parameters(), None)}
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    losses = []
+    for step in range(steps):
+        if step:
+            opt.zero_grad()
+            ids = _batch(world, step)
+            loss, _ = _loss(model, ids[rank * PER_RANK:(rank + 1) * PER_RANK], n_global)
+            (loss * world).backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+        clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(total))
+    result["losses"] = losses
+    torch.save(result, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path: Path, world: int, ep: int, dispatcher: str = "nccl_a2a", ckpt: bool = False,
+            steps: int = 0, timeout: float = 120) -> list[dict]:
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(ep), str(port), str(tmp_path),
+                               dispatcher, str(int(ckpt)), str(steps)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _reference(world: int, steps: int = 0) -> dict:
+    """One process, the whole global batch, the plain mean loss."""
+    model = _model()
+    ids = _batch(world)
+    loss, logits = _loss(model, ids, ids.shape[0] * (SEQ - 1))
+    loss.backward()
+    ref = {"loss": loss.detach(), "logits": logits.detach(),
+           "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+           "grad_norm": torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    losses = []
+    for step in range(steps):
+        if step:
+            opt.zero_grad()
+            ids = _batch(world, step)
+            loss, _ = _loss(model, ids, ids.shape[0] * (SEQ - 1))
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+    ref["losses"] = losses
+    return ref
+
+
+def _assert_matches(results: list[dict], ref: dict) -> None:
+    tol = dict(rtol=1e-5, atol=1e-5)
+    for r in results:
+        torch.testing.assert_close(r["loss"], ref["loss"], **tol)
+        torch.testing.assert_close(r["grad_norm"], ref["grad_norm"], **tol)
+    torch.testing.assert_close(torch.cat([r["logits"] for r in results]), ref["logits"], **tol)
+    assert results[0]["grads"].keys() == ref["grads"].keys()
+    for name, g in ref["grads"].items():
+        assert g.abs().sum() > 0, name  # every parameter gets a gradient in this test
+        for r in results:
+            torch.testing.assert_close(r["grads"][name], g, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.timeout(150)
+def test_ep2_on_2_ranks_matches_one_process_with_checkpointing_and_adamw(tmp_path):
+    """(a) + (c): world 2, dp 2, ep 2, all-to-all dispatcher, activation checkpointing (routing
+    recomputed identically): logits, loss, all gradients and 3 AdamW steps match."""
+    results = _launch(tmp_path, world=2, ep=2, ckpt=True, steps=3)
+    ref = _reference(world=2, steps=3)
+    _assert_matches(results, ref)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(150)
+def test_dp4_ep2_on_4_ranks_matches_one_process(tmp_path):
+    """(b): FSDP over all 4 ranks for the rest, experts in 2 groups replicated over
+    ep_shard=2: expert gradients averaged over the replicas at the right scale."""
+    results = _launch(tmp_path, world=4, ep=2, dispatcher="allgather")
+    _assert_matches(results, _reference(world=4))
+
+
+def test_clear_errors_without_processes():
+    """(f): experts not divisible by ep, ep not dividing the world, symm_mem on CPU, no DeepEP."""
+    from polyaccel.core.parallel import ParallelPlan
+    from polyaccel.moe import BackendConfig
+    from polyaccel.moe.dispatchers import DispatcherUnavailable, make_dispatcher, require_symm_mem
+    from polyaccel.moe.expert_parallel import check_expert_parallel
+
+    model = _model()
+    with pytest.raises(ValueError, match="8 experts per layer, which ep=3 does not divide"):
+        check_expert_parallel(model, 3, 3)
+    with pytest.raises(ValueError, match="ep=3 does not divide the world size 4"):
+        check_expert_parallel(model, 3, 4)
+    with pytest.raises(ValueError, match="ep=3 must divide"):
+        ParallelPlan(dp=4, ep=3)
+    with pytest.raises(DispatcherUnavailable, match="symm_mem' needs CUDA tensors"):
+        require_symm_mem("cpu")
+    with pytest.raises(DispatcherUnavailable, match="symm_mem' needs CUDA"):
+        make_dispatcher("symm_mem", group=None, num_experts=8, device="cpu")
+    with pytest.raises(ImportError, match="needs DeepEP"):
+        BackendConfig(dispatcher="deepep")
+    with pytest.raises(ValueError, match="dispatcher='nope' is not supported"):
+        BackendConfig(dispatcher="nope")
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    _worker(int(a[0]), int(a[1]), int(a[2]), int(a[3]), Path(a[4]), a[5], bool(int(a[6])), int(a[7]))
