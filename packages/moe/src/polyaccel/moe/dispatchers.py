@@ -412,6 +412,11 @@ class SymmMemDispatcher(TokenDispatcher):
                  max_rows: int | None = None) -> None:
         require_symm_mem(device)
         super().__init__(group, num_experts)
+        local = num_experts // max(1, dist.get_world_size(self.group))
+        if local > SYMM_MEM_MAX_LOCAL_EXPERTS:
+            raise DispatcherUnavailable(
+                f"symm_mem: {local} experts per rank, but torch.ops.symm_mem.all_to_all_vdev_2d takes at most "
+                f"{SYMM_MEM_MAX_LOCAL_EXPERTS}; use dispatcher='nccl_a2a' or a larger ep")
         if not isinstance(align, int) or align < 1:
             raise ValueError(f"align must be a positive int, got {align!r}")
         import torch.distributed._symmetric_memory as symm_mem
@@ -553,13 +558,21 @@ _CLASSES: dict[str, type[TokenDispatcher]] = {
     c.name: c for c in (AllToAllDispatcher, AllGatherDispatcher, SymmMemDispatcher, DeepEPDispatcher)}
 
 
-def resolve_dispatcher(name: str, device: torch.device | str) -> str:
+# PyTorch's NVSHMEM ``all_to_all_vdev_2d`` handles at most this many experts per rank
+# (NUM_TILES = THREADS_PER_BLOCK / A2AV_TILE_SIZE in its kernel; seen failing with 64 on an H200).
+SYMM_MEM_MAX_LOCAL_EXPERTS = 16
+
+
+def resolve_dispatcher(name: str, device: torch.device | str, local_experts: int | None = None) -> str:
     """The concrete dispatcher ``name`` means on ``device``: ``"auto"`` is ``symm_mem`` on CUDA
-    with NVSHMEM, else ``nccl_a2a``; explicit names are checked and returned."""
+    with NVSHMEM when each rank holds at most ``SYMM_MEM_MAX_LOCAL_EXPERTS`` experts, else
+    ``nccl_a2a``; explicit names are checked and returned."""
     if name not in DISPATCHERS:
         raise ValueError(f"unknown dispatcher {name!r}; choose one of {', '.join(map(repr, DISPATCHERS))}")
     if name != "auto":
         return name
+    if local_experts is not None and local_experts > SYMM_MEM_MAX_LOCAL_EXPERTS:
+        return "nccl_a2a"
     try:
         require_symm_mem(device)
         return "symm_mem"
@@ -572,7 +585,8 @@ def make_dispatcher(name: str, group: Any, num_experts: int, device: torch.devic
 
     Raises :class:`DispatcherUnavailable` with what to install when it cannot run here.
     """
-    name = resolve_dispatcher(name, device)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    name = resolve_dispatcher(name, device, local_experts=num_experts // max(1, world))
     if name == "symm_mem":
         return SymmMemDispatcher(group, num_experts, device=device)
     return _CLASSES[name](group, num_experts)
