@@ -3,6 +3,8 @@ in a local Ray cluster trains exactly like the in-process run on the same global
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -28,12 +30,13 @@ def test_two_ray_workers_match_one_process(tmp_path, monkeypatch):
                                          f"output_dir={tmp_path}/single/out"]))
     cfg = load_config(TINY, [*sets, "train.micro_batch=1", f"checkpoint.dir={tmp_path}/ray/ck",
                              f"output_dir={tmp_path}/ray/out"])
-    # address="local": a cluster of our own, never one another process started on this machine.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        summary = run_with_ray(cfg, workers=2, storage_path=str(tmp_path / "ray_results"))
-    finally:
-        ray.shutdown()
+    # In a fresh interpreter: Ray Data/Train keep process-global state across ray.init() calls,
+    # so another test's cluster in this process must not leak into this one. address="local":
+    # a cluster of our own, never one another process started on this machine.
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        summary = pool.submit(run_with_ray, cfg, workers=2, address="local",
+                              storage_path=str(tmp_path / "ray_results")).result(timeout=170)
     assert summary["world_size"] == 2 and summary["steps"] == 3
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(single.losses),
                                rtol=1e-5, atol=1e-5)

@@ -365,14 +365,6 @@ class ConformerAED(ASRModel):
         # Front-end constants per device, fp32 whatever the model dtype; built on first use.
         self._frontend: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    @property
-    def device(self) -> torch.device:
-        return self.decoder.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.decoder.embed_tokens.weight.dtype
-
     # ---- front end -------------------------------------------------------------------------
     def max_audio_seconds(self) -> float:
         return self.config.max_audio_seconds

@@ -51,6 +51,16 @@ class ASRModel(nn.Module, abc.ABC):
     max_decode_len: int = 448
     eos_token_id: int = 0
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (and where every tensor the model returns lives)."""
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype (features are returned in it)."""
+        return next(self.parameters()).dtype
+
     # ---- front end ---------------------------------------------------------------
     @abc.abstractmethod
     def compute_features(self, audio: list[np.ndarray], num_frames: int | None = None

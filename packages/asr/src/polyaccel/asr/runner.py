@@ -66,7 +66,7 @@ class ASRRunner:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self.model.device
 
     @torch.inference_mode()
     def recognize(self, audio: list[np.ndarray]) -> list[Hypothesis]:

@@ -363,14 +363,6 @@ class WhisperASR(ASRModel):
         model.log_mel = LogMel(config.num_mel_bins, config.n_fft, config.hop_length, config.sample_rate)
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
-    @property
-    def device(self) -> torch.device:
-        return self.decoder.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.decoder.embed_tokens.weight.dtype
-
     # ---- front end ---------------------------------------------------------------------
     def max_audio_seconds(self) -> float:
         return float(self.config.chunk_seconds)
