@@ -201,3 +201,27 @@ def test_clear_errors_without_processes():
 if __name__ == "__main__":
     a = sys.argv[1:]
     _worker(int(a[0]), int(a[1]), int(a[2]), int(a[3]), Path(a[4]), a[5], bool(int(a[6])), int(a[7]))
+
+
+def test_experts_under_expert_parallelism_run_outside_torch_compile():
+    """With a dispatcher (EP), a compiled decoder layer calls the experts eagerly, so their own
+    FSDP2 unit's unshard hooks run; without one the experts are traced like the rest."""
+    from polyaccel.moe.layers import call_experts
+
+    class Probe(torch.nn.Module):
+        def __init__(self, dispatcher):
+            super().__init__()
+            self.dispatcher = dispatcher
+            self.compiling = None
+
+        def forward(self, x, idx, w):
+            self.compiling = torch.compiler.is_compiling()
+            return x * 2
+
+    x, idx, w = torch.randn(4, 3), torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1)
+    for dispatcher, traced in ((object(), False), (None, True)):
+        probe = Probe(dispatcher)
+        torch._dynamo.reset()
+        out = torch.compile(lambda a, b, c: call_experts(probe, a, b, c) + 1, backend="eager")(x, idx, w)
+        torch.testing.assert_close(out, x * 2 + 1)
+        assert probe.compiling is traced

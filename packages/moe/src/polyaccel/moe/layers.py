@@ -416,7 +416,21 @@ class SparseMoeBlock(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         x = x.reshape(-1, H)
         logits, w, idx = self.gate(x)
-        return self.experts(x, idx, w).view(B, S, H), logits
+        return call_experts(self.experts, x, idx, w).view(B, S, H), logits
+
+
+@torch.compiler.disable
+def _call_eagerly(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return experts(x, idx, w)
+
+
+def call_experts(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``experts(x, idx, w)``; under expert parallelism outside ``torch.compile``: there the
+    experts are their own FSDP2 unit on another mesh, whose unshard hooks must run eagerly
+    (a compiled decoder layer would otherwise trace the sharded DTensor weights)."""
+    if getattr(experts, "dispatcher", None) is not None:
+        return _call_eagerly(experts, x, idx, w)
+    return experts(x, idx, w)
 
 
 class DenseMLP(nn.Module):
