@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -95,27 +94,22 @@ def test_ray_job_on_a_local_cluster_matches_in_process(one_thread: None, tmp_pat
     assert all("actor" in r for r in _records(remote)[1:])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_ray_job_submit_end_to_end(tmp_path: Path) -> None:
+def test_ray_job_submit_end_to_end(tmp_path: Path, free_port) -> None:
     """``ray start --head`` on free ports, ``ray job submit -- polyaccel-asr transcribe --ray``,
     then the head (started with --block, so killing it stops only this cluster) is stopped."""
     pytest.importorskip("ray")
     clip = _two_clips()[0]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    dash = _free_port()
+    dash = free_port()
     ports = ["--port", "--ray-client-server-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
              "--metrics-export-port", "--runtime-env-agent-port", "--node-manager-port", "--object-manager-port"]
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--dashboard-host=127.0.0.1",
            f"--dashboard-port={dash}", f"--temp-dir={temp}", "--disable-usage-stats",
-           *[f"{p}={_free_port()}" for p in ports]]
+           *[f"{p}={free_port()}" for p in ports]]
     log = open(tmp_path / "head.log", "w")
     head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     out = tmp_path / "job.jsonl"

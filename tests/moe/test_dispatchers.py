@@ -6,7 +6,6 @@ argument checks (they cannot run here)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -156,18 +155,13 @@ def _worker(rank: int, port: int) -> None:
     print("worker ok", rank, flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.timeout(120)
-def test_dispatchers_match_local_experts():
+def test_dispatchers_match_local_experts(free_port):
     """(d): nccl_a2a and allgather (and symm_mem on emulated NVSHMEM ops) give the local block's
     outputs and gradients on 2 ranks, with experts and a whole rank receiving no tokens and
     unequal token counts per rank; the balanced gate gives equal loads per rank."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]

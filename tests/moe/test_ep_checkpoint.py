@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -139,21 +138,16 @@ def _worker(rank: int, port: int, root: Path) -> None:
     print("worker ok", rank, flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.timeout(150)
-def test_ep_load_reads_own_experts_and_save_round_trips(tmp_path):
+def test_ep_load_reads_own_experts_and_save_round_trips(tmp_path, free_port):
     """(e): bytes read per rank = non-expert bytes + half the expert bytes; logits equal
     Transformers'; the EP save loads in plain Transformers with identical tensors."""
     import transformers
     from safetensors import safe_open
 
     facts = _make_checkpoints(tmp_path)
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(tmp_path)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]

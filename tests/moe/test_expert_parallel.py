@@ -5,7 +5,6 @@ batch. Forward logits, loss, every parameter's gradient and a few AdamW steps mu
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -94,15 +93,9 @@ def _worker(rank: int, world: int, ep: int, port: int, out: Path, dispatcher: st
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def _launch(tmp_path: Path, world: int, ep: int, dispatcher: str = "nccl_a2a", ckpt: bool = False,
+def _launch(port: int, tmp_path: Path, world: int, ep: int, dispatcher: str = "nccl_a2a", ckpt: bool = False,
             steps: int = 0, timeout: float = 120) -> list[dict]:
-    port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(ep), str(port), str(tmp_path),
                                dispatcher, str(int(ckpt)), str(steps)], env=env,
@@ -156,10 +149,10 @@ def _assert_matches(results: list[dict], ref: dict) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_ep2_on_2_ranks_matches_one_process_with_checkpointing_and_adamw(tmp_path):
+def test_ep2_on_2_ranks_matches_one_process_with_checkpointing_and_adamw(tmp_path, free_port):
     """(a) + (c): world 2, dp 2, ep 2, all-to-all dispatcher, activation checkpointing (routing
     recomputed identically): logits, loss, all gradients and 3 AdamW steps match."""
-    results = _launch(tmp_path, world=2, ep=2, ckpt=True, steps=3)
+    results = _launch(free_port(), tmp_path, world=2, ep=2, ckpt=True, steps=3)
     ref = _reference(world=2, steps=3)
     _assert_matches(results, ref)
     for r in results:
@@ -167,10 +160,10 @@ def test_ep2_on_2_ranks_matches_one_process_with_checkpointing_and_adamw(tmp_pat
 
 
 @pytest.mark.timeout(150)
-def test_dp4_ep2_on_4_ranks_matches_one_process(tmp_path):
+def test_dp4_ep2_on_4_ranks_matches_one_process(tmp_path, free_port):
     """(b): FSDP over all 4 ranks for the rest, experts in 2 groups replicated over
     ep_shard=2: expert gradients averaged over the replicas at the right scale."""
-    results = _launch(tmp_path, world=4, ep=2, dispatcher="allgather")
+    results = _launch(free_port(), tmp_path, world=4, ep=2, dispatcher="allgather")
     _assert_matches(results, _reference(world=4))
 
 
@@ -222,6 +215,6 @@ def test_experts_under_expert_parallelism_run_outside_torch_compile():
     for dispatcher, traced in ((object(), False), (None, True)):
         probe = Probe(dispatcher)
         torch._dynamo.reset()
-        out = torch.compile(lambda a, b, c: call_experts(probe, a, b, c) + 1, backend="eager")(x, idx, w)
+        out = torch.compile(lambda a, b, c, m=probe: call_experts(m, a, b, c) + 1, backend="eager")(x, idx, w)
         torch.testing.assert_close(out, x * 2 + 1)
         assert probe.compiling is traced

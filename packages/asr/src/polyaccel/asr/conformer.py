@@ -444,17 +444,7 @@ class ConformerAED(ASRModel):
         if pad:
             cross_k, cross_v = F.pad(cross_k, (0, 0, 0, pad)), F.pad(cross_v, (0, 0, 0, pad))
             enc_mask = F.pad(enc_mask, (0, pad), value=False)
-        if out is not None:
-            out.cross_k.copy_(cross_k)
-            out.cross_v.copy_(cross_v)
-            out.enc_mask.copy_(enc_mask)
-            out.self_k.zero_()
-            out.self_v.zero_()
-            return out
-        L, B, NH, _, Dh = cross_k.shape
-        self_k = torch.zeros(L, B, NH, max_len, Dh, dtype=cross_k.dtype, device=cross_k.device)
-        return DecoderState(self_k, torch.zeros_like(self_k), cross_k.contiguous(), cross_v.contiguous(),
-                            enc_mask.contiguous())
+        return DecoderState.start(cross_k, cross_v, enc_mask, max_len, out=out)
 
     def decode_step(self, tokens: torch.Tensor, position: torch.Tensor, state: DecoderState) -> torch.Tensor:
         logits = self.decoder(tokens[:, None], state.cross_k, state.cross_v, state.enc_mask,

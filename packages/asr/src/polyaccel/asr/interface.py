@@ -38,6 +38,24 @@ class DecoderState:
     def tensors(self) -> list[torch.Tensor]:
         return [self.self_k, self.self_v, self.cross_k, self.cross_v, self.enc_mask]
 
+    @classmethod
+    def start(cls, cross_k: torch.Tensor, cross_v: torch.Tensor, enc_mask: torch.Tensor, max_len: int,
+              out: DecoderState | None = None) -> DecoderState:
+        """A state for new utterances: these cross-attention K/V [L, B, NH, S, Dh] and mask,
+        and an empty self-attention cache of ``max_len`` positions. With ``out`` (same shapes)
+        everything is written into it instead, so captured graphs keep reading its memory."""
+        if out is not None:
+            out.cross_k.copy_(cross_k)
+            out.cross_v.copy_(cross_v)
+            out.enc_mask.copy_(enc_mask)
+            out.self_k.zero_()
+            out.self_v.zero_()
+            return out
+        L, B, NH, _, Dh = cross_k.shape
+        self_k = cross_k.new_zeros(L, B, NH, max_len, Dh)
+        return cls(self_k, torch.zeros_like(self_k), cross_k.contiguous(), cross_v.contiguous(),
+                   enc_mask.contiguous().clone())
+
 
 class ASRModel(nn.Module, abc.ABC):
     """An attention encoder-decoder speech recognizer with static-shape graphs.

@@ -421,16 +421,7 @@ class WhisperASR(ASRModel):
         it instead, so a captured ``decode_step`` keeps reading the same memory."""
         kv = [layer.encoder_attn.key_value(enc) for layer in self.decoder.layers]
         cross_k, cross_v = torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])  # [L, B, NH, S, Dh]
-        if out is not None:
-            out.cross_k.copy_(cross_k)
-            out.cross_v.copy_(cross_v)
-            out.enc_mask.copy_(enc_mask)
-            out.self_k.zero_()
-            out.self_v.zero_()
-            return out
-        L, B, NH, _, Dh = cross_k.shape
-        self_k = enc.new_zeros(L, B, NH, max_len, Dh)
-        return DecoderState(self_k, torch.zeros_like(self_k), cross_k, cross_v, enc_mask.clone())
+        return DecoderState.start(cross_k, cross_v, enc_mask, max_len, out=out)
 
     def decode_step(self, tokens: torch.Tensor, position: torch.Tensor, state: DecoderState) -> torch.Tensor:
         """tokens [B] at position [B] -> logits [B, V] fp32; K/V written into ``state``."""
