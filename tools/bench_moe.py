@@ -79,18 +79,11 @@ def qwen3_config(layers: int):
 
 
 def flops_per_token(cfg, seq: int) -> float:
-    """Model FLOPs per trained token, forward + backward (3x forward), causal attention.
+    """Model FLOPs per trained token, forward + backward (``polyaccel.moe.flops``: attention
+    projections, causal QK^T and PV, router, the k active experts, LM head)."""
+    from polyaccel.moe.flops import train_flops_per_token
 
-    Counts matmuls only: attention projections, QK^T and PV (each query sees seq/2 keys on
-    average), router, the k active experts' three projections, and the LM head.
-    """
-    h, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    proj = 2 * h * (nh * d + 2 * nkv * d) + 2 * nh * d * h
-    attn = 2 * 2 * nh * d * (seq / 2)
-    router = 2 * h * cfg.num_experts
-    experts = cfg.num_experts_per_tok * 3 * 2 * h * cfg.moe_intermediate_size
-    fwd = cfg.num_hidden_layers * (proj + attn + router + experts) + 2 * h * cfg.vocab_size
-    return 3 * fwd
+    return train_flops_per_token(cfg, seq)
 
 
 def build_model(variant: str, cfg):
