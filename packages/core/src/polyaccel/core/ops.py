@@ -159,7 +159,9 @@ def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int
     """
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add rather than bincount: no host sync, traceable without a graph break
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int64))
     x_sorted = x.index_select(0, order // topk_idx.shape[1])
     return x_sorted, order, counts
 
