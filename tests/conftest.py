@@ -3,6 +3,7 @@
 import socket
 
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -15,3 +16,14 @@ def free_port():
             return s.getsockname()[1]
 
     return pick
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for in-process models: on a shared 2-core machine the small decode
+    ops lose more to thread hand-offs than they gain (4-5x slower with 2 threads under load).
+    Restored when the module's tests are done."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -45,16 +45,6 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(ns["fake_from_pretrained"]))
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread for the in-process model: on a shared 2-core machine the small
-    decode ops lose more to thread hand-offs than they gain (5x here). Restored afterwards."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _wavs(folder: Path, n: int) -> list[str]:

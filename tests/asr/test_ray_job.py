@@ -31,16 +31,6 @@ class _Cluster:
         return self.resources
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread for the in-process model: on a shared 2-core machine the small
-    decode ops lose more to thread hand-offs than they gain (5x here). Restored afterwards."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_actor_resources_come_from_the_backend() -> None:

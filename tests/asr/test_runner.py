@@ -16,14 +16,7 @@ from polyaccel.core import GraphCache, select_backend
 START, EOS, NO_TS, VOCAB = 90, 91, 92, 96
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: these small decode ops only lose to thread hand-offs on a shared
-    2-core machine (4x slower with 2 threads under load). Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_config(**kw) -> WhisperConfig:

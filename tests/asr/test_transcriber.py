@@ -170,16 +170,6 @@ def _clips() -> dict[str, str]:
     return {f: refs[Path(f).stem] for f in files}
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine the small decode ops lose more to
-    thread hand-offs than they gain. Restored afterwards."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@ from polyaccel.asr.text import normalize_text, wer
 from polyaccel.asr.whisper import WhisperASR, mel_filterbank
 
 LIBRIVOX = Path("/usr/share/pocketsphinx/test/data/librivox")
-pytestmark = pytest.mark.skipif(not (LIBRIVOX / "transcription").is_file(),
-                                reason="needs Debian package pocketsphinx-testdata")
+pytestmark = [pytest.mark.skipif(not (LIBRIVOX / "transcription").is_file(),
+                                 reason="needs Debian package pocketsphinx-testdata"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="session")
@@ -27,15 +28,6 @@ def model_cache(tmp_path_factory):
     """Shared with test_ct2_convert.py / test_runner.py: converted once per session."""
     return tmp_path_factory.getbasetemp() / "polyaccel-cache"
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: these small decode ops only lose to thread hand-offs on a shared
-    2-core machine (4x slower with 2 threads under load). Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

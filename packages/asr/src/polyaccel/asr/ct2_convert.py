@@ -225,6 +225,17 @@ def _split_fused(m: CT2Model, src: str, dsts: list[str], out: dict[str, torch.Te
             out[f"{dst}.bias"] = bi.contiguous()
 
 
+def _self_attention_and_ffn(m: CT2Model, src: str, dst: str, out: dict[str, torch.Tensor]) -> None:
+    """The parts every Whisper layer has: fused-QKV self-attention, its LayerNorm, the MLP and
+    its LayerNorm (CT2 prefix ``src`` -> HF prefix ``dst``)."""
+    _split_fused(m, f"{src}/self_attention/linear_0", [f"{dst}.self_attn.{p}_proj" for p in "qkv"], out)
+    _linear(m, f"{src}/self_attention/linear_1", f"{dst}.self_attn.out_proj", out)
+    _ln(m, f"{src}/self_attention/layer_norm", f"{dst}.self_attn_layer_norm", out)
+    _linear(m, f"{src}/ffn/linear_0", f"{dst}.fc1", out)
+    _linear(m, f"{src}/ffn/linear_1", f"{dst}.fc2", out)
+    _ln(m, f"{src}/ffn/layer_norm", f"{dst}.final_layer_norm", out)
+
+
 def ct2_to_hf_state_dict(m: CT2Model) -> dict[str, torch.Tensor]:
     """Hugging Face ``WhisperForConditionalGeneration`` tensors (fp32) from a parsed model.
 
@@ -235,29 +246,18 @@ def ct2_to_hf_state_dict(m: CT2Model) -> dict[str, torch.Tensor]:
         _linear(m, f"encoder/{conv}", f"model.encoder.{conv}", out)
     out["model.encoder.embed_positions.weight"] = m.tensor("encoder/position_encodings/encodings")
     for i in range(m.num_layers("encoder")):
-        s, d = f"encoder/layer_{i}", f"model.encoder.layers.{i}"
-        _split_fused(m, f"{s}/self_attention/linear_0", [f"{d}.self_attn.{p}_proj" for p in "qkv"], out)
-        _linear(m, f"{s}/self_attention/linear_1", f"{d}.self_attn.out_proj", out)
-        _ln(m, f"{s}/self_attention/layer_norm", f"{d}.self_attn_layer_norm", out)
-        _linear(m, f"{s}/ffn/linear_0", f"{d}.fc1", out)
-        _linear(m, f"{s}/ffn/linear_1", f"{d}.fc2", out)
-        _ln(m, f"{s}/ffn/layer_norm", f"{d}.final_layer_norm", out)
+        _self_attention_and_ffn(m, f"encoder/layer_{i}", f"model.encoder.layers.{i}", out)
     _ln(m, "encoder/layer_norm", "model.encoder.layer_norm", out)
 
     out["model.decoder.embed_tokens.weight"] = m.tensor("decoder/embeddings/weight")
     out["model.decoder.embed_positions.weight"] = m.tensor("decoder/position_encodings/encodings")
     for i in range(m.num_layers("decoder")):
         s, d = f"decoder/layer_{i}", f"model.decoder.layers.{i}"
-        _split_fused(m, f"{s}/self_attention/linear_0", [f"{d}.self_attn.{p}_proj" for p in "qkv"], out)
-        _linear(m, f"{s}/self_attention/linear_1", f"{d}.self_attn.out_proj", out)
-        _ln(m, f"{s}/self_attention/layer_norm", f"{d}.self_attn_layer_norm", out)
+        _self_attention_and_ffn(m, s, d, out)
         _linear(m, f"{s}/attention/linear_0", f"{d}.encoder_attn.q_proj", out)
         _split_fused(m, f"{s}/attention/linear_1", [f"{d}.encoder_attn.{p}_proj" for p in "kv"], out)
         _linear(m, f"{s}/attention/linear_2", f"{d}.encoder_attn.out_proj", out)
         _ln(m, f"{s}/attention/layer_norm", f"{d}.encoder_attn_layer_norm", out)
-        _linear(m, f"{s}/ffn/linear_0", f"{d}.fc1", out)
-        _linear(m, f"{s}/ffn/linear_1", f"{d}.fc2", out)
-        _ln(m, f"{s}/ffn/layer_norm", f"{d}.final_layer_norm", out)
     _ln(m, "decoder/layer_norm", "model.decoder.layer_norm", out)
 
     proj = m.aliases.get("decoder/projection/weight", "decoder/projection/weight")
