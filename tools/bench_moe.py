@@ -45,11 +45,39 @@ VARIANTS: dict[str, dict | None] = {
     "learned-compile": {**_OURS, "gate": "learned", "compile": True},
     "balanced-compile": {**_OURS, "gate": "balanced", "compile": True},
     "learned-unfused": {"experts": "grouped_mm", "loss": "standard", "rms_norm": "torch",
-                        "gate": "learned", "compile": False},
+                        "gate": "learned", "compile": False, "grad_accumulation": "autograd"},
+    "learned-compile-autograd": {**_OURS, "gate": "learned", "compile": True, "grad_accumulation": "autograd"},
+    "learned-compile-flat": {**_OURS, "gate": "learned", "compile": True, "optimizer": "flat_adamw"},
+    "balanced-compile-flat": {**_OURS, "gate": "balanced", "compile": True, "optimizer": "flat_adamw"},
+    "learned-flat-graph": {**_OURS, "gate": "learned", "compile": False, "optimizer": "flat_adamw",
+                           "graph": True},
+    "learned-compile-flat-graph": {**_OURS, "gate": "learned", "compile": True, "optimizer": "flat_adamw",
+                                   "graph": True},
+    "balanced-compile-flat-graph": {**_OURS, "gate": "balanced", "compile": True, "optimizer": "flat_adamw",
+                                    "graph": True},
 }
-"""name -> ``BackendConfig`` keyword arguments (None: Transformers itself)."""
+"""name -> ``BackendConfig`` keyword arguments (None: Transformers itself), plus ``optimizer``:
+``"adamw"`` (default: ``torch.optim.AdamW(fused=True)``, the anchor's) or ``"flat_adamw"``
+(:class:`polyaccel.moe.optim.FlatAdamW`, same math over flat buffers), and ``graph``: each
+micro-batch's forward + backward replayed as one CUDA graph
+(:class:`polyaccel.moe.graphed_step.GraphedMicroStep`). ``grad_accumulation`` defaults to
+``"fused"`` (expert weight gradients accumulated inside the grouped GEMM)."""
 
-NO_CACHE = ("-nocache", "-compile")
+
+def backend_kwargs(variant: str) -> dict:
+    """The ``BackendConfig`` keyword arguments of ``variant``."""
+    return {k: v for k, v in (VARIANTS[variant] or {}).items() if k not in ("optimizer", "graph")}
+
+
+def make_optimizer(model, variant: str) -> torch.optim.Optimizer:
+    """The optimizer ``variant`` names (lr 1e-5 and AdamW defaults otherwise, as the anchor)."""
+    if (VARIANTS[variant] or {}).get("optimizer") == "flat_adamw":
+        from polyaccel.moe.optim import FlatAdamW
+
+        return FlatAdamW(model.parameters(), lr=1e-5)
+    return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+NO_CACHE = ("-nocache", "-compile", "-graph", "-flat", "-autograd")
 """Variants whose forward gets ``use_cache=False``. A training step needs no KV cache;
 Transformers builds one anyway (``config.use_cache``), and under ``torch.compile`` a cache's
 per-layer state made every decoder layer recompile. Our model now turns the cache off in
@@ -89,8 +117,7 @@ def flops_per_token(cfg, seq: int) -> float:
 def build_model(variant: str, cfg):
     """The model for ``variant`` on the GPU in bf16, in train mode."""
     torch.manual_seed(0)
-    spec = VARIANTS[variant]
-    if spec is None:
+    if VARIANTS[variant] is None:
         from transformers import Qwen3MoeForCausalLM
 
         cfg._attn_implementation = "sdpa"
@@ -101,16 +128,21 @@ def build_model(variant: str, cfg):
         from polyaccel.moe import AutoModelForCausalLM, BackendConfig
 
         with torch.device("cuda"):
-            model = AutoModelForCausalLM.from_config(cfg, backend=BackendConfig(**spec))
+            model = AutoModelForCausalLM.from_config(cfg, backend=BackendConfig(**backend_kwargs(variant)))
         model = model.to(device="cuda", dtype=torch.bfloat16)
     return model.train()
 
 
-def train_step(model, opt, ids, accum: int, **forward_kw) -> torch.Tensor:
-    """``accum`` forward/backward passes on ``ids``, one AdamW step; returns the last loss."""
+def train_step(model, opt, ids, accum: int, micro_step=None, **forward_kw) -> torch.Tensor:
+    """``accum`` forward/backward passes on ``ids``, one AdamW step; returns the last loss.
+    ``micro_step`` (a :class:`~polyaccel.moe.graphed_step.GraphedMicroStep`) replaces the
+    eager forward/backward when given."""
     for _ in range(accum):
-        loss = model(input_ids=ids, labels=ids, **forward_kw).loss
-        loss.backward()
+        if micro_step is not None:
+            loss = micro_step(input_ids=ids, labels=ids)
+        else:
+            loss = model(input_ids=ids, labels=ids, **forward_kw).loss
+            loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
@@ -123,14 +155,19 @@ def run_variant(a) -> dict:
     model = build_model(a.one, cfg)
     build_s = time.perf_counter() - t_build
     nparams = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    opt = make_optimizer(model, a.one)
+    micro_step = None
+    if (VARIANTS[a.one] or {}).get("graph"):
+        from polyaccel.moe.graphed_step import GraphedMicroStep
+
+        micro_step = GraphedMicroStep(model, warmup=2, **forward_kwargs(a.one))
     ids = torch.randint(0, cfg.vocab_size, (a.mbs, a.seq), device="cuda")
     torch.cuda.reset_peak_memory_stats()
     times, first_s = [], None
     for i in range(a.warmup + a.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = train_step(model, opt, ids, a.accum, **forward_kwargs(a.one))
+        loss = train_step(model, opt, ids, a.accum, micro_step, **forward_kwargs(a.one))
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         first_s = first_s if first_s is not None else dt
@@ -141,6 +178,7 @@ def run_variant(a) -> dict:
     fpt = flops_per_token(cfg, a.seq)
     rec = {
         "variant": a.one, "backend": VARIANTS[a.one] or {"hf": "grouped_mm+sdpa"},
+        "optimizer": type(opt).__name__,
         "forward_kwargs": forward_kwargs(a.one),
         "layers": a.layers, "seq": a.seq, "mbs": a.mbs, "accum": a.accum,
         "params_b": round(nparams / 1e9, 3), "step_s_median": round(med, 4),
@@ -152,16 +190,16 @@ def run_variant(a) -> dict:
         "loss": round(float(loss), 4), "torch": torch.__version__,
     }
     if a.profile:
-        rec["profile"] = profile_step(model, opt, ids, a)
+        rec["profile"] = profile_step(model, opt, ids, a, micro_step)
     return rec
 
 
-def profile_step(model, opt, ids, a) -> str:
+def profile_step(model, opt, ids, a, micro_step=None) -> str:
     """One optimizer step under torch.profiler; the top CUDA kernels go to a text file."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        train_step(model, opt, ids, a.accum, **forward_kwargs(a.one))
+        train_step(model, opt, ids, a.accum, micro_step, **forward_kwargs(a.one))
         torch.cuda.synchronize()
     path = os.path.join(a.out_dir, f"profile_{a.one}.txt")
     averages = prof.key_averages()
@@ -247,6 +285,88 @@ def bench_kernels() -> list[dict]:
     return rows
 
 
+def bench_wgrad_accumulation() -> list[dict]:
+    """Expert weight gradient of one micro-batch added into ``.grad``: the fused Triton kernel
+    (:mod:`polyaccel.cuda.grouped_wgrad`) against ``torch._grouped_mm`` + ``add_`` (what
+    autograd does), at the workload's two expert GEMM shapes with learned-router-like counts."""
+    from triton.testing import do_bench
+
+    from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
+
+    dev, bf = "cuda", torch.bfloat16
+    T, E, k, H, inter = 4096, 128, 8, 2048, 768
+    counts = torch.bincount(torch.rand(T, E, device=dev).argsort(-1)[:, :k].flatten(), minlength=E)
+    offs = counts.cumsum(0).to(torch.int32)
+    rows = []
+    for name, N, K in (("gate_up", 2 * inter, H), ("down", H, inter)):
+        dy = torch.randn(T * k, N, device=dev, dtype=bf)
+        x = torch.randn(T * k, K, device=dev, dtype=bf)
+        grad = torch.zeros(E, N, K, device=dev, dtype=bf)
+        ref = torch._grouped_mm(dy.t(), x, offs=offs)
+        fused_err = ((grouped_mm_wgrad(dy, x, offs).float() - ref.float()).norm() / ref.float().norm()).item()
+        cases = {"fused_accumulate": lambda dy=dy, x=x, grad=grad: grouped_mm_wgrad(dy, x, offs, out=grad),
+                 "fused_write": lambda dy=dy, x=x: grouped_mm_wgrad(dy, x, offs),
+                 "grouped_mm+add_": lambda dy=dy, x=x, grad=grad: grad.add_(torch._grouped_mm(dy.t(), x, offs=offs)),
+                 "grouped_mm_only": lambda dy=dy, x=x: torch._grouped_mm(dy.t(), x, offs=offs)}
+        rec = {"kernel": f"wgrad {name} [E{E},{N},{K}] T*k={T * k}", "rel_err_vs_grouped_mm": fused_err}
+        for case, fn in cases.items():
+            rec[f"{case}_ms"] = round(do_bench(fn, warmup=25, rep=100, return_mode="median"), 3)
+        rec["tflops_fused"] = round(2 * T * k * N * K / (rec["fused_accumulate_ms"] * 1e-3) / 1e12, 1)
+        rows.append(rec)
+        print(json.dumps(rec), flush=True)
+    return rows
+
+
+def bench_adamw() -> list[dict]:
+    """One optimizer step over ~1.26 B bf16 parameters shaped like the workload's (one MoE
+    layer's experts, attention matrices, embedding and LM head, norms): ``ops.adamw_step_``
+    (one Triton pass over FlatAdamW's flat buffer, grads zeroed in the same pass) and
+    ``FlatAdamW.step()`` against ``torch.optim.AdamW(fused=True)``, with and without its
+    ``zero_grad(set_to_none=False)`` memset. GB/s counts the bytes each one must move."""
+    from triton.testing import do_bench
+
+    from polyaccel.core import ops
+    from polyaccel.moe.optim import FlatAdamW
+
+    dev, bf = "cuda", torch.bfloat16
+    shapes = [(128, 1536, 2048), (128, 2048, 768), *[(4096, 2048)] * 4, (151936, 2048), (151936, 2048),
+              *[(2048,)] * 4]
+
+    def params():
+        ps = [torch.nn.Parameter(torch.randn(s, device=dev, dtype=bf) * 0.02) for s in shapes]
+        for p in ps:
+            p.grad = torch.randn_like(p) * 1e-3
+        return ps
+
+    n = sum(torch.Size(s).numel() for s in shapes)
+    ours_params = params()
+    flat_opt = FlatAdamW(ours_params, lr=1e-5, weight_decay=0.0)
+    flat = flat_opt._flats[0][0]
+    hyper = dict(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1, zero_grad=True)
+
+    def ours():
+        ops.adamw_step_(flat.param, flat.grad, flat.exp_avg, flat.exp_avg_sq, **hyper)
+
+    ref = torch.optim.AdamW(params(), lr=1e-5, weight_decay=0.0, fused=True)
+
+    def ref_zero():
+        ref.step()
+        ref.zero_grad(set_to_none=False)
+
+    rec = {"kernel": f"adamw step bf16 {len(shapes)} tensors {n / 1e9:.3f}B params"}
+    for name, fn in (("ours", ours), ("flat_adamw_step", flat_opt.step), ("torch", ref.step),
+                     ("torch_step_zero_grad", ref_zero)):
+        rec[f"{name}_ms"] = round(do_bench(fn, warmup=10, rep=100, return_mode="median"), 3)
+    rec["speedup"] = round(rec["torch_ms"] / rec["ours_ms"], 2)
+    rec["speedup_with_zero_grad"] = round(rec["torch_step_zero_grad_ms"] / rec["ours_ms"], 2)
+    # bf16 bytes per element: ours reads p, g, m, v and writes p, m, v, g (zeros); torch's step
+    # reads four and writes three, its zero_grad writes g once more.
+    rec["ours_gbps"] = round(16 * n / (rec["ours_ms"] * 1e-3) / 1e9, 1)
+    rec["torch_gbps"] = round(14 * n / (rec["torch_ms"] * 1e-3) / 1e9, 1)
+    print(json.dumps(rec), flush=True)
+    return [rec]
+
+
 def loss_sanity(layers: int, seq: int) -> dict:
     """Our model's loss and HF's on identical weights and tokens, bf16 on the GPU."""
     from transformers import Qwen3MoeForCausalLM
@@ -269,7 +389,7 @@ def loss_sanity(layers: int, seq: int) -> dict:
     for spec_name in ("learned", "learned-unfused"):
         with torch.device("cuda"):  # a fresh config: HF's set_experts_implementation edited the other
             ours = AutoModelForCausalLM.from_config(qwen3_config(layers),
-                                                    backend=BackendConfig(**VARIANTS[spec_name]))
+                                                    backend=BackendConfig(**backend_kwargs(spec_name)))
         ours = ours.to(device="cuda", dtype=torch.bfloat16)
         missing, unexpected = ours.load_state_dict(state, strict=False)
         with torch.no_grad():
@@ -355,7 +475,9 @@ def main(argv: list[str] | None = None) -> None:
 
         select_backend("cuda")
         if a.kernels:
+            recs += bench_wgrad_accumulation()
             recs += bench_kernels()
+            recs += bench_adamw()
         if a.sanity:
             recs.append(loss_sanity(a.sanity_layers, a.seq))
             print(json.dumps(recs[-1]), flush=True)

@@ -140,6 +140,21 @@ def test_grouped_mm(gen, dtype):
     assert rel_err(out, expected) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_wgrad_is_grouped_mm_weight_gradient(gen, dtype):
+    E, K, N = 4, 16, 12
+    counts = torch.tensor([3, 0, 5, 2])
+    offs = counts.cumsum(0).to(torch.int32)
+    x, dy = rnd(gen, int(counts.sum()) + 2, K, dtype=dtype), rnd(gen, int(counts.sum()) + 2, N, dtype=dtype)
+    w = rnd(gen, E, N, K, dtype=torch.float64).requires_grad_()
+    torch.autograd.backward(ops.grouped_mm(x.double(), w, offs), dy.double())
+    assert rel_err(ops.grouped_mm_wgrad(dy, x, offs), w.grad) < TOL[dtype]
+    acc = rnd(gen, E, N, K, dtype=dtype)
+    expected = acc.double() + w.grad
+    out = ops.grouped_mm_wgrad(dy, x, offs, out=acc)
+    assert out is acc and rel_err(acc, expected) < TOL[dtype]
+
+
 def test_moe_permute_unpermute_roundtrip(gen):
     T, H, E, k = 7, 5, 4, 2
     x = rnd(gen, T, H)
@@ -167,3 +182,49 @@ def test_linear_cross_entropy(gen):
     lp = logits.log_softmax(-1)[keep]
     expected = -lp[torch.arange(int(keep.sum())), labels[keep]].mean()
     assert abs(ops.linear_cross_entropy(h, W, labels).item() - expected.item()) < 1e-5
+
+
+def _torch_adamw_step(p, g, m, v, step, **hp):
+    """One torch.optim.AdamW step in fp32 from state (p, m, v, step - 1): (p, m, v) after it."""
+    param = torch.nn.Parameter(p.float().clone())
+    param.grad = g.float().clone()
+    opt = torch.optim.AdamW([param], **hp)
+    opt.state[param] = {"step": torch.tensor(float(step - 1)), "exp_avg": m.float().clone(),
+                        "exp_avg_sq": v.float().clone()}
+    opt.step()
+    return param.detach(), opt.state[param]["exp_avg"], opt.state[param]["exp_avg_sq"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adamw_step_is_torch_adamw(gen, dtype):
+    """Each step equals torch AdamW's fp32 step from the same state, rounded once to ``dtype``;
+    over several steps the run tracks torch AdamW run in ``dtype`` itself."""
+    n, hp = 1001, dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    p0 = rnd(gen, n, dtype=dtype) * 0.3
+    p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+    ref = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([ref], **hp)
+    for step in range(1, 6):
+        g = rnd(gen, n, dtype=dtype)
+        expected = _torch_adamw_step(p, g, m, v, step, **hp)
+        grad = g.clone()
+        ops.adamw_step_(p, grad, m, v, lr=hp["lr"], beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                        step=step, zero_grad=step % 2 == 1)
+        for out, exp in zip((p, m, v), expected):
+            assert out.dtype == dtype and torch.equal(out, exp.to(dtype))
+        assert torch.equal(grad, torch.zeros_like(g) if step % 2 == 1 else g)  # zeroed only when asked
+        ref.grad = g.clone()
+        opt.step()
+    st = opt.state[ref]
+    tol = TOL[dtype]
+    assert rel_err(p, ref.detach()) < tol  # bf16: torch rounds after every op, we once
+    assert rel_err(m, st["exp_avg"]) < tol and rel_err(v, st["exp_avg_sq"]) < tol
+
+
+def test_adamw_step_checks_its_arguments():
+    t = torch.zeros(4)
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, zero_grad=False)
+    with pytest.raises(ValueError, match="step must be >= 1"):
+        ops.adamw_step_(t, t.clone(), t.clone(), t.clone(), step=0, **hp)
+    with pytest.raises(ValueError, match="same length"):
+        ops.adamw_step_(t, torch.zeros(5), t.clone(), t.clone(), step=1, **hp)

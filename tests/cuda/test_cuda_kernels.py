@@ -234,6 +234,49 @@ def test_gpu_grouped_mm_with_empty_groups():
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize(("N", "K"), [(1536, 2048), (2048, 768), (200, 72)])
+def test_gpu_grouped_mm_wgrad_writes_and_accumulates(N, K):
+    from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
+
+    E = 16
+    counts = torch.randint(0, 300, (E,), device="cuda")
+    counts[3] = 0
+    T = int(counts.sum()) + 5  # rows past the last group are ignored
+    offsets = counts.cumsum(0).to(torch.int32)
+    dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    ref = ops.grouped_mm_wgrad.reference(dy.double(), x.double(), offsets)
+    fresh = grouped_mm_wgrad(dy, x, offsets)
+    assert fresh.dtype == torch.bfloat16 and rel_err(fresh, ref) < TOL[torch.bfloat16]
+    assert (fresh[3] == 0).all()
+    acc = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
+    expected = acc.double() + ref
+    assert grouped_mm_wgrad(dy, x, offsets, out=acc) is acc
+    assert rel_err(acc, expected) < TOL[torch.bfloat16]
+
+
+@gpu
+@needs_cuda
+def test_gpu_fused_wgrad_accumulation_matches_autograd():
+    from polyaccel.moe.grouped_linear import grouped_linear
+
+    E, N, K = 8, 384, 256
+    w1 = (torch.randn(E, N, K, device="cuda") / 16).bfloat16().requires_grad_()
+    w2 = w1.detach().clone().requires_grad_()
+    for _ in range(3):
+        counts = torch.randint(0, 100, (E,), device="cuda")
+        offsets = counts.cumsum(0).to(torch.int32)
+        x = torch.randn(int(counts.sum()), K, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(x.shape[0], N, device="cuda", dtype=torch.bfloat16)
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch.autograd.backward(grouped_linear(a, w1, offsets), g)
+        torch.autograd.backward(kernels.grouped_mm(b, w2, offsets), g)
+        assert rel_err(a.grad, b.grad) < 1e-2
+    assert rel_err(w1.grad, w2.grad.float()) < 1e-2
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_linear_cross_entropy_large_vocab(monkeypatch, dtype):
     N, H, V = 1024, 512, 151936

@@ -43,6 +43,7 @@ def test_precedence_cli_over_file_over_preset(tmp_path):
     ({"train": {"micro_batch": "two"}}, "train.micro_batch: expected an integer, got 'two'"),
     ({"train": {"dtype": "fp16"}}, "train.dtype: 'fp16' is not one of 'bf16', 'fp32'"),
     ({"train": {"betas": [0.9]}}, "train.betas: expected a list of 2 values"),
+    ({"train": {"optimizer": "adam"}}, "train.optimizer: 'adam' is not one of 'auto', 'adamw', 'flat_adamw'"),
     ({"train": {"activation_checkpointing": "yes"}}, "expected true/false"),
     ({"model": {"preset": "qwen3-tiny"}}, "unknown preset 'qwen3-tiny' (did you mean 'qwen3-moe-tiny'?)"),
 ])

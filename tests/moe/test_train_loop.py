@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from polyaccel.moe.checkpoint import complete_checkpoints, latest_checkpoint
 from polyaccel.moe.data import IGNORE_INDEX, Batches, PackedDataset, SyntheticDataset, build_dataset
 from polyaccel.moe.flops import mfu, peak_flops, train_flops_per_token
-from polyaccel.moe.train import finetune, lr_factor
+from polyaccel.moe.train import build_optimizer, finetune, lr_factor
 from polyaccel.moe.train_config import ConfigError, DataConfig, TrainConfig, load_config, qwen3_30b_a3b_l8
 
 REPO = Path(__file__).resolve().parents[2]
@@ -183,6 +183,48 @@ def test_token_ids_outside_vocab_and_bad_records_are_errors(tmp_path):
     with pytest.raises(ConfigError, match="needs a tokenizer"):
         data.write_text(json.dumps({"text": "the cat"}) + "\n")
         build_dataset(DataConfig(jsonl=str(data)), seq_len=4, vocab_size=128)
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer
+# --------------------------------------------------------------------------------------------
+
+def test_flat_adamw_is_the_single_process_default_and_trains_like_torch_adamw(tmp_path):
+    steps = ["train.max_steps=3", "train.weight_decay=0.1", "train.grad_clip=0.5"]
+    flat = finetune(_tiny(tmp_path / "flat", *steps))  # train.optimizer: auto
+    torch_ = finetune(_tiny(tmp_path / "torch", *steps, "train.optimizer=adamw"))
+    torch.testing.assert_close(torch.tensor(flat.losses), torch.tensor(torch_.losses), rtol=1e-5, atol=1e-6)
+    wf, wt = _weights(tmp_path / "flat/out"), _weights(tmp_path / "torch/out")
+    assert wf.keys() == wt.keys()
+    for k in wf:
+        torch.testing.assert_close(wf[k], wt[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_build_optimizer_picks_by_config_and_params():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from polyaccel.moe.optim import FlatAdamW
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    cpu = torch.device("cpu")
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), cpu)
+    assert type(opt) is FlatAdamW and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 3]  # vectors: no decay
+    assert type(build_optimizer(model, TrainConfig(optimizer="adamw"), cpu)) is torch.optim.AdamW
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        sharded = torch.nn.Linear(4, 4)
+        sharded.weight = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), init_device_mesh("cpu", (2,)),
+                                                              [Shard(0)]))
+        assert type(build_optimizer(sharded, TrainConfig(), cpu)) is torch.optim.AdamW  # auto under FSDP2
+        with pytest.raises(ConfigError, match="train.optimizer=flat_adamw: FlatAdamW needs plain tensors"):
+            build_optimizer(sharded, TrainConfig(optimizer="flat_adamw"), cpu)
+    finally:
+        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------------------------

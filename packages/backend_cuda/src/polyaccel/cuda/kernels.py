@@ -5,9 +5,11 @@
 | ``rms_norm`` | Triton forward/backward, fp32 statistics (:mod:`.triton_rmsnorm`) |
 | ``swiglu`` | Triton forward/backward (:mod:`.swiglu`) |
 | ``grouped_mm`` | ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper), bf16 |
+| ``grouped_mm_wgrad`` | Triton K-grouped GEMM accumulating into ``.grad`` (:mod:`.grouped_wgrad`) |
 | ``moe_permute`` / ``moe_unpermute`` | device sort + Triton gather-combine, no host sync (:mod:`.moe_permute`) |
 | ``linear_cross_entropy`` | chunked LM head + CE with in-forward gradients (:mod:`.cross_entropy`) |
 | ``attention`` | ``F.scaled_dot_product_attention`` (flash / cuDNN / mem-efficient) (:mod:`.attention`) |
+| ``adamw_step_`` | one Triton pass over a flat buffer, fp32 math, optional grad zeroing (:mod:`.adamw`) |
 
 The kernel modules import Triton only when a kernel first runs.
 """
@@ -17,8 +19,10 @@ from __future__ import annotations
 import torch
 
 from polyaccel.cuda._triton import has_triton
+from polyaccel.cuda.adamw import adamw_step_
 from polyaccel.cuda.attention import attention
 from polyaccel.cuda.cross_entropy import linear_cross_entropy
+from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
 from polyaccel.cuda.moe_permute import moe_permute, moe_unpermute
 from polyaccel.cuda.swiglu import swiglu
 from polyaccel.cuda.triton_rmsnorm import rms_norm
@@ -34,6 +38,8 @@ def register_all(registry) -> None:
         registry.register("linear_cross_entropy", "cuda", linear_cross_entropy,
                           impl="chunked+triton", backend=BACKEND)
         registry.register("moe_unpermute", "cuda", moe_unpermute, impl="triton", backend=BACKEND)
+        registry.register("adamw_step_", "cuda", adamw_step_, impl="triton", backend=BACKEND)
+        registry.register("grouped_mm_wgrad", "cuda", grouped_mm_wgrad, impl="triton", backend=BACKEND)
     registry.register("moe_permute", "cuda", moe_permute, impl="device-sort", backend=BACKEND)
     registry.register("attention", "cuda", attention, impl="sdpa", backend=BACKEND)
     if hasattr(torch, "_grouped_mm"):

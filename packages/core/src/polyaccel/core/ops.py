@@ -149,6 +149,26 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 @registry.define
+def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight gradient of :func:`grouped_mm`: ``dy_g.T @ x_g`` per group, [G, N, K].
+
+    dy [T, N], x [T, K] (rows sorted by group), offsets int32 [G] cumulative row ends. With
+    ``out`` given, the product is added into it in place and ``out`` is returned: gradient
+    accumulation fused into the GEMM (Megatron's trick), so a micro-batch's expert weight
+    gradient is never materialized beside ``.grad``. Products are formed in fp32.
+    """
+    G, N, K = offsets.numel(), dy.shape[1], x.shape[1]
+    res = out if out is not None else dy.new_zeros(G, N, K)
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        if end > start:
+            res[g] += (dy[start:end].float().T @ x[start:end].float()).to(res.dtype)
+        start = end
+    return res
+
+
+@registry.define
 def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort token copies by expert for grouped GEMM.
@@ -190,3 +210,34 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """
     logits = F.linear(hidden, weight).float()
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
+
+
+@registry.define
+def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                zero_grad: bool = False) -> None:
+    """One AdamW step, in place, over flat tensors of equal length: torch.optim.AdamW's math.
+
+    ``p *= 1 - lr*wd``; ``m = lerp(m, g, 1 - beta1)``; ``v = beta2*v + (1 - beta2)*g*g``;
+    ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)`` with ``bc = 1 - beta**step`` (``step`` >= 1
+    counts this step). Computed in fp32, stored in each tensor's dtype. ``zero_grad`` also
+    writes zeros into ``grad`` (the next accumulation starts from zero with no separate memset).
+    """
+    if step < 1:
+        raise ValueError(f"adamw_step_: step must be >= 1 (this step's count), got {step}")
+    n = param.numel()
+    if any(t.numel() != n for t in (grad, exp_avg, exp_avg_sq)):
+        raise ValueError("adamw_step_: param, grad, exp_avg and exp_avg_sq must have the same length")
+    p, g, m, v = param.float(), grad.float(), exp_avg.float(), exp_avg_sq.float()  # fp32: no copies
+    if weight_decay:
+        p.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+    p.addcdiv_(m, (v.sqrt() / bias_correction2_sqrt).add_(eps), value=-lr / bias_correction1)
+    for out, val in ((param, p), (exp_avg, m), (exp_avg_sq, v)):
+        if out is not val:
+            out.copy_(val)
+    if zero_grad:
+        grad.zero_()

@@ -16,6 +16,7 @@ RMS_NORM = ("torch", "fused")
 EXPERTS = ("eager", "grouped_mm")
 GATE = ("learned", "balanced")
 LOSS = ("standard", "fused")
+GRAD_ACCUMULATION = ("autograd", "fused")
 DISPATCHER = ("auto", "nccl_a2a", "allgather", "symm_mem", "deepep")  # see polyaccel.moe.dispatchers
 
 
@@ -42,6 +43,11 @@ class BackendConfig:
             exist; ``logits`` is ``None`` in the output when labels are given) or
             ``"standard"`` (logits, then cross-entropy, exactly as Transformers).
         loss_chunk_size: rows of the ``[rows, vocab]`` fp32 logits block the fused loss holds.
+        grad_accumulation: ``"fused"`` (expert weight gradients are added into ``.grad`` inside
+            the weight-gradient grouped GEMM, :mod:`polyaccel.moe.grouped_linear`; applies to
+            plain parameters only, not under FSDP2 / expert parallelism, where it falls back by
+            itself) or ``"autograd"`` (autograd returns them and adds them; needed for
+            ``torch.autograd.grad`` with respect to expert weights).
         dispatcher: how token copies reach their experts under expert parallelism (ignored at
             ep=1): ``"auto"`` (``symm_mem`` on CUDA with NVSHMEM, else ``nccl_a2a``),
             ``"nccl_a2a"`` (``all_to_all_single``; any torch.distributed backend),
@@ -61,6 +67,7 @@ class BackendConfig:
     gate_noise: float = 0.0
     loss: str = "fused"
     loss_chunk_size: int = 1024
+    grad_accumulation: str = "fused"
     dispatcher: str = "auto"
     compile: bool = False
     backend: str = "auto"
@@ -68,6 +75,7 @@ class BackendConfig:
     def __post_init__(self) -> None:
         for name, allowed in (("attn", ATTN), ("linear", LINEAR), ("rms_norm", RMS_NORM),
                               ("experts", EXPERTS), ("gate", GATE), ("loss", LOSS),
+                              ("grad_accumulation", GRAD_ACCUMULATION),
                               ("dispatcher", DISPATCHER)):
             value = getattr(self, name)
             if value not in allowed:

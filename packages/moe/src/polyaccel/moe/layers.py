@@ -23,6 +23,7 @@ from torch import nn
 
 from polyaccel.core import ops
 from polyaccel.core.kernels import registry
+from polyaccel.moe.grouped_linear import grouped_linear
 
 # ---------------------------------------------------------------------------------------------
 # Norms
@@ -344,6 +345,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act = act
         self.impl = "grouped_mm"
+        self.fuse_wgrad = False  # BackendConfig(grad_accumulation="fused"): polyaccel.moe.grouped_linear
         self.dispatcher: Any = None  # set by expert parallelism
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -361,8 +363,9 @@ class Experts(nn.Module):
             return self._forward_eager(x, idx, w)
         x_sorted, order, counts = ops.moe_permute(x, idx, self.num_experts)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        h = self.gated(ops.grouped_mm(x_sorted, self.gate_up_proj, offsets))
-        y = ops.grouped_mm(h, self.down_proj, offsets)
+        mm = grouped_linear if self.fuse_wgrad else ops.grouped_mm
+        h = self.gated(mm(x_sorted, self.gate_up_proj, offsets))
+        y = mm(h, self.down_proj, offsets)
         return ops.moe_unpermute(y, order, w)
 
     # ---- expert parallelism (polyaccel.moe.expert_parallel) ---------------------------------
@@ -425,10 +428,11 @@ def _call_eagerly(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: tor
 
 
 def call_experts(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``experts(x, idx, w)``; under expert parallelism outside ``torch.compile``: there the
-    experts are their own FSDP2 unit on another mesh, whose unshard hooks must run eagerly
-    (a compiled decoder layer would otherwise trace the sharded DTensor weights)."""
-    if getattr(experts, "dispatcher", None) is not None:
+    """``experts(x, idx, w)``; outside ``torch.compile`` under expert parallelism (there the
+    experts are their own FSDP2 unit on another mesh, whose unshard hooks must run eagerly: a
+    compiled decoder layer would otherwise trace the sharded DTensor weights) and with fused
+    weight-gradient accumulation (its backward writes ``.grad``, which a graph cannot)."""
+    if getattr(experts, "dispatcher", None) is not None or getattr(experts, "fuse_wgrad", False):
         return _call_eagerly(experts, x, idx, w)
     return experts(x, idx, w)
 

@@ -221,11 +221,27 @@ def lr_factor(t: TrainConfig) -> Callable[[int], float]:
     return factor
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW, fused on CUDA; no weight decay on vectors (norms, biases)."""
+def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the trainable params; no weight decay on vectors (norms, biases).
+
+    ``t.optimizer``: ``flat_adamw`` is :class:`polyaccel.moe.optim.FlatAdamW` (flat buffers, one
+    ``ops.adamw_step_`` per buffer); ``adamw`` is ``torch.optim.AdamW``, fused on CUDA;
+    ``auto`` picks ``flat_adamw`` for a single process with plain-tensor params, else ``adamw``.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    kind = t.optimizer
+    if kind == "auto":
+        single = not (dist.is_initialized() and dist.get_world_size() > 1)
+        kind = "flat_adamw" if single and all(type(p.data) is torch.Tensor for p in params) else "adamw"
+    if kind == "flat_adamw":
+        from polyaccel.moe.optim import FlatAdamW
+
+        try:
+            return FlatAdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps)
+        except ValueError as e:
+            raise ConfigError(f"train.optimizer=flat_adamw: {e} (or set train.optimizer=adamw)") from e
     fused = device.type == "cuda"
     return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, fused=fused,
                              foreach=None if fused else True)
@@ -259,6 +275,9 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
     backend_config(cfg.model)  # fail on a bad backend section before loading anything
     num_experts = next((getattr(model_config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
                         if getattr(model_config, k, None)), None)
+    if t.optimizer == "flat_adamw" and rt.world_size > 1:
+        raise ConfigError("train.optimizer=flat_adamw needs a single process (FSDP2 shards the parameters "
+                          "as DTensors); use train.optimizer=adamw or auto")
     try:
         plan = ParallelPlan(dp=cfg.parallel.dp or rt.world_size, ep=cfg.parallel.ep,
                             dp_replicate=cfg.parallel.dp_replicate)

@@ -103,6 +103,11 @@ class TrainConfig:
     ``seq_len`` tokens. ``dtype`` is the compute dtype; parameters and optimizer state are
     stored in it too unless ``fp32_master`` keeps an fp32 copy (parameters in fp32,
     computation autocast/cast to bf16).
+
+    ``optimizer``: ``flat_adamw`` (:class:`polyaccel.moe.optim.FlatAdamW`, AdamW over one flat
+    buffer per param group: one kernel per step), ``adamw`` (``torch.optim.AdamW``, fused on
+    CUDA), or ``auto``: ``flat_adamw`` in a single process, ``adamw`` under FSDP2 (sharded
+    DTensor parameters, which FlatAdamW cannot flatten).
     """
 
     seq_len: int = 2048
@@ -116,6 +121,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
+    optimizer: Literal["auto", "adamw", "flat_adamw"] = "auto"
     grad_clip: float | None = 1.0
     seed: int = 0
     activation_checkpointing: bool = False

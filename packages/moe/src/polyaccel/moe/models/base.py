@@ -38,6 +38,11 @@ from polyaccel.moe.layers import (
 logger = logging.getLogger("polyaccel.moe")
 
 
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (host syncs are illegal)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class MoeDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm decoder layer: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``.
 
@@ -142,7 +147,8 @@ class MoeModel(MoePreTrainedModel):
             past = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past
         if (attention_mask is not None and attention_mask.dim() == 2
-                and not torch.compiler.is_compiling() and bool(attention_mask.all())):
+                and not torch.compiler.is_compiling() and not _capturing()
+                and bool(attention_mask.all())):
             attention_mask = None  # no padding: plain causal attention (one host sync per forward)
         ctx = AttentionContext(attention_mask, past_key_values, self.sliding_window, self.attn_impl)
         rope = self.rotary_emb(position_ids)
@@ -210,6 +216,7 @@ class MoeForCausalLM(MoePreTrainedModel, GenerationMixin):
                 m.impl = backend.rms_norm
             elif isinstance(m, Experts):
                 m.impl = backend.experts
+                m.fuse_wgrad = backend.grad_accumulation == "fused"
             elif isinstance(m, TopKRouter):
                 m.mode, m.noise = backend.gate, backend.gate_noise
         self.model.attn_impl = backend.attn

@@ -1,0 +1,223 @@
+"""``FlatAdamW``: torch.optim.AdamW's math over one flat buffer per param group and dtype.
+
+Why: ``torch.optim.AdamW(fused=True)`` walks lists of tensors (2.7 TB/s on an H200 over
+1.26 B bf16 params) and leaves zeroing the grads to another pass. Here, at construction,
+every param group's params (per dtype and device) are copied into one flat buffer and each
+``p.data`` becomes a view of it; grads, ``exp_avg`` and ``exp_avg_sq`` get flat buffers the
+same way (``p.grad`` is its view; autograd accumulates into it in place). A step is then one
+:func:`polyaccel.core.ops.adamw_step_` call per buffer (one Triton pass on CUDA, 4.1 TB/s)
+that also zeroes the grads it has read.
+
+Limits: single process, plain tensors (FSDP2's DTensor shards: use ``torch.optim.AdamW``);
+params must require grad; grads stay allocated as views (``zero_grad`` keeps them, never
+``None``), so a param that received no gradient in a step is still stepped with a zero
+gradient (weight decay and momentum apply, as in torch AdamW after
+``zero_grad(set_to_none=False)``), unless its ``.grad`` is ``None`` at ``step()`` time: then
+it is skipped, as torch AdamW does. Moving the model (``.to()``) after construction breaks
+the views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from polyaccel.core import ops
+
+_ALIGN_BYTES = 256
+"""Each param's view starts at a multiple of this many bytes (vectorised kernels,
+``torch._grouped_mm`` and cuBLAS want aligned pointers); the gaps stay zero."""
+
+_UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+"""Options of torch AdamW this optimizer does not implement, with the value it runs as."""
+
+
+class _Flat:
+    """One set of flat buffers (param, grad, exp_avg, exp_avg_sq): the params of one group
+    with one dtype and device. Each ``p.data`` and ``p.grad`` becomes its view here."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.index = {p: i for i, p in enumerate(params)}
+        align = max(1, _ALIGN_BYTES // params[0].element_size())
+        self.offsets, n = [], 0
+        for p in params:
+            self.offsets.append(n)
+            n += -(-p.numel() // align) * align
+        kw = {"dtype": params[0].dtype, "device": params[0].device}
+        # One buffer at a time, so that the old params are freed before the state is allocated
+        # (peak: the four buffers, not four plus the model).
+        self.param = torch.zeros(n, **kw)
+        with torch.no_grad():
+            for p in params:
+                view = self.param[self.slice(p)].view(p.shape)
+                view.copy_(p)
+                p.data = view  # the old storage is freed as we go
+            self.grad = torch.zeros(n, **kw)
+            had_grads = False
+            for p in params:
+                g = self.grad[self.slice(p)].view(p.shape)
+                if p.grad is not None:
+                    g.copy_(p.grad)
+                    had_grads = True
+                p.grad = g
+        self.grads = [p.grad for p in params]
+        self.exp_avg, self.exp_avg_sq = torch.zeros(n, **kw), torch.zeros(n, **kw)
+        self.zeroed_version: int | None = None if had_grads else self.grad._version
+        """``self.grad._version`` when the grads were last known to be all zero. Views share
+        their base's version counter and every in-place write (autograd's accumulation,
+        clipping) bumps it, so a differing version means the grads may hold values."""
+
+    def slice(self, p: torch.Tensor) -> slice:
+        """Where ``p`` lives in the flat buffers."""
+        start = self.offsets[self.index[p]]
+        return slice(start, start + p.numel())
+
+    def views(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """1-D (param, grad, exp_avg, exp_avg_sq) views of ``p``'s slice."""
+        sl = self.slice(p)
+        return self.param[sl], self.grad[sl], self.exp_avg[sl], self.exp_avg_sq[sl]
+
+
+def _check_params(params: list[torch.Tensor]) -> None:
+    for p in params:
+        if type(p.data) is not torch.Tensor:
+            raise ValueError(f"FlatAdamW needs plain tensors, got a {type(p.data).__name__} parameter "
+                             "(FSDP2 shards parameters as DTensors): use torch.optim.AdamW there")
+        if not p.requires_grad or not p.is_floating_point() or p.is_sparse:
+            raise ValueError("FlatAdamW needs dense floating-point parameters that require grad; "
+                             "leave frozen ones out of its param groups")
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError("FlatAdamW: a param group lists the same parameter twice")
+
+
+class FlatAdamW(torch.optim.Optimizer):
+    """AdamW (``torch.optim.AdamW``'s math, decoupled weight decay) over flat buffers; see the
+    module docstring for what changes for the params and their grads, and the limits.
+
+    ``state_dict()`` has torch AdamW's format (``state[p] = {"step", "exp_avg",
+    "exp_avg_sq"}``, the same group options), so checkpoints move both ways between the two.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"invalid AdamW hyperparameters: lr={lr}, betas={betas}, eps={eps}, "
+                             f"weight_decay={weight_decay}")
+        self._flats: list[list[_Flat]] = []
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_UNSUPPORTED,
+                        foreach=None, fused=None, decoupled_weight_decay=True)  # torch AdamW's keys
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (torch's checks), then move its params into flat buffers."""
+        super().add_param_group(param_group)
+        params = self.param_groups[-1]["params"]  # torch's normalised list of tensors
+        try:
+            _check_params(params)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_kind.setdefault((p.dtype, p.device), []).append(p)
+        flats = [_Flat(ps) for ps in by_kind.values()]
+        for flat in flats:
+            for p in flat.params:
+                _, _, m, v = flat.views(p)
+                self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                 "exp_avg": m.view(p.shape), "exp_avg_sq": v.view(p.shape)}
+        self._flats.append(flats)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One AdamW step for every param; the grads are zeroed as they are read.
+
+        Fast path: one :func:`~polyaccel.core.ops.adamw_step_` per flat buffer. A param whose
+        ``.grad`` is not its flat view any more is copied into it first; one whose ``.grad``
+        is ``None`` is skipped (as torch AdamW does), and then that buffer is stepped param by
+        param (also when its params' step counts differ, e.g. after loading such a state).
+        Every ``p.grad`` is its (zeroed) view afterwards.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, flats in zip(self.param_groups, self._flats, strict=True):
+            for flat in flats:
+                self._step_flat(group, flat)
+        return loss
+
+    def _step_flat(self, group: dict[str, Any], flat: _Flat) -> None:
+        skip = set()
+        for p, g in zip(flat.params, flat.grads, strict=True):
+            if p.grad is g:
+                continue
+            if p.grad is None:
+                skip.add(p)
+                g.zero_()
+            else:
+                g.copy_(p.grad)
+            p.grad = g
+        beta1, beta2 = group["betas"]
+        hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                     weight_decay=float(group["weight_decay"]), zero_grad=True)
+        steps = [self.state[p]["step"] for p in flat.params]
+        counts = {int(s) for s in steps}
+        if not skip and len(counts) == 1:
+            ops.adamw_step_(flat.param, flat.grad, flat.exp_avg, flat.exp_avg_sq, step=counts.pop() + 1, **hyper)
+            torch._foreach_add_(steps, 1.0)
+        else:
+            for p, s in zip(flat.params, steps, strict=True):
+                if p not in skip:
+                    ops.adamw_step_(*flat.views(p), step=int(s) + 1, **hyper)
+                    s += 1
+        flat.zeroed_version = flat.grad._version
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Make every ``p.grad`` its flat view again, holding zeros.
+
+        ``set_to_none`` is ignored: grads are never set to ``None``, because autograd's
+        AccumulateGrad adds in place into an existing ``.grad`` and that is what keeps the
+        gradients in the flat buffer. :meth:`step` has already zeroed them, so this writes
+        zeros only into a buffer written to since (a backward without a step, say).
+        """
+        for flats in self._flats:
+            for flat in flats:
+                for p, g in zip(flat.params, flat.grads, strict=True):
+                    if p.grad is not g:
+                        p.grad = g
+                if flat.zeroed_version != flat.grad._version:
+                    flat.grad.zero_()
+                    flat.zeroed_version = flat.grad._version
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a FlatAdamW or torch.optim.AdamW state dict, copying the moments INTO the flat
+        views (they stay views; a param missing from the saved state starts afresh)."""
+        for g in state_dict["param_groups"]:
+            bad = {k: g[k] for k, v in _UNSUPPORTED.items() if g.get(k, v) != v}
+            if bad:
+                raise ValueError(f"FlatAdamW does not implement {bad}; use torch.optim.AdamW")
+        saved_state = state_dict["state"]
+        # torch's load with no state: its checks, hooks and group options; then the state by hand.
+        super().load_state_dict({**state_dict, "state": {}})
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = dict(zip(params, (saved_state.get(i, {}) for i in saved_ids), strict=True))
+        with torch.no_grad():
+            for flats in self._flats:
+                for flat in flats:
+                    for p in flat.params:
+                        _, _, m, v = flat.views(p)
+                        s = saved[p]
+                        for name, view in (("exp_avg", m), ("exp_avg_sq", v)):
+                            if name in s:
+                                view.copy_(s[name].reshape(-1))
+                            else:
+                                view.zero_()
+                        step = float(s["step"]) if "step" in s else 0.0
+                        self.state[p] = {"step": torch.tensor(step, dtype=torch.float32),
+                                         "exp_avg": m.view(p.shape), "exp_avg_sq": v.view(p.shape)}
