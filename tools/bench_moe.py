@@ -55,12 +55,17 @@ VARIANTS: dict[str, dict | None] = {
                                    "graph": True},
     "balanced-compile-flat-graph": {**_OURS, "gate": "balanced", "compile": True, "optimizer": "flat_adamw",
                                     "graph": True},
+    "learned-compile-overlap": {**_OURS, "gate": "learned", "compile": True, "optimizer": "flat_adamw",
+                                "graph": "overlap"},
+    "balanced-compile-overlap": {**_OURS, "gate": "balanced", "compile": True, "optimizer": "flat_adamw",
+                                 "graph": "overlap"},
 }
 """name -> ``BackendConfig`` keyword arguments (None: Transformers itself), plus ``optimizer``:
 ``"adamw"`` (default: ``torch.optim.AdamW(fused=True)``, the anchor's) or ``"flat_adamw"``
 (:class:`polyaccel.moe.optim.FlatAdamW`, same math over flat buffers), and ``graph``: each
 micro-batch's forward + backward replayed as one CUDA graph
-(:class:`polyaccel.moe.graphed_step.GraphedMicroStep`). ``grad_accumulation`` defaults to
+(:class:`polyaccel.moe.graphed_step.GraphedMicroStep`); ``"overlap"``: also the AdamW step,
+inside the last micro-batch's graph, overlapped with its backward. ``grad_accumulation`` defaults to
 ``"fused"`` (expert weight gradients accumulated inside the grouped GEMM)."""
 
 
@@ -77,7 +82,7 @@ def make_optimizer(model, variant: str) -> torch.optim.Optimizer:
         return FlatAdamW(model.parameters(), lr=1e-5)
     return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
-NO_CACHE = ("-nocache", "-compile", "-graph", "-flat", "-autograd")
+NO_CACHE = ("-nocache", "-compile", "-graph", "-flat", "-autograd", "-overlap")
 """Variants whose forward gets ``use_cache=False``. A training step needs no KV cache;
 Transformers builds one anyway (``config.use_cache``), and under ``torch.compile`` a cache's
 per-layer state made every decoder layer recompile. Our model now turns the cache off in
@@ -137,14 +142,16 @@ def train_step(model, opt, ids, accum: int, micro_step=None, **forward_kw) -> to
     """``accum`` forward/backward passes on ``ids``, one AdamW step; returns the last loss.
     ``micro_step`` (a :class:`~polyaccel.moe.graphed_step.GraphedMicroStep`) replaces the
     eager forward/backward when given."""
-    for _ in range(accum):
+    overlap = micro_step is not None and micro_step.optimizer is not None
+    for i in range(accum):
         if micro_step is not None:
-            loss = micro_step(input_ids=ids, labels=ids)
+            loss = micro_step(input_ids=ids, labels=ids, optimizer_step=overlap and i == accum - 1)
         else:
             loss = model(input_ids=ids, labels=ids, **forward_kw).loss
             loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    if not overlap:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     return loss.detach()
 
 
@@ -160,7 +167,9 @@ def run_variant(a) -> dict:
     if (VARIANTS[a.one] or {}).get("graph"):
         from polyaccel.moe.graphed_step import GraphedMicroStep
 
-        micro_step = GraphedMicroStep(model, warmup=2, **forward_kwargs(a.one))
+        overlap = VARIANTS[a.one]["graph"] == "overlap"
+        micro_step = GraphedMicroStep(model, warmup=1 if overlap else 2, optimizer=opt if overlap else None,
+                                      **forward_kwargs(a.one))
     ids = torch.randint(0, cfg.vocab_size, (a.mbs, a.seq), device="cuda")
     torch.cuda.reset_peak_memory_stats()
     times, first_s = [], None

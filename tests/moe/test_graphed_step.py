@@ -30,32 +30,37 @@ def test_refuses_zero_warmup():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("gate", ["learned", "balanced"])
-def test_gpu_replays_equal_eager_steps(gate):
-    """Three optimizer steps of 3 micro-batches each, graphed and eager, give the same
-    losses and parameters (bf16: the same kernels run; atomics may reorder sums)."""
+@pytest.mark.parametrize(("gate", "mode"), [("learned", "graph"), ("balanced", "graph"),
+                                            ("learned", "overlap"), ("balanced", "overlap")])
+def test_gpu_replays_equal_eager_steps(gate, mode):
+    """Four optimizer steps of 3 micro-batches each, graphed (``overlap``: with the AdamW
+    step inside the last micro-batch's graph) and eager, give the same losses and parameters
+    (bf16: the same kernels run; atomics may reorder sums)."""
     from polyaccel.moe.optim import FlatAdamW
 
     runs = {}
     for graphed in (False, True):
         model = _model("cuda", "cuda", gate=gate).to(torch.bfloat16)
         opt = FlatAdamW(model.parameters(), lr=1e-3)
-        step = GraphedMicroStep(model, warmup=2) if graphed else None
+        overlap = graphed and mode == "overlap"
+        step = GraphedMicroStep(model, warmup=1, optimizer=opt if overlap else None) if graphed else None
         gen = torch.Generator(device="cuda").manual_seed(1)
         losses = []
-        for _ in range(3):
-            for _ in range(3):
+        for _ in range(4):
+            for mb in range(3):
                 ids = torch.randint(3, 97, (2, 32), device="cuda", generator=gen)
                 if step is not None:
-                    losses.append(step(input_ids=ids, labels=ids))
+                    losses.append(step(input_ids=ids, labels=ids, optimizer_step=overlap and mb == 2))
                 else:
                     loss = model(input_ids=ids, labels=ids).loss
                     loss.backward()
                     losses.append(loss.detach())
-            opt.step()
-            opt.zero_grad()
+            if not overlap:
+                opt.step()
+                opt.zero_grad()
         if step is not None:
-            assert step.graph is not None  # captured on call 3, replayed after
+            assert step.kinds[False].graph is not None
+            assert (step.kinds[True].graph is not None) == overlap
         runs[graphed] = (torch.stack(losses), [p.detach().clone() for p in model.parameters()])
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-2, atol=1e-2)
     for a, b in zip(runs[True][1], runs[False][1], strict=True):

@@ -239,3 +239,40 @@ def test_mixed_dtypes_get_one_buffer_each_and_bf16_tracks_torch():
         # bf16 within about a bf16 ulp (torch rounds after each op, we once); that feeds the rest
         _assert_same(ref, ours, rtol=2e-2, atol=2e-3)
     _assert_views(opt)
+
+
+def test_step_in_pieces_equals_step():
+    """begin_step + apply over pieces covering every param (in any split) is step()."""
+    _, _, a, opt_a = _pair()
+    _, _, b, opt_b = _pair()
+    params_b = list(b.parameters())
+    for step in range(3):
+        for m in (a, b):
+            _backward(m, seed=step)
+        opt_a.step()
+        opt_b.begin_step()
+        for chunk in (params_b[3:], params_b[:1], params_b[1:3]):  # out of order, across groups
+            opt_b.apply(opt_b.pieces(chunk))
+        _assert_same(a, b, rtol=1e-5, atol=1e-6)  # the reference rounds its scalars to fp32 here
+        _assert_views(opt_b)
+        assert all(not p.grad.any() for p in b.parameters())
+    assert all(int(opt_b.state[p]["step"]) == 3 for p in params_b)
+
+
+def test_pieces_merge_adjacent_params_only():
+    _, _, model, opt = _pair()
+    ps = list(model.parameters())  # group 0: the two matrices; group 1: the vectors
+    vectors = [p for p in ps if p.ndim < 2]
+    whole = opt.pieces(vectors)
+    assert len(whole) == 1  # adjacent in one buffer: one range
+    gap = opt.pieces([vectors[0], vectors[-1]])
+    assert len(gap) == 2
+
+
+def test_begin_step_refuses_a_replaced_grad():
+    _, _, model, opt = _pair()
+    _backward(model, seed=0)
+    p = next(model.parameters())
+    p.grad = p.grad.clone()
+    with pytest.raises(RuntimeError, match="flat view"):
+        opt.begin_step()

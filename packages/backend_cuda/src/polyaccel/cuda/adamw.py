@@ -13,10 +13,9 @@ they are read at each call. Tensors off CUDA, or not contiguous, take core's ref
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from polyaccel.core.ops import adamw_scalars
 from polyaccel.cuda._triton import cdiv, triton_kernels, use_triton
 
 BLOCK = 2048
@@ -54,7 +53,13 @@ def _kernels():
         if ZERO_GRAD:
             tl.store(G + idx, tl.zeros_like(g).to(G.dtype.element_ty), mask=mask)
 
-    return adamw_kernel
+    @triton.jit
+    def adamw_scalars_kernel(P, G, M, V, n, S, ZERO_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+        # The same update with its seven scalars read from device memory (graph-replayable).
+        adamw_kernel(P, G, M, V, n, tl.load(S), tl.load(S + 1), tl.load(S + 2), tl.load(S + 3),
+                     tl.load(S + 4), tl.load(S + 5), tl.load(S + 6), ZERO_GRAD, BLOCK)
+
+    return adamw_kernel, adamw_scalars_kernel
 
 
 @torch.library.custom_op("polyaccel_cuda::adamw_step_",
@@ -74,11 +79,10 @@ def adamw_step_op(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         return
     # Scalars formed in double here, as torch does, then passed as fp32 (1 - beta1 in fp32
     # would be 0.100000024, not 0.1f, and shift every element by an ulp or two).
-    kernel = _kernels()
-    kernel[(cdiv(n, BLOCK),)](
-        param, grad, exp_avg, exp_avg_sq, n, 1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2,
-        lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), eps,
-        ZERO_GRAD=zero_grad, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    kernel, _ = _kernels()
+    kernel[(cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, n,
+                              *adamw_scalars(lr, beta1, beta2, eps, weight_decay, step),
+                              ZERO_GRAD=zero_grad, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -96,3 +100,20 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     torch.ops.polyaccel_cuda.adamw_step_(param, grad, exp_avg, exp_avg_sq, float(lr), float(beta1),
                                          float(beta2), float(eps), float(weight_decay), int(step),
                                          bool(zero_grad))
+
+
+def adamw_apply_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 scalars: torch.Tensor, zero_grad: bool = False) -> None:
+    """Core ``adamw_apply_`` on CUDA: the Triton pass with its scalars read from ``scalars``
+    (fp32, on the device), so it can be captured in a CUDA graph."""
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    n = param.numel()
+    if (not use_triton(param) or scalars.dtype != torch.float32 or scalars.device != param.device
+            or not all(t.is_contiguous() and t.numel() == n and t.device == param.device for t in tensors)):
+        from polyaccel.core.ops import adamw_apply_ as core_op
+
+        return core_op.reference(param, grad, exp_avg, exp_avg_sq, scalars, zero_grad)
+    if n:
+        _, kernel = _kernels()
+        kernel[(cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, n, scalars,
+                                  ZERO_GRAD=zero_grad, BLOCK=BLOCK, num_warps=NUM_WARPS)

@@ -1,19 +1,28 @@
-"""A training micro-step (forward + backward) captured once as a CUDA graph and replayed.
+"""Training micro-steps (forward + backward) captured once as CUDA graphs and replayed, with
+the optimizer step optionally overlapped with the last micro-batch's backward.
 
 An MoE step launches thousands of kernels (per layer: norms, rotary, attention, router,
 sort, two grouped GEMMs, combine, and all their backward kernels); eager PyTorch spends
 host time on each, and at ~4k tokens per micro-batch the GPU waits for the host between many
 of them. Replaying a graph launches the whole micro-step at once.
 
-:class:`GraphedMicroStep` runs the first ``warmup`` calls eagerly (doing real work: they
-compile, autotune and allocate), captures the next call and replays it from then on. Each
-call copies the batch into the graph's static input buffers. Gradients accumulate into the
-parameters' existing ``.grad`` tensors, which therefore must stay the same tensors across
-steps: use :class:`polyaccel.moe.optim.FlatAdamW` (whose ``zero_grad`` keeps them) or
+:class:`GraphedMicroStep` runs the first ``warmup`` calls of each kind eagerly (doing real
+work: they compile, autotune and allocate), captures the next one and replays it from then
+on. Each call copies the batch into the graph's static input buffers. Gradients accumulate
+into the parameters' existing ``.grad`` tensors, which therefore must stay the same tensors
+across steps: use :class:`polyaccel.moe.optim.FlatAdamW` (whose ``zero_grad`` keeps them) or
 ``optimizer.zero_grad(set_to_none=False)``. Missing gradients are created as zeros.
 
-Requirements: a CUDA device; every call with the same batch shapes and keys (a call
-with other shapes runs eagerly, with a one-time warning); no host synchronization in the
+With ``optimizer=`` a :class:`~polyaccel.moe.optim.FlatAdamW`, ``step(..., optimizer_step=True)``
+also performs the optimizer step: AdamW is memory-bound and the backward mostly compute-bound,
+so each block's update runs on a side stream while the backward goes on through the blocks
+before it. The update of block ``i + 1`` starts when block ``i``'s first weight gradient is
+accumulated (autograd runs every accumulation of block ``i + 1`` before any of block ``i``);
+the last block's trigger also starts the head (final norm, LM head); block 0 and what is
+left (embeddings) follow the backward.
+
+Requirements: a CUDA device; every call with the same batch shapes and keys (a call with
+other shapes runs eagerly, with a one-time warning); no host synchronization in the
 model's forward or backward (polyaccel MoE models have none on one device; a padded
 ``attention_mask`` stays a mask under capture). Not for FSDP2 / expert parallelism, whose
 collectives and hooks run on the host.
@@ -21,7 +30,9 @@ collectives and hooks run on the host.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,16 +41,31 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
+class _Captured:
+    """One kind of micro-step: its eager call count, graph, static inputs and loss."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.loss: torch.Tensor | None = None
+
+
 class GraphedMicroStep:
     """``loss = step(**batch)`` runs ``model(**batch, **forward_kwargs).loss.backward()``
-    and returns the loss (detached); from call ``warmup + 1`` on, as one CUDA graph replay.
+    and returns the loss (detached); after ``warmup`` eager calls, as one CUDA graph replay.
 
     :param model: the model, on a CUDA device, in train mode.
-    :param warmup: eager calls before capture (compilation, autotuning, allocator warm-up).
+    :param warmup: eager calls of each kind before its capture (compilation, autotuning).
+    :param optimizer: a :class:`~polyaccel.moe.optim.FlatAdamW` over the model's parameters,
+        for ``optimizer_step=True`` calls.
+    :param blocks: the modules whose updates overlap the backward, in forward order (default:
+        ``model.model.layers``).
     :param forward_kwargs: extra keyword arguments of every forward (e.g. ``use_cache=False``).
     """
 
-    def __init__(self, model: nn.Module, warmup: int = 2, **forward_kwargs: Any) -> None:
+    def __init__(self, model: nn.Module, warmup: int = 2, optimizer: Any = None,
+                 blocks: list[nn.Module] | None = None, **forward_kwargs: Any) -> None:
         if warmup < 1:
             raise ValueError(f"warmup={warmup} must be >= 1: the first calls compile and autotune, "
                              "which cannot happen during capture")
@@ -48,31 +74,55 @@ class GraphedMicroStep:
             raise ValueError(f"GraphedMicroStep replays CUDA graphs; the model is on {device}. "
                              "Run the step eagerly there (model(**batch).loss.backward()).")
         self.model, self.warmup, self.forward_kwargs = model, warmup, forward_kwargs
-        self.calls = 0
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.static_inputs: dict[str, torch.Tensor] = {}
-        self.static_loss: torch.Tensor | None = None
+        self.optimizer = optimizer
+        self.kinds = {False: _Captured(), True: _Captured()}
+        self._pool: Any = None
         self._warned = False
+        self._overlap: _OverlappedUpdate | None = None
+        if optimizer is not None:
+            if not hasattr(optimizer, "begin_step"):
+                raise TypeError(f"optimizer_step needs a polyaccel.moe.optim.FlatAdamW, got {type(optimizer).__name__}")
+            if blocks is None:
+                blocks = list(getattr(getattr(model, "model", None), "layers", None) or [])
+            self._overlap = _OverlappedUpdate(model, optimizer, blocks, device)
 
-    def __call__(self, **batch: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.graph is not None:
-            if not self._matches(batch):
-                return self._eager(batch)
+    def __call__(self, optimizer_step: bool = False, **batch: torch.Tensor) -> torch.Tensor:
+        """One micro-batch; with ``optimizer_step`` (needs ``optimizer``) also the optimizer
+        step that ends this accumulation (grads are zeroed as they are read)."""
+        if optimizer_step and self._overlap is None:
+            raise ValueError("optimizer_step=True needs GraphedMicroStep(..., optimizer=FlatAdamW(...))")
+        kind = self.kinds[optimizer_step]
+        kind.calls += 1
+        if kind.graph is not None and not self._matches(kind, batch):
+            return self._eager(batch, optimizer_step)
+        if kind.graph is None:
+            self._ensure_grads()
+            if kind.calls <= self.warmup:
+                return self._eager(batch, optimizer_step)
+            self._capture(kind, batch, optimizer_step)
+        else:
             for name, t in batch.items():
-                self.static_inputs[name].copy_(t, non_blocking=True)
-            self.graph.replay()
-            return self.static_loss.clone()
-        self._ensure_grads()
-        if self.calls <= self.warmup:
-            return self._eager(batch)
-        return self._capture(batch)
+                kind.inputs[name].copy_(t, non_blocking=True)
+        if optimizer_step:
+            self.optimizer.begin_step()
+        kind.graph.replay()
+        return kind.loss.clone()
 
     # ---- internals --------------------------------------------------------------------------
-    def _eager(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.model(**batch, **self.forward_kwargs).loss
-        loss.backward()
+    def _forward_backward(self, batch: dict[str, torch.Tensor], optimizer_step: bool) -> torch.Tensor:
+        if not optimizer_step:
+            loss = self.model(**batch, **self.forward_kwargs).loss
+            loss.backward()
+            return loss.detach()
+        with self._overlap.armed():
+            loss = self.model(**batch, **self.forward_kwargs).loss
+            loss.backward()
         return loss.detach()
+
+    def _eager(self, batch: dict[str, torch.Tensor], optimizer_step: bool) -> torch.Tensor:
+        if optimizer_step:
+            self.optimizer.begin_step()
+        return self._forward_backward(batch, optimizer_step)
 
     def _ensure_grads(self) -> None:
         """Give every trainable parameter a ``.grad`` (zeros if missing): a graph replays the
@@ -81,29 +131,77 @@ class GraphedMicroStep:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
 
-    def _matches(self, batch: dict[str, torch.Tensor]) -> bool:
-        ok = batch.keys() == self.static_inputs.keys() and all(
-            t.shape == self.static_inputs[k].shape and t.dtype == self.static_inputs[k].dtype
-            for k, t in batch.items())
+    def _matches(self, kind: _Captured, batch: dict[str, torch.Tensor]) -> bool:
+        ok = batch.keys() == kind.inputs.keys() and all(
+            t.shape == kind.inputs[k].shape and t.dtype == kind.inputs[k].dtype for k, t in batch.items())
         if not ok and not self._warned:
             logger.warning("GraphedMicroStep: batch shapes %s differ from the captured %s; running such "
                            "batches eagerly", {k: tuple(t.shape) for k, t in batch.items()},
-                           {k: tuple(t.shape) for k, t in self.static_inputs.items()})
+                           {k: tuple(t.shape) for k, t in kind.inputs.items()})
             self._warned = True
         return ok
 
-    def _capture(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _capture(self, kind: _Captured, batch: dict[str, torch.Tensor], optimizer_step: bool) -> None:
+        """Record this kind's graph (nothing runs: the caller replays it). Both kinds share
+        one memory pool: they never run at the same time."""
         for name, t in batch.items():
             if not (torch.is_tensor(t) and t.is_cuda):
                 raise ValueError(f"GraphedMicroStep needs CUDA tensors; {name!r} is "
                                  f"{t.device if torch.is_tensor(t) else type(t).__name__}")
-        self.static_inputs = {name: t.clone() for name, t in batch.items()}
+        kind.inputs = {name: t.clone() for name, t in batch.items()}
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            loss = self.model(**self.static_inputs, **self.forward_kwargs).loss
-            loss.backward()
-            self.static_loss = loss.detach()
-        self.graph = graph
-        graph.replay()  # capture records only: this call's work happens now
-        return self.static_loss.clone()
+        with torch.cuda.graph(graph, pool=self._pool):
+            kind.loss = self._forward_backward(kind.inputs, optimizer_step)
+        self._pool = self._pool if self._pool is not None else graph.pool()
+        kind.graph = graph
+
+
+class _OverlappedUpdate:
+    """Runs a FlatAdamW step piece by piece on a side stream during one backward."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, blocks: list[nn.Module], device: torch.device) -> None:
+        self.optimizer = optimizer
+        self.stream = torch.cuda.Stream(device=device)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        in_blocks = [[p for p in b.parameters() if p.requires_grad] for b in blocks]
+        seen = {id(p) for ps in in_blocks for p in ps}
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        embed_ids = {id(p) for p in embed.parameters()} if embed is not None else set()
+        head = [p for p in trainable if id(p) not in seen and id(p) not in embed_ids]
+        # Block i's trigger starts block i+1's update (the last block's: the head's).
+        self.pieces = [optimizer.pieces(in_blocks[i + 1] if i + 1 < len(blocks) else head)
+                       for i in range(len(blocks))]
+        early = {id(p) for ps in in_blocks[1:] for p in ps} | {id(p) for p in head}
+        self.after = optimizer.pieces([p for p in trainable if id(p) not in early])
+        self.fired = [False] * len(blocks)
+        self._armed = False
+        for i, block in enumerate(blocks):
+            trigger = next((p for name, p in block.named_parameters()
+                            if p.requires_grad and "experts." not in name), None)
+            if trigger is not None:  # (expert weights with fused accumulation skip autograd's)
+                trigger.register_post_accumulate_grad_hook(lambda p, i=i: self._fire(i))
+
+    def _fire(self, i: int) -> None:
+        if not self._armed or self.fired[i]:
+            return
+        self.fired[i] = True
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self.optimizer.apply(self.pieces[i])
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """Within: the hooks launch updates. On a clean exit, whatever has not been updated
+        (block 0, embeddings, blocks whose trigger got no gradient) is, and the side stream
+        joins the current one."""
+        self.fired = [False] * len(self.fired)
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
+        main = torch.cuda.current_stream()
+        self.optimizer.apply(self.after + [pc for i, done in enumerate(self.fired) if not done
+                                           for pc in self.pieces[i]])
+        main.wait_stream(self.stream)

@@ -221,3 +221,58 @@ class FlatAdamW(torch.optim.Optimizer):
                         step = float(s["step"]) if "step" in s else 0.0
                         self.state[p] = {"step": torch.tensor(step, dtype=torch.float32),
                                          "exp_avg": m.view(p.shape), "exp_avg_sq": v.view(p.shape)}
+
+    # ---- a step split into pieces (optimizer work overlapped with backward) --------------------
+    def begin_step(self) -> None:
+        """Start a step that :meth:`apply` will carry out piece by piece (possibly inside a
+        CUDA graph, on another stream, interleaved with the last micro-batch's backward).
+
+        Counts the step and writes each group's AdamW scalars (learning rate, bias corrections)
+        into a device tensor that the kernels read, so a replayed graph picks up this step's
+        values. Needs the fast path: every ``p.grad`` its flat view, equal step counts.
+        """
+        for group, flats in zip(self.param_groups, self._flats, strict=True):
+            for flat in flats:
+                steps = [self.state[p]["step"] for p in flat.params]
+                if any(p.grad is not g for p, g in zip(flat.params, flat.grads, strict=True)) \
+                        or len({int(s) for s in steps}) != 1:
+                    raise RuntimeError("FlatAdamW.begin_step needs every p.grad to be its flat view and "
+                                       "equal step counts; call step() instead")
+                beta1, beta2 = group["betas"]
+                values = ops.adamw_scalars(float(group["lr"]), beta1, beta2, group["eps"],
+                                           group["weight_decay"], int(steps[0]) + 1)
+                if getattr(flat, "scalars", None) is None:
+                    flat.scalars = torch.zeros(7, dtype=torch.float32, device=flat.param.device)
+                host = torch.tensor(values, dtype=torch.float32,
+                                    pin_memory=flat.param.device.type == "cuda")
+                flat.scalars.copy_(host, non_blocking=True)
+                torch._foreach_add_(steps, 1.0)
+
+    def pieces(self, params: Iterable[torch.Tensor]) -> list[tuple[_Flat, int, int]]:
+        """The flat-buffer ranges ``(flat, lo, hi)`` that hold exactly ``params`` (adjacent
+        params merge into one range; the alignment padding between them is stepped too, which
+        leaves its zeros zero)."""
+        wanted = {id(p) for p in params}
+        out: list[tuple[_Flat, int, int]] = []
+        for flats in self._flats:
+            for flat in flats:
+                lo = hi = None
+                for p in flat.params:  # in offset order
+                    sl = flat.slice(p)
+                    if id(p) in wanted:
+                        lo = sl.start if lo is None else lo
+                        hi = sl.stop
+                    elif lo is not None:
+                        out.append((flat, lo, hi))
+                        lo = None
+                if lo is not None:
+                    out.append((flat, lo, hi))
+        return out
+
+    @torch.no_grad()
+    def apply(self, pieces: list[tuple[_Flat, int, int]]) -> None:
+        """Update the params in ``pieces`` (from :meth:`pieces`) with the scalars of the step
+        :meth:`begin_step` started, zeroing their grads; launches only (no host sync)."""
+        for flat, lo, hi in pieces:
+            ops.adamw_apply_(flat.param[lo:hi], flat.grad[lo:hi], flat.exp_avg[lo:hi], flat.exp_avg_sq[lo:hi],
+                             flat.scalars, zero_grad=True)
