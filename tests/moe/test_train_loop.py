@@ -200,6 +200,27 @@ def test_flat_adamw_is_the_single_process_default_and_trains_like_torch_adamw(tm
         torch.testing.assert_close(wf[k], wt[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+def test_cuda_graph_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cuda_graph=true: it needs a CUDA device"):
+        finetune(_tiny(tmp_path, "train.cuda_graph=true"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_gpu_cuda_graph_trains_like_eager(tmp_path):
+    """bf16 on the GPU: the graphed loop's losses and final weights equal the eager loop's
+    (the same kernels; atomics may reorder a few sums)."""
+    common = ["train.device=cuda", "train.dtype=bf16", "train.max_steps=6", "checkpoint.every_steps=0"]
+    with pytest.raises(ConfigError, match="optimizer=flat_adamw"):
+        finetune(_tiny(tmp_path / "bad", *common, "train.cuda_graph=true", "train.optimizer=adamw"))
+    graphed = finetune(_tiny(tmp_path / "graph", *common, "train.cuda_graph=true"))
+    eager = finetune(_tiny(tmp_path / "eager", *common))
+    torch.testing.assert_close(torch.tensor(graphed.losses), torch.tensor(eager.losses), rtol=2e-2, atol=2e-2)
+    wg, we = _weights(tmp_path / "graph/out"), _weights(tmp_path / "eager/out")
+    for k in wg:
+        torch.testing.assert_close(wg[k].float(), we[k].float(), rtol=2e-2, atol=5e-3, msg=k)
+
+
 def test_build_optimizer_picks_by_config_and_params():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -52,8 +52,9 @@ class _Captured:
 
 
 class GraphedMicroStep:
-    """``loss = step(**batch)`` runs ``model(**batch, **forward_kwargs).loss.backward()``
-    and returns the loss (detached); after ``warmup`` eager calls, as one CUDA graph replay.
+    """``loss = step(**batch)`` runs ``model(**batch, **forward_kwargs).loss.backward()`` (or
+    ``loss_fn(**batch).backward()``) and returns the loss (detached); after ``warmup`` eager
+    calls, as one CUDA graph replay.
 
     :param model: the model, on a CUDA device, in train mode.
     :param warmup: eager calls of each kind before its capture (compilation, autotuning).
@@ -61,11 +62,15 @@ class GraphedMicroStep:
         for ``optimizer_step=True`` calls.
     :param blocks: the modules whose updates overlap the backward, in forward order (default:
         ``model.model.layers``).
+    :param loss_fn: ``loss_fn(**batch) -> loss`` to back-propagate instead of
+        ``model(**batch, **forward_kwargs).loss`` (e.g. a scaled loss; it may read tensors of
+        the batch such as ``num_items_in_batch``, which are then graph inputs too).
     :param forward_kwargs: extra keyword arguments of every forward (e.g. ``use_cache=False``).
     """
 
     def __init__(self, model: nn.Module, warmup: int = 2, optimizer: Any = None,
-                 blocks: list[nn.Module] | None = None, **forward_kwargs: Any) -> None:
+                 blocks: list[nn.Module] | None = None,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, **forward_kwargs: Any) -> None:
         if warmup < 1:
             raise ValueError(f"warmup={warmup} must be >= 1: the first calls compile and autotune, "
                              "which cannot happen during capture")
@@ -74,6 +79,7 @@ class GraphedMicroStep:
             raise ValueError(f"GraphedMicroStep replays CUDA graphs; the model is on {device}. "
                              "Run the step eagerly there (model(**batch).loss.backward()).")
         self.model, self.warmup, self.forward_kwargs = model, warmup, forward_kwargs
+        self.loss_fn = loss_fn or (lambda **batch: model(**batch, **forward_kwargs).loss)
         self.optimizer = optimizer
         self.kinds = {False: _Captured(), True: _Captured()}
         self._pool: Any = None
@@ -110,12 +116,8 @@ class GraphedMicroStep:
 
     # ---- internals --------------------------------------------------------------------------
     def _forward_backward(self, batch: dict[str, torch.Tensor], optimizer_step: bool) -> torch.Tensor:
-        if not optimizer_step:
-            loss = self.model(**batch, **self.forward_kwargs).loss
-            loss.backward()
-            return loss.detach()
-        with self._overlap.armed():
-            loss = self.model(**batch, **self.forward_kwargs).loss
+        with self._overlap.armed() if optimizer_step else contextlib.nullcontext():
+            loss = self.loss_fn(**batch)
             loss.backward()
         return loss.detach()
 

@@ -278,6 +278,14 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
     if t.optimizer == "flat_adamw" and rt.world_size > 1:
         raise ConfigError("train.optimizer=flat_adamw needs a single process (FSDP2 shards the parameters "
                           "as DTensors); use train.optimizer=adamw or auto")
+    if t.cuda_graph:
+        why = ("it needs a CUDA device" if rt.device.type != "cuda" else
+               "it needs a single process (FSDP2's collectives run on the host)" if rt.world_size > 1 else
+               "it needs train.optimizer=flat_adamw or auto (gradients must stay the same tensors)"
+               if t.optimizer == "adamw" else
+               "activation checkpointing saves RNG state on the host" if t.activation_checkpointing else None)
+        if why:
+            raise ConfigError(f"train.cuda_graph=true: {why}")
     try:
         plan = ParallelPlan(dp=cfg.parallel.dp or rt.world_size, ep=cfg.parallel.ep,
                             dp_replicate=cfg.parallel.dp_replicate)
@@ -324,6 +332,7 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
 
     autocast = (torch.autocast(rt.device.type, dtype=compute_dtype)
                 if param_dtype != compute_dtype and not sharded else contextlib.nullcontext())
+    micro_step = _graphed_micro_step(model, t, autocast) if t.cuda_graph else None
     tokens_per_step = batches.samples_per_step * t.seq_len
     flops_tok = train_flops_per_token(model_config, t.seq_len)
     peak = peak_flops(rt.device, cfg.log.peak_tflops)
@@ -343,6 +352,11 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
             n_targets.clamp_(min=1)
             loss_sum = torch.zeros((), device=rt.device)
             for m, mb in enumerate(micro_batches):
+                if micro_step is not None:
+                    loss_sum += micro_step(input_ids=mb["input_ids"].to(rt.device, non_blocking=True),
+                                           labels=mb["labels"].to(rt.device, non_blocking=True),
+                                           num_items_in_batch=n_targets).float()
+                    continue
                 if sharded:
                     model.set_requires_gradient_sync(m == len(micro_batches) - 1)
                 with autocast:
@@ -397,6 +411,18 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
         mfu=mfu(tok_s_dev, flops_tok, peak) if tok_s_dev else None, peak_memory_gib=_peak_memory_gib(rt.device),
         world_size=rt.world_size, output_dir=cfg.output_dir,
         last_checkpoint=str(last_saved or resume_from) if (last_saved or resume_from) else None)
+
+
+def _graphed_micro_step(model: nn.Module, t: TrainConfig, autocast: Any) -> Any:
+    """The single-process micro-step (scaled loss, backward) as a replayed CUDA graph."""
+    from polyaccel.moe.graphed_step import GraphedMicroStep
+
+    def loss_fn(input_ids: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor) -> torch.Tensor:
+        with autocast:
+            out = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items_in_batch, use_cache=False)
+        return _scaled_loss(out, model.config, 1, t.grad_accum)
+
+    return GraphedMicroStep(model, warmup=2, loss_fn=loss_fn)
 
 
 def _scaled_loss(out: Any, config: Any, world_size: int, micro_batches: int) -> torch.Tensor:

@@ -108,6 +108,10 @@ class TrainConfig:
     buffer per param group: one kernel per step), ``adamw`` (``torch.optim.AdamW``, fused on
     CUDA), or ``auto``: ``flat_adamw`` in a single process, ``adamw`` under FSDP2 (sharded
     DTensor parameters, which FlatAdamW cannot flatten).
+
+    ``cuda_graph``: replay each micro-batch's forward + backward as one CUDA graph
+    (:class:`polyaccel.moe.graphed_step.GraphedMicroStep`); one CUDA process, ``flat_adamw``,
+    no activation checkpointing. Micro-batches of another shape (a short last batch) run eagerly.
     """
 
     seq_len: int = 2048
@@ -125,6 +129,7 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     seed: int = 0
     activation_checkpointing: bool = False
+    cuda_graph: bool = False
     dtype: Literal["bf16", "fp32"] = "bf16"
     fp32_master: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
