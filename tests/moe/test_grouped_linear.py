@@ -48,3 +48,13 @@ def test_fusable_only_for_plain_unhooked_leaves():
     hooked2 = nn.Parameter(torch.randn(2, 3, 4))
     hooked2.register_hook(lambda g: g)
     assert not fusable(hooked2)
+
+
+def test_not_fusable_in_a_multi_process_job(monkeypatch):
+    """DDP's reducer hooks autograd's accumulator invisibly: keep autograd's path there."""
+    w = nn.Parameter(torch.randn(2, 3, 4))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    assert not fusable(w)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    assert fusable(w)

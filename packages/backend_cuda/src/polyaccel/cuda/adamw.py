@@ -33,8 +33,12 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def adamw_kernel(P, G, M, V, n, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
-                     ZERO_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    def adamw_kernel(P, G, M, V, n, S, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
+                     SCALARS_IN_S: tl.constexpr, ZERO_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+        if SCALARS_IN_S:  # read from device memory: a CUDA graph replays with new values
+            decay, one_minus_beta1 = tl.load(S), tl.load(S + 1)
+            beta2, one_minus_beta2 = tl.load(S + 2), tl.load(S + 3)
+            step_size, bc2_sqrt, eps = tl.load(S + 4), tl.load(S + 5), tl.load(S + 6)
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = idx < n
         # Streamed once: ask the cache to evict these lines first.
@@ -53,13 +57,7 @@ def _kernels():
         if ZERO_GRAD:
             tl.store(G + idx, tl.zeros_like(g).to(G.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def adamw_scalars_kernel(P, G, M, V, n, S, ZERO_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-        # The same update with its seven scalars read from device memory (graph-replayable).
-        adamw_kernel(P, G, M, V, n, tl.load(S), tl.load(S + 1), tl.load(S + 2), tl.load(S + 3),
-                     tl.load(S + 4), tl.load(S + 5), tl.load(S + 6), ZERO_GRAD, BLOCK)
-
-    return adamw_kernel, adamw_scalars_kernel
+    return adamw_kernel
 
 
 @torch.library.custom_op("polyaccel_cuda::adamw_step_",
@@ -79,10 +77,9 @@ def adamw_step_op(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         return
     # Scalars formed in double here, as torch does, then passed as fp32 (1 - beta1 in fp32
     # would be 0.100000024, not 0.1f, and shift every element by an ulp or two).
-    kernel, _ = _kernels()
-    kernel[(cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, n,
-                              *adamw_scalars(lr, beta1, beta2, eps, weight_decay, step),
-                              ZERO_GRAD=zero_grad, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    _kernels()[(cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, n, param,
+                                  *adamw_scalars(lr, beta1, beta2, eps, weight_decay, step),
+                                  SCALARS_IN_S=False, ZERO_GRAD=zero_grad, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -114,6 +111,6 @@ def adamw_apply_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
         return core_op.reference(param, grad, exp_avg, exp_avg_sq, scalars, zero_grad)
     if n:
-        _, kernel = _kernels()
-        kernel[(cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, n, scalars,
-                                  ZERO_GRAD=zero_grad, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _kernels()[(cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, n, scalars, 0.0, 0.0, 0.0, 0.0, 0.0,
+                                      0.0, 0.0, SCALARS_IN_S=True, ZERO_GRAD=zero_grad, BLOCK=BLOCK,
+                                      num_warps=NUM_WARPS)

@@ -45,8 +45,8 @@ class BackendConfig:
         loss_chunk_size: rows of the ``[rows, vocab]`` fp32 logits block the fused loss holds.
         grad_accumulation: ``"fused"`` (expert weight gradients are added into ``.grad`` inside
             the weight-gradient grouped GEMM, :mod:`polyaccel.moe.grouped_linear`; applies to
-            plain parameters only, not under FSDP2 / expert parallelism, where it falls back by
-            itself) or ``"autograd"`` (autograd returns them and adds them; needed for
+            single-process jobs with plain parameters only; under DDP, FSDP2 or expert parallelism
+            it falls back by itself) or ``"autograd"`` (autograd returns them and adds them; needed for
             ``torch.autograd.grad`` with respect to expert weights).
         dispatcher: how token copies reach their experts under expert parallelism (ignored at
             ep=1): ``"auto"`` (``symm_mem`` on CUDA with NVSHMEM, else ``nccl_a2a``),

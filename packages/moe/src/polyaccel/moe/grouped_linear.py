@@ -7,8 +7,9 @@ for ``w``. With gradient accumulation this removes one full write and two full r
 expert weights' size per micro-batch (Megatron-LM's "gradient accumulation fusion").
 
 It applies only where nothing else watches the weight's gradient: a plain leaf parameter
-(not a DTensor under FSDP2 / expert parallelism) with no gradient hooks; :func:`fusable`
-checks that, and callers take plain ``ops.grouped_mm`` otherwise. Like ``loss.backward()``
+(not a DTensor under FSDP2 / expert parallelism) with no gradient hooks, in a single-process
+job (not under DDP); :func:`fusable` checks that, and callers take plain ``ops.grouped_mm``
+otherwise. Like ``loss.backward()``
 it writes ``.grad``; ``torch.autograd.grad`` with respect to such a weight sees ``None``
 (use ``BackendConfig(grad_accumulation="autograd")`` for that).
 """
@@ -22,11 +23,20 @@ from polyaccel.core import ops
 
 
 def fusable(w: torch.Tensor) -> bool:
-    """Whether ``w``'s gradient may be accumulated inside the weight-gradient GEMM."""
+    """Whether ``w``'s gradient may be accumulated inside the weight-gradient GEMM: a plain
+    leaf parameter with no gradient hooks, in a single-process job (DDP reduces gradients from
+    hooks on autograd's accumulator that a tensor does not show, so any multi-process job keeps
+    autograd's accumulation)."""
     return (torch.is_grad_enabled() and w.requires_grad and w.is_leaf
             and type(w) in (nn.Parameter, torch.Tensor)
             and not getattr(w, "_post_accumulate_grad_hooks", None)
-            and not getattr(w, "_backward_hooks", None))
+            and not getattr(w, "_backward_hooks", None)
+            and not _multi_process())
+
+
+def _multi_process() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class _GroupedLinear(torch.autograd.Function):

@@ -1,0 +1,111 @@
+"""The cuda backend's Triton kernels run by Triton's CPU interpreter, against core's references.
+
+Run by ``tests/cuda/test_triton_interpreter.py`` in a subprocess with ``TRITON_INTERPRET=1``
+(the variable must be set before the kernels are built, and it would switch every Triton op
+of the test process to the interpreter). Fresh random inputs each run (the seed is printed);
+fp32 or fp16 inputs: the interpreter mishandles bf16 in ``tl.dot``. Shapes are small: the
+interpreter runs each program in NumPy. Exits non-zero on the first mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from polyaccel.core import ops  # noqa: E402
+from polyaccel.cuda import adamw, grouped_wgrad, moe_permute, swiglu, triton_rmsnorm  # noqa: E402
+from polyaccel.cuda.cross_entropy import linear_cross_entropy  # noqa: E402
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def grads(fn, inputs, grad_out=None):
+    """(out, input grads) of ``fn`` on fresh leaves copied from ``inputs``."""
+    leaves = [t.detach().clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    out = fn(*leaves)
+    g = torch.randn_like(out) if grad_out is None else grad_out
+    gs = torch.autograd.grad(out, [t for t in leaves if t.is_floating_point()], g)
+    return out, gs, g
+
+
+def check_fwd_bwd(name, fast, ref, inputs, tol=1e-5):
+    out, gs, g = grads(fast, inputs)
+    out_r, gs_r, _ = grads(ref, inputs, g)
+    errs = [rel_err(out, out_r)] + [rel_err(a, b) for a, b in zip(gs, gs_r, strict=True)]
+    print(f"{name}: max rel err {max(errs):.2e}")
+    assert max(errs) < tol, (name, errs)
+
+
+def check_grouped_wgrad():
+    counts = torch.randint(0, 70, (6,))
+    counts[2] = 0
+    offsets = counts.cumsum(0).to(torch.int32)
+    T = int(counts.sum()) + 3  # rows past the last group are ignored
+    dy, x = torch.randn(T, 136).half(), torch.randn(T, 72).half()
+    ref = ops.grouped_mm_wgrad.reference(dy.double(), x.double(), offsets)
+    fresh = grouped_wgrad.grouped_mm_wgrad(dy, x, offsets)
+    acc = torch.randn(6, 136, 72).half()
+    expected = acc.double() + ref
+    grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=acc)
+    errs = rel_err(fresh, ref), rel_err(acc, expected)
+    print(f"grouped_mm_wgrad fp16 (write, accumulate): rel err {errs[0]:.2e}, {errs[1]:.2e}")
+    assert max(errs) < 2e-3 and not fresh[2].any(), errs
+
+
+def check_adamw():
+    n = 10_007
+    p, g, m = torch.randn(n), torch.randn(n), 0.1 * torch.randn(n)
+    v = torch.rand(n)
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
+    ref = [t.clone() for t in (p, g, m, v)]
+    ops.adamw_step_.reference(*ref, **hp, zero_grad=True)
+    a = [t.clone() for t in (p, g, m, v)]
+    adamw.adamw_step_(*a, **hp, zero_grad=True)
+    scalars = torch.tensor(ops.adamw_scalars(hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"],
+                                             hp["step"]), dtype=torch.float32)
+    b = [t.clone() for t in (p, g, m, v)]
+    adamw.adamw_apply_(*b, scalars, zero_grad=True)
+    errs = [rel_err(x, y) for got in (a, b) for x, y in zip(got[::2] + got[3:], ref[::2] + ref[3:], strict=True)]
+    print(f"adamw_step_ / adamw_apply_ fp32: max rel err {max(errs):.2e}")
+    assert max(errs) < 1e-6 and not a[1].any() and not b[1].any(), errs
+
+
+def check_permute_unpermute():
+    T, k, E, H = 37, 4, 8, 24
+    idx = torch.rand(T, E).argsort(-1)[:, :k]
+    w = torch.softmax(torch.randn(T, k), -1)
+
+    def run(permute, unpermute):
+        return lambda x, w: unpermute(permute(x, idx, E)[0], permute(x, idx, E)[1], w)
+
+    check_fwd_bwd("moe_permute + moe_unpermute fp32", run(moe_permute.moe_permute, moe_permute.moe_unpermute),
+                  run(ops.moe_permute.reference, ops.moe_unpermute.reference), [torch.randn(T, H), w])
+
+
+def main() -> None:
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"seed {seed}")
+    check_fwd_bwd("rms_norm fp32", triton_rmsnorm.rms_norm, ops.rms_norm.reference,
+                  [torch.randn(13, 96), 1 + 0.1 * torch.randn(96)])
+    check_fwd_bwd("swiglu fp32", swiglu.swiglu, ops.swiglu.reference, [torch.randn(11, 2 * 40)])
+    check_permute_unpermute()
+    labels = torch.randint(0, 300, (19,))
+    labels[3] = -100
+    check_fwd_bwd("linear_cross_entropy fp32", lambda h, w: linear_cross_entropy(h, w, labels),
+                  lambda h, w: ops.linear_cross_entropy.reference(h, w, labels),
+                  [torch.randn(19, 32), 0.1 * torch.randn(300, 32)])
+    check_grouped_wgrad()
+    check_adamw()
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
