@@ -59,6 +59,25 @@ def check_grouped_wgrad():
     assert max(errs) < 2e-3 and not fresh[2].any(), errs
 
 
+def check_grouped_wgrad_adamw():
+    counts = torch.randint(0, 70, (5,))
+    counts[1] = 0  # an expert with no tokens in this micro-batch still takes its step
+    offsets = counts.cumsum(0).to(torch.int32)
+    T = int(counts.sum())
+    dy, x = torch.randn(T, 72).half(), torch.randn(T, 40).half()
+    grad, param = torch.randn(5, 72, 40).half(), torch.randn(5, 72, 40).half()
+    m, v = 0.1 * torch.randn(5, 72, 40).half(), torch.rand(5, 72, 40).half()
+    scalars = torch.tensor(ops.adamw_scalars(1e-2, 0.9, 0.95, 1e-8, 0.1, 4), dtype=torch.float32)
+    ref = [t.clone() for t in (grad, param, m, v)]
+    ops.grouped_mm_wgrad_adamw_.reference(dy, x, offsets, *ref, scalars)
+    got = [t.clone() for t in (grad, param, m, v)]
+    grouped_wgrad.grouped_mm_wgrad_adamw_(dy, x, offsets, *got, scalars)
+    errs = [rel_err(a, b) for a, b in zip(got[1:], ref[1:], strict=True)]
+    moved = rel_err(ref[1], param)
+    print(f"grouped_mm_wgrad_adamw_ fp16: rel err (param, m, v) {max(errs):.2e}, step size {moved:.2e}")
+    assert max(errs) < 1e-3 and moved > 1e-3 and not got[0].any(), errs
+
+
 def check_adamw():
     n = 10_007
     p, g, m = torch.randn(n), torch.randn(n), 0.1 * torch.randn(n)
@@ -103,6 +122,7 @@ def main() -> None:
                   lambda h, w: ops.linear_cross_entropy.reference(h, w, labels),
                   [torch.randn(19, 32), 0.1 * torch.randn(300, 32)])
     check_grouped_wgrad()
+    check_grouped_wgrad_adamw()
     check_adamw()
 
 

@@ -257,6 +257,32 @@ def test_gpu_grouped_mm_wgrad_writes_and_accumulates(N, K):
 
 @gpu
 @needs_cuda
+def test_gpu_grouped_mm_wgrad_adamw_matches_reference():
+    from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad_adamw_
+
+    E, N, K = 16, 1536, 2048
+    counts = torch.randint(0, 300, (E,), device="cuda")
+    counts[5] = 0
+    offsets = counts.cumsum(0).to(torch.int32)
+    T = int(counts.sum())
+    dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    grad, param = (torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    m = 0.01 * torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
+    v = 1e-4 * torch.rand(E, N, K, device="cuda", dtype=torch.bfloat16)
+    # lr 0.05: a step well above bf16's resolution, so a missing update fails the param check
+    scalars = torch.tensor(ops.adamw_scalars(0.05, 0.9, 0.95, 1e-8, 0.1, 5), dtype=torch.float32, device="cuda")
+    ref = [t.clone() for t in (grad, param, m, v)]
+    ops.grouped_mm_wgrad_adamw_.reference(dy, x, offsets, *ref, scalars)
+    got = [t.clone() for t in (grad, param, m, v)]
+    grouped_mm_wgrad_adamw_(dy, x, offsets, *got, scalars)
+    assert not got[0].any()
+    for a, b in zip(got[1:], ref[1:], strict=True):
+        assert rel_err(a, b) < TOL[torch.bfloat16]
+
+
+@gpu
+@needs_cuda
 def test_gpu_fused_wgrad_accumulation_matches_autograd():
     from polyaccel.moe.grouped_linear import grouped_linear
 

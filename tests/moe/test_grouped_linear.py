@@ -58,3 +58,37 @@ def test_not_fusable_in_a_multi_process_job(monkeypatch):
     assert not fusable(w)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
     assert fusable(w)
+
+
+def test_optimizer_in_backward_equals_a_step_after_the_backward():
+    """Two micro-batches then FlatAdamW.step() == the second micro-batch's backward taking the
+    expert weights' AdamW step inside their weight-gradient op (the rest applied after)."""
+    from polyaccel.moe import AutoModelForCausalLM, BackendConfig
+    from polyaccel.moe.grouped_linear import optimizer_in_backward
+    from polyaccel.moe.optim import FlatAdamW
+    from polyaccel.moe.presets import tiny
+
+    batches = [torch.randint(3, 97, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    runs = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny("qwen3_moe"), backend=BackendConfig(backend="cpu")).train()
+        opt = FlatAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        experts = [p for n, p in model.named_parameters() if ".experts." in n]
+        rest = [p for n, p in model.named_parameters() if ".experts." not in n]
+        for step in range(2):
+            first, last = batches[2 * step], batches[2 * step + 1]
+            model(input_ids=first, labels=first).loss.backward()
+            if not fused:
+                model(input_ids=last, labels=last).loss.backward()
+                opt.step()
+                continue
+            opt.begin_step()
+            with optimizer_in_backward({p: opt.adam_state(p) for p in experts}) as stepped:
+                model(input_ids=last, labels=last).loss.backward()
+                assert set(stepped) == set(experts)
+            opt.apply(opt.pieces(rest))
+            assert all(not p.grad.any() for p in model.parameters())
+        runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    for n in runs[0]:
+        torch.testing.assert_close(runs[1][n], runs[0][n], rtol=1e-5, atol=1e-6, msg=n)

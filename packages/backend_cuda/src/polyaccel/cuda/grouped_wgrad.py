@@ -9,7 +9,9 @@ one read and one write of ``.grad``.
 
 Programs are ordered expert-major, so the tiles of one expert run together and its token
 rows (a few hundred) are read from L2, not from memory, by all of them. The first
-micro-batch writes without reading (``accumulate=False``).
+micro-batch writes without reading (``accumulate=False``). The last one can also run the
+AdamW step in the epilogue (:func:`grouped_mm_wgrad_adamw_`): the finished gradient tile is in
+registers, so the parameter and moments are updated there and the gradient is never stored.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def grouped_wgrad(DY, X, OFFS, OUT, N, K, stride_dy, stride_x,
-                      ACCUMULATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_T: tl.constexpr):
+    def grouped_wgrad(DY, X, OFFS, OUT, P, M, V, S, N, K, stride_dy, stride_x,
+                      ACCUMULATE: tl.constexpr, ADAMW: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
         tile = tl.program_id(0)
         g = tl.program_id(1)
         tiles_k = tl.cdiv(K, BLOCK_K)
@@ -53,19 +55,34 @@ def _kernel():
             b = tl.load(X + rt[:, None] * stride_x + rk[None, :],
                         mask=in_rows[:, None] & (rk[None, :] < K), other=0.0)  # [BLOCK_T, BLOCK_K]
             acc = tl.dot(a, b, acc)
-        at = OUT + g.to(tl.int64) * N * K + rn[:, None] * K + rk[None, :]
+        off = g.to(tl.int64) * N * K + rn[:, None] * K + rk[None, :]
         mask = (rn[:, None] < N) & (rk[None, :] < K)
         if ACCUMULATE:
-            acc += tl.load(at, mask=mask, other=0.0).to(tl.float32)
-        tl.store(at, acc.to(OUT.dtype.element_ty), mask=mask)
+            acc += tl.load(OUT + off, mask=mask, other=0.0).to(tl.float32)
+        if ADAMW:  # the optimizer step on this tile (adamw.py's math), then the grad zeroed
+            p = tl.load(P + off, mask=mask, other=0.0).to(tl.float32)
+            m = tl.load(M + off, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(V + off, mask=mask, other=0.0).to(tl.float32)
+            p = p * tl.load(S)
+            m = m + tl.load(S + 1) * (acc - m)
+            v = v * tl.load(S + 2) + tl.load(S + 3) * acc * acc
+            denom = tl.math.div_rn(tl.math.sqrt_rn(v), tl.load(S + 5)) + tl.load(S + 6)
+            p = p - tl.load(S + 4) * tl.math.div_rn(m, denom)
+            tl.store(P + off, p.to(P.dtype.element_ty), mask=mask)
+            tl.store(M + off, m.to(M.dtype.element_ty), mask=mask)
+            tl.store(V + off, v.to(V.dtype.element_ty), mask=mask)
+            acc = tl.zeros_like(acc)
+        tl.store(OUT + off, acc.to(OUT.dtype.element_ty), mask=mask)
 
-    tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt}, num_warps=w, num_stages=s)
-                 for bn, bk, bt, w, s in CONFIGS],
-        key=["N", "K", "ACCUMULATE"],
-        restore_value=["OUT"],  # trial runs accumulate into OUT: put it back after each
-    )(grouped_wgrad)
-    return grouped_wgrad, tuned
+    def tuned(restore: list[str]):
+        return triton.autotune(
+            configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt}, num_warps=w, num_stages=s)
+                     for bn, bk, bt, w, s in CONFIGS],
+            key=["N", "K", "ACCUMULATE", "ADAMW"],
+            restore_value=restore,  # trial runs write these in place: put them back after each
+        )(grouped_wgrad)
+
+    return grouped_wgrad, tuned(["OUT"]), tuned(["OUT", "P", "M", "V"])
 
 
 def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
@@ -77,26 +94,46 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
         from polyaccel.core.ops import grouped_mm_wgrad as core_op
 
         return core_op.reference(dy, x, offsets, out)
-    G, N, K = offsets.numel(), dy.shape[1], x.shape[1]
     accumulate = out is not None
     if out is None:
-        out = dy.new_empty(G, N, K)
+        out = dy.new_empty(offsets.numel(), dy.shape[1], x.shape[1])
+    _launch(dy, x, offsets, out, (out, out, out, out), accumulate=accumulate, adamw=False)
+    return out
+
+
+def grouped_mm_wgrad_adamw_(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
+                            param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                            scalars: torch.Tensor) -> None:
+    """Core ``grouped_mm_wgrad_adamw_`` on CUDA: the weight-gradient kernel with the AdamW
+    step in its epilogue (bf16/fp16 inputs, contiguous same-shape state); else core's reference."""
+    state = (grad, param, exp_avg, exp_avg_sq)
+    if (not use_triton(dy) or dy.dtype not in (torch.bfloat16, torch.float16) or x.dtype != dy.dtype
+            or scalars.dtype != torch.float32
+            or not all(t.is_contiguous() and t.shape == grad.shape for t in state)):
+        from polyaccel.core.ops import grouped_mm_wgrad_adamw_ as core_op
+
+        return core_op.reference(dy, x, offsets, grad, param, exp_avg, exp_avg_sq, scalars)
+    _launch(dy, x, offsets, grad, (param, exp_avg, exp_avg_sq, scalars), accumulate=True, adamw=True)
+
+
+def _launch(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
+            adam: tuple[torch.Tensor, ...], *, accumulate: bool, adamw: bool) -> None:
+    G, N, K = offsets.numel(), dy.shape[1], x.shape[1]
     if dy.stride(1) != 1:
         dy = dy.contiguous()
     if x.stride(1) != 1:
         x = x.contiguous()
     if offsets.dtype != torch.int32:
         offsets = offsets.to(torch.int32)
-    plain, tuned = _kernel()
+    plain, tuned, tuned_adamw = _kernel()
 
     def grid(meta):
         return cdiv(N, meta["BLOCK_N"]) * cdiv(K, meta["BLOCK_K"]), G
 
-    args = (dy, x, offsets, out, N, K, dy.stride(0), x.stride(0))
+    args = (dy, x, offsets, out, *adam, N, K, dy.stride(0), x.stride(0))
     if dy.is_cuda:
-        tuned[grid](*args, ACCUMULATE=accumulate)
+        (tuned_adamw if adamw else tuned)[grid](*args, ACCUMULATE=accumulate, ADAMW=adamw)
     else:  # Triton's CPU interpreter (tests): no timing, the first tile shape
         bn, bk, bt, _, _ = CONFIGS[0]
-        plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, ACCUMULATE=accumulate, BLOCK_N=bn, BLOCK_K=bk,
-                                                      BLOCK_T=bt)
-    return out
+        plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, ACCUMULATE=accumulate, ADAMW=adamw, BLOCK_N=bn,
+                                                      BLOCK_K=bk, BLOCK_T=bt)

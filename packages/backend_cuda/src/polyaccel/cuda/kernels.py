@@ -6,6 +6,7 @@
 | ``swiglu`` | Triton forward/backward (:mod:`.swiglu`) |
 | ``grouped_mm`` | ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper), bf16 |
 | ``grouped_mm_wgrad`` | Triton K-grouped GEMM accumulating into ``.grad`` (:mod:`.grouped_wgrad`) |
+| ``grouped_mm_wgrad_adamw_`` | the same kernel with the AdamW step in its epilogue |
 | ``moe_permute`` / ``moe_unpermute`` | device sort + Triton gather-combine, no host sync (:mod:`.moe_permute`) |
 | ``linear_cross_entropy`` | chunked LM head + CE with in-forward gradients (:mod:`.cross_entropy`) |
 | ``attention`` | ``F.scaled_dot_product_attention`` (flash / cuDNN / mem-efficient) (:mod:`.attention`) |
@@ -23,7 +24,7 @@ from polyaccel.cuda._triton import has_triton
 from polyaccel.cuda.adamw import adamw_apply_, adamw_step_
 from polyaccel.cuda.attention import attention
 from polyaccel.cuda.cross_entropy import linear_cross_entropy
-from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
+from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad, grouped_mm_wgrad_adamw_
 from polyaccel.cuda.moe_permute import moe_permute, moe_unpermute
 from polyaccel.cuda.swiglu import swiglu
 from polyaccel.cuda.triton_rmsnorm import rms_norm
@@ -42,6 +43,8 @@ def register_all(registry) -> None:
         registry.register("adamw_step_", "cuda", adamw_step_, impl="triton", backend=BACKEND)
         registry.register("adamw_apply_", "cuda", adamw_apply_, impl="triton", backend=BACKEND)
         registry.register("grouped_mm_wgrad", "cuda", grouped_mm_wgrad, impl="triton", backend=BACKEND)
+        registry.register("grouped_mm_wgrad_adamw_", "cuda", grouped_mm_wgrad_adamw_, impl="triton",
+                          backend=BACKEND)
     registry.register("moe_permute", "cuda", moe_permute, impl="device-sort", backend=BACKEND)
     registry.register("attention", "cuda", attention, impl="sdpa", backend=BACKEND)
     if hasattr(torch, "_grouped_mm"):

@@ -169,6 +169,25 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
 
 
 @registry.define
+def grouped_mm_wgrad_adamw_(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
+                            param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                            scalars: torch.Tensor) -> None:
+    """The last micro-batch's :func:`grouped_mm_wgrad` and the AdamW step of that weight in one
+    pass: ``g = grad + dy_g.T @ x_g`` (fp32, never stored), then :func:`adamw_apply_` with ``g``
+    on ``param``/``exp_avg``/``exp_avg_sq`` (``scalars`` as there), and ``grad`` zeroed.
+
+    Fusing the optimizer into the weight-gradient GEMM's epilogue reads each expert weight's
+    gradient, parameter and moments once while the tile is in registers, instead of writing
+    the gradient and streaming everything again in a separate optimizer pass. No gradient
+    clipping can come between (the step needs the global norm first).
+    """
+    total = grad.float().clone()
+    grouped_mm_wgrad.reference(dy.float(), x.float(), offsets, out=total)
+    adamw_apply_.reference(param.view(-1), total.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1), scalars)
+    grad.zero_()
+
+
+@registry.define
 def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort token copies by expert for grouped GEMM.

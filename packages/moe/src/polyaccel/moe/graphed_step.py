@@ -19,7 +19,10 @@ so each block's update runs on a side stream while the backward goes on through 
 before it. The update of block ``i + 1`` starts when block ``i``'s first weight gradient is
 accumulated (autograd runs every accumulation of block ``i + 1`` before any of block ``i``);
 the last block's trigger also starts the head (final norm, LM head); block 0 and what is
-left (embeddings) follow the backward.
+left (embeddings) follow the backward. Expert weights with fused gradient accumulation take
+their step inside their own weight-gradient kernel instead
+(:func:`polyaccel.moe.grouped_linear.optimizer_in_backward`). No gradient clipping fits
+between the backward and such a step.
 
 Requirements: a CUDA device; every call with the same batch shapes and keys (a call with
 other shapes runs eagerly, with a one-time warning); no host synchronization in the
@@ -37,6 +40,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from polyaccel.moe.grouped_linear import optimizer_in_backward
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +91,9 @@ class GraphedMicroStep:
         self._warned = False
         self._overlap: _OverlappedUpdate | None = None
         if optimizer is not None:
+            if getattr(model, "is_gradient_checkpointing", False):
+                raise ValueError("GraphedMicroStep(optimizer=...) updates weights during the backward, which "
+                                 "activation checkpointing would then recompute with: turn one off")
             if not hasattr(optimizer, "begin_step"):
                 raise TypeError(f"optimizer_step needs a polyaccel.moe.optim.FlatAdamW, got {type(optimizer).__name__}")
             if blocks is None:
@@ -165,8 +173,13 @@ class _OverlappedUpdate:
     def __init__(self, model: nn.Module, optimizer: Any, blocks: list[nn.Module], device: torch.device) -> None:
         self.optimizer = optimizer
         self.stream = torch.cuda.Stream(device=device)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        in_blocks = [[p for p in b.parameters() if p.requires_grad] for b in blocks]
+        # Weights of modules with fused weight-gradient accumulation (experts) take their step
+        # in their own backward kernel (grouped_linear.optimizer_in_backward); the rest here.
+        self.in_backward = [p for m in model.modules() if getattr(m, "fuse_wgrad", False)
+                            for p in m.parameters(recurse=False) if p.requires_grad]
+        skip = {id(p) for p in self.in_backward}
+        trainable = [p for p in model.parameters() if p.requires_grad and id(p) not in skip]
+        in_blocks = [[p for p in b.parameters() if p.requires_grad and id(p) not in skip] for b in blocks]
         seen = {id(p) for ps in in_blocks for p in ps}
         embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         embed_ids = {id(p) for p in embed.parameters()} if embed is not None else set()
@@ -199,11 +212,15 @@ class _OverlappedUpdate:
         joins the current one."""
         self.fired = [False] * len(self.fired)
         self._armed = True
+        states = {p: self.optimizer.adam_state(p) for p in self.in_backward}
         try:
-            yield
+            with optimizer_in_backward(states) as stepped:
+                yield
+                stepped = set(stepped)
         finally:
             self._armed = False
         main = torch.cuda.current_stream()
-        self.optimizer.apply(self.after + [pc for i, done in enumerate(self.fired) if not done
-                                           for pc in self.pieces[i]])
+        missed = self.optimizer.pieces([p for p in self.in_backward if p not in stepped])
+        self.optimizer.apply(self.after + missed + [pc for i, done in enumerate(self.fired) if not done
+                                                    for pc in self.pieces[i]])
         main.wait_stream(self.stream)

@@ -16,6 +16,9 @@ it writes ``.grad``; ``torch.autograd.grad`` with respect to such a weight sees 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -39,6 +42,30 @@ def _multi_process() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+_STEP: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+"""Weights whose backward also takes the AdamW step (see :func:`optimizer_in_backward`)."""
+_STEPPED: set[torch.Tensor] = set()
+
+
+@contextlib.contextmanager
+def optimizer_in_backward(states: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+                          ) -> Iterator[set[torch.Tensor]]:
+    """Within: the backward of :func:`grouped_linear` for a weight in ``states`` (weight ->
+    ``(exp_avg, exp_avg_sq, scalars)`` of a :class:`~polyaccel.moe.optim.FlatAdamW` step
+    begun with ``begin_step``) also applies that AdamW step in the weight-gradient kernel's
+    epilogue (``ops.grouped_mm_wgrad_adamw_``) and zeroes ``.grad``. Use it for the last
+    micro-batch of a step, with no gradient clipping. Yields the set of weights stepped; the
+    caller steps the others itself."""
+    if _STEP:
+        raise RuntimeError("optimizer_in_backward does not nest")
+    _STEP.update(states)
+    _STEPPED.clear()
+    try:
+        yield _STEPPED
+    finally:
+        _STEP.clear()
+
+
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offsets):  # noqa: ANN001, ANN205
@@ -51,7 +78,13 @@ class _GroupedLinear(torch.autograd.Function):
         x, offsets = ctx.saved_tensors
         w = ctx.weight
         dx = ops.grouped_mm(dy, w.detach().transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
-        if w.grad is None:
+        adam = _STEP.get(w)
+        if adam is not None and w.grad is not None:  # dx above was launched before w changes
+            if w in _STEPPED:
+                raise RuntimeError("optimizer_in_backward: a weight was used twice in one micro-batch")
+            ops.grouped_mm_wgrad_adamw_(dy, x, offsets, w.grad, w.detach(), *adam)
+            _STEPPED.add(w)
+        elif w.grad is None:
             w.grad = ops.grouped_mm_wgrad(dy, x, offsets).to(w.dtype)
         else:
             ops.grouped_mm_wgrad(dy, x, offsets, out=w.grad)

@@ -269,6 +269,15 @@ class FlatAdamW(torch.optim.Optimizer):
                     out.append((flat, lo, hi))
         return out
 
+    def adam_state(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(exp_avg, exp_avg_sq, scalars)`` of ``p`` for a step begun with :meth:`begin_step`
+        and carried out elsewhere (an optimizer fused into ``p``'s weight-gradient kernel)."""
+        flat = next(f for flats in self._flats for f in flats if p in f.index)
+        if getattr(flat, "scalars", None) is None:
+            flat.scalars = torch.zeros(7, dtype=torch.float32, device=flat.param.device)
+        st = self.state[p]
+        return st["exp_avg"], st["exp_avg_sq"], flat.scalars
+
     @torch.no_grad()
     def apply(self, pieces: list[tuple[_Flat, int, int]]) -> None:
         """Update the params in ``pieces`` (from :meth:`pieces`) with the scalars of the step
