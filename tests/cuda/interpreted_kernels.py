@@ -54,9 +54,12 @@ def check_grouped_wgrad():
     acc = torch.randn(6, 136, 72).half()
     expected = acc.double() + ref
     grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=acc)
-    errs = rel_err(fresh, ref), rel_err(acc, expected)
-    print(f"grouped_mm_wgrad fp16 (write, accumulate): rel err {errs[0]:.2e}, {errs[1]:.2e}")
-    assert max(errs) < 2e-3 and not fresh[2].any(), errs
+    over = torch.randn(6, 136, 72).half()
+    grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=over, accumulate=False)
+    errs = rel_err(fresh, ref), rel_err(acc, expected), rel_err(over, ref)
+    print(f"grouped_mm_wgrad fp16 (new, accumulate, overwrite): rel err {errs[0]:.2e}, {errs[1]:.2e}, "
+          f"{errs[2]:.2e}")
+    assert max(errs) < 2e-3 and not fresh[2].any() and not over[2].any(), errs
 
 
 def check_grouped_wgrad_adamw():
@@ -68,14 +71,17 @@ def check_grouped_wgrad_adamw():
     grad, param = torch.randn(5, 72, 40).half(), torch.randn(5, 72, 40).half()
     m, v = 0.1 * torch.randn(5, 72, 40).half(), torch.rand(5, 72, 40).half()
     scalars = torch.tensor(ops.adamw_scalars(1e-2, 0.9, 0.95, 1e-8, 0.1, 4), dtype=torch.float32)
-    ref = [t.clone() for t in (grad, param, m, v)]
-    ops.grouped_mm_wgrad_adamw_.reference(dy, x, offsets, *ref, scalars)
-    got = [t.clone() for t in (grad, param, m, v)]
-    grouped_wgrad.grouped_mm_wgrad_adamw_(dy, x, offsets, *got, scalars)
-    errs = [rel_err(a, b) for a, b in zip(got[1:], ref[1:], strict=True)]
-    moved = rel_err(ref[1], param)
-    print(f"grouped_mm_wgrad_adamw_ fp16: rel err (param, m, v) {max(errs):.2e}, step size {moved:.2e}")
-    assert max(errs) < 1e-3 and moved > 1e-3 and not got[0].any(), errs
+    for accumulate, zero_grad in ((True, True), (False, False)):
+        ref = [t.clone() for t in (grad, param, m, v)]
+        ops.grouped_mm_wgrad_adamw_.reference(dy, x, offsets, *ref, scalars, accumulate, zero_grad)
+        got = [t.clone() for t in (grad, param, m, v)]
+        grouped_wgrad.grouped_mm_wgrad_adamw_(dy, x, offsets, *got, scalars, accumulate, zero_grad)
+        errs = [rel_err(a, b) for a, b in zip(got[1:], ref[1:], strict=True)]
+        moved = rel_err(ref[1], param)
+        print(f"grouped_mm_wgrad_adamw_ fp16 accumulate={accumulate} zero_grad={zero_grad}: "
+              f"rel err (param, m, v) {max(errs):.2e}, step size {moved:.2e}")
+        assert max(errs) < 1e-3 and moved > 1e-3, errs
+        assert not got[0].any() if zero_grad else torch.equal(got[0], grad)
 
 
 def check_adamw():

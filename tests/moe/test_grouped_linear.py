@@ -60,15 +60,16 @@ def test_not_fusable_in_a_multi_process_job(monkeypatch):
     assert fusable(w)
 
 
-def test_optimizer_in_backward_equals_a_step_after_the_backward():
-    """Two micro-batches then FlatAdamW.step() == the second micro-batch's backward taking the
-    expert weights' AdamW step inside their weight-gradient op (the rest applied after)."""
+def test_fused_backward_steps_equal_a_step_after_the_backward():
+    """Two micro-batches then FlatAdamW.step(), three times, == the last micro-batch's backward
+    taking the expert weights' AdamW step inside their weight-gradient op (the rest applied
+    after), leaving their grads for the next step's first micro-batch to write over."""
     from polyaccel.moe import AutoModelForCausalLM, BackendConfig
-    from polyaccel.moe.grouped_linear import optimizer_in_backward
+    from polyaccel.moe.grouped_linear import fused_backward
     from polyaccel.moe.optim import FlatAdamW
     from polyaccel.moe.presets import tiny
 
-    batches = [torch.randint(3, 97, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    batches = [torch.randint(3, 97, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(6)]
     runs = []
     for fused in (False, True):
         torch.manual_seed(0)
@@ -76,19 +77,22 @@ def test_optimizer_in_backward_equals_a_step_after_the_backward():
         opt = FlatAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         experts = [p for n, p in model.named_parameters() if ".experts." in n]
         rest = [p for n, p in model.named_parameters() if ".experts." not in n]
-        for step in range(2):
+        for step in range(3):
             first, last = batches[2 * step], batches[2 * step + 1]
-            model(input_ids=first, labels=first).loss.backward()
             if not fused:
-                model(input_ids=last, labels=last).loss.backward()
+                for ids in (first, last):
+                    model(input_ids=ids, labels=ids).loss.backward()
                 opt.step()
                 continue
+            with fused_backward(overwrite=experts if step else ()) as written:
+                model(input_ids=first, labels=first).loss.backward()
+            assert set(written) == (set(experts) if step else set())
             opt.begin_step()
-            with optimizer_in_backward({p: opt.adam_state(p) for p in experts}) as stepped:
+            with fused_backward({p: opt.adam_state(p) for p in experts}, keep_grad=True) as stepped:
                 model(input_ids=last, labels=last).loss.backward()
-                assert set(stepped) == set(experts)
+            assert set(stepped) == set(experts)
             opt.apply(opt.pieces(rest))
-            assert all(not p.grad.any() for p in model.parameters())
+            assert all(not p.grad.any() for p in rest) and all(p.grad.any() for p in experts)  # kept
         runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
     for n in runs[0]:
         torch.testing.assert_close(runs[1][n], runs[0][n], rtol=1e-5, atol=1e-6, msg=n)

@@ -37,7 +37,7 @@ def _kernel():
 
     @triton.jit
     def grouped_wgrad(DY, X, OFFS, OUT, P, M, V, S, N, K, stride_dy, stride_x,
-                      ACCUMULATE: tl.constexpr, ADAMW: tl.constexpr, BLOCK_N: tl.constexpr,
+                      ACCUMULATE: tl.constexpr, ADAMW: tl.constexpr, STORE: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
         tile = tl.program_id(0)
         g = tl.program_id(1)
@@ -72,13 +72,14 @@ def _kernel():
             tl.store(M + off, m.to(M.dtype.element_ty), mask=mask)
             tl.store(V + off, v.to(V.dtype.element_ty), mask=mask)
             acc = tl.zeros_like(acc)
-        tl.store(OUT + off, acc.to(OUT.dtype.element_ty), mask=mask)
+        if STORE:  # (the gradient after an epilogue step: zeros, or left for the next write)
+            tl.store(OUT + off, acc.to(OUT.dtype.element_ty), mask=mask)
 
     def tuned(restore: list[str]):
         return triton.autotune(
             configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt}, num_warps=w, num_stages=s)
                      for bn, bk, bt, w, s in CONFIGS],
-            key=["N", "K", "ACCUMULATE", "ADAMW"],
+            key=["N", "K", "ACCUMULATE", "ADAMW", "STORE"],
             restore_value=restore,  # trial runs write these in place: put them back after each
         )(grouped_wgrad)
 
@@ -86,24 +87,24 @@ def _kernel():
 
 
 def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, accumulate: bool = True) -> torch.Tensor:
     """Core ``grouped_mm_wgrad`` on CUDA (bf16/fp16 inputs, contiguous ``out``); other
     inputs take core's reference."""
     if (not use_triton(dy) or dy.dtype not in (torch.bfloat16, torch.float16) or x.dtype != dy.dtype
             or (out is not None and not out.is_contiguous())):
         from polyaccel.core.ops import grouped_mm_wgrad as core_op
 
-        return core_op.reference(dy, x, offsets, out)
-    accumulate = out is not None
+        return core_op.reference(dy, x, offsets, out, accumulate)
+    accumulate = accumulate and out is not None
     if out is None:
         out = dy.new_empty(offsets.numel(), dy.shape[1], x.shape[1])
-    _launch(dy, x, offsets, out, (out, out, out, out), accumulate=accumulate, adamw=False)
+    _launch(dy, x, offsets, out, (out, out, out, out), accumulate=accumulate, adamw=False, store=True)
     return out
 
 
 def grouped_mm_wgrad_adamw_(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
                             param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                            scalars: torch.Tensor) -> None:
+                            scalars: torch.Tensor, accumulate: bool = True, zero_grad: bool = True) -> None:
     """Core ``grouped_mm_wgrad_adamw_`` on CUDA: the weight-gradient kernel with the AdamW
     step in its epilogue (bf16/fp16 inputs, contiguous same-shape state); else core's reference."""
     state = (grad, param, exp_avg, exp_avg_sq)
@@ -112,12 +113,13 @@ def grouped_mm_wgrad_adamw_(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Te
             or not all(t.is_contiguous() and t.shape == grad.shape for t in state)):
         from polyaccel.core.ops import grouped_mm_wgrad_adamw_ as core_op
 
-        return core_op.reference(dy, x, offsets, grad, param, exp_avg, exp_avg_sq, scalars)
-    _launch(dy, x, offsets, grad, (param, exp_avg, exp_avg_sq, scalars), accumulate=True, adamw=True)
+        return core_op.reference(dy, x, offsets, grad, param, exp_avg, exp_avg_sq, scalars, accumulate, zero_grad)
+    _launch(dy, x, offsets, grad, (param, exp_avg, exp_avg_sq, scalars), accumulate=accumulate, adamw=True,
+            store=zero_grad)
 
 
 def _launch(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
-            adam: tuple[torch.Tensor, ...], *, accumulate: bool, adamw: bool) -> None:
+            adam: tuple[torch.Tensor, ...], *, accumulate: bool, adamw: bool, store: bool) -> None:
     G, N, K = offsets.numel(), dy.shape[1], x.shape[1]
     if dy.stride(1) != 1:
         dy = dy.contiguous()
@@ -132,8 +134,8 @@ def _launch(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, out: torch
 
     args = (dy, x, offsets, out, *adam, N, K, dy.stride(0), x.stride(0))
     if dy.is_cuda:
-        (tuned_adamw if adamw else tuned)[grid](*args, ACCUMULATE=accumulate, ADAMW=adamw)
+        (tuned_adamw if adamw else tuned)[grid](*args, ACCUMULATE=accumulate, ADAMW=adamw, STORE=store)
     else:  # Triton's CPU interpreter (tests): no timing, the first tile shape
         bn, bk, bt, _, _ = CONFIGS[0]
-        plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, ACCUMULATE=accumulate, ADAMW=adamw, BLOCK_N=bn,
-                                                      BLOCK_K=bk, BLOCK_T=bt)
+        plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, ACCUMULATE=accumulate, ADAMW=adamw, STORE=store,
+                                                      BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt)

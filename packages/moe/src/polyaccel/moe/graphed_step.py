@@ -21,8 +21,10 @@ accumulated (autograd runs every accumulation of block ``i + 1`` before any of b
 the last block's trigger also starts the head (final norm, LM head); block 0 and what is
 left (embeddings) follow the backward. Expert weights with fused gradient accumulation take
 their step inside their own weight-gradient kernel instead
-(:func:`polyaccel.moe.grouped_linear.optimizer_in_backward`). No gradient clipping fits
-between the backward and such a step.
+(:func:`polyaccel.moe.grouped_linear.fused_backward`), which leaves their gradient in place;
+the next micro-batch (the first of the next step) writes over it instead of adding to it, so
+the expert gradients are neither zeroed nor read back between steps. No gradient clipping
+fits between the backward and such a step.
 
 Requirements: a CUDA device; every call with the same batch shapes and keys (a call with
 other shapes runs eagerly, with a one-time warning); no host synchronization in the
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from polyaccel.moe.grouped_linear import optimizer_in_backward
+from polyaccel.moe.grouped_linear import fusable, fused_backward
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +88,8 @@ class GraphedMicroStep:
         self.model, self.warmup, self.forward_kwargs = model, warmup, forward_kwargs
         self.loss_fn = loss_fn or (lambda **batch: model(**batch, **forward_kwargs).loss)
         self.optimizer = optimizer
-        self.kinds = {False: _Captured(), True: _Captured()}
+        self.kinds: dict[tuple[bool, bool], _Captured] = {}
+        self._stale = False  # expert grads still hold the last step's values (see _OverlappedUpdate)
         self._pool: Any = None
         self._warned = False
         self._overlap: _OverlappedUpdate | None = None
@@ -105,15 +108,17 @@ class GraphedMicroStep:
         step that ends this accumulation (grads are zeroed as they are read)."""
         if optimizer_step and self._overlap is None:
             raise ValueError("optimizer_step=True needs GraphedMicroStep(..., optimizer=FlatAdamW(...))")
-        kind = self.kinds[optimizer_step]
+        mode = (optimizer_step, self._stale)
+        self._stale = optimizer_step and self._overlap is not None
+        kind = self.kinds.setdefault(mode, _Captured())
         kind.calls += 1
         if kind.graph is not None and not self._matches(kind, batch):
-            return self._eager(batch, optimizer_step)
+            return self._eager(batch, mode)
         if kind.graph is None:
             self._ensure_grads()
             if kind.calls <= self.warmup:
-                return self._eager(batch, optimizer_step)
-            self._capture(kind, batch, optimizer_step)
+                return self._eager(batch, mode)
+            self._capture(kind, batch, mode)
         else:
             for name, t in batch.items():
                 kind.inputs[name].copy_(t, non_blocking=True)
@@ -123,16 +128,17 @@ class GraphedMicroStep:
         return kind.loss.clone()
 
     # ---- internals --------------------------------------------------------------------------
-    def _forward_backward(self, batch: dict[str, torch.Tensor], optimizer_step: bool) -> torch.Tensor:
-        with self._overlap.armed() if optimizer_step else contextlib.nullcontext():
+    def _forward_backward(self, batch: dict[str, torch.Tensor], mode: tuple[bool, bool]) -> torch.Tensor:
+        """``mode``: (this call ends the step, the expert grads are stale from the last one)."""
+        with self._overlap.armed(*mode) if self._overlap is not None else contextlib.nullcontext():
             loss = self.loss_fn(**batch)
             loss.backward()
         return loss.detach()
 
-    def _eager(self, batch: dict[str, torch.Tensor], optimizer_step: bool) -> torch.Tensor:
-        if optimizer_step:
+    def _eager(self, batch: dict[str, torch.Tensor], mode: tuple[bool, bool]) -> torch.Tensor:
+        if mode[0]:
             self.optimizer.begin_step()
-        return self._forward_backward(batch, optimizer_step)
+        return self._forward_backward(batch, mode)
 
     def _ensure_grads(self) -> None:
         """Give every trainable parameter a ``.grad`` (zeros if missing): a graph replays the
@@ -151,8 +157,8 @@ class GraphedMicroStep:
             self._warned = True
         return ok
 
-    def _capture(self, kind: _Captured, batch: dict[str, torch.Tensor], optimizer_step: bool) -> None:
-        """Record this kind's graph (nothing runs: the caller replays it). Both kinds share
+    def _capture(self, kind: _Captured, batch: dict[str, torch.Tensor], mode: tuple[bool, bool]) -> None:
+        """Record this kind's graph (nothing runs: the caller replays it). All kinds share
         one memory pool: they never run at the same time."""
         for name, t in batch.items():
             if not (torch.is_tensor(t) and t.is_cuda):
@@ -162,7 +168,7 @@ class GraphedMicroStep:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            kind.loss = self._forward_backward(kind.inputs, optimizer_step)
+            kind.loss = self._forward_backward(kind.inputs, mode)
         self._pool = self._pool if self._pool is not None else graph.pool()
         kind.graph = graph
 
@@ -174,7 +180,7 @@ class _OverlappedUpdate:
         self.optimizer = optimizer
         self.stream = torch.cuda.Stream(device=device)
         # Weights of modules with fused weight-gradient accumulation (experts) take their step
-        # in their own backward kernel (grouped_linear.optimizer_in_backward); the rest here.
+        # in their own backward kernel (grouped_linear.fused_backward); the rest here.
         self.in_backward = [p for m in model.modules() if getattr(m, "fuse_wgrad", False)
                             for p in m.parameters(recurse=False) if p.requires_grad]
         skip = {id(p) for p in self.in_backward}
@@ -206,21 +212,33 @@ class _OverlappedUpdate:
             self.optimizer.apply(self.pieces[i])
 
     @contextlib.contextmanager
-    def armed(self) -> Iterator[None]:
-        """Within: the hooks launch updates. On a clean exit, whatever has not been updated
+    def armed(self, optimizer_step: bool, stale: bool) -> Iterator[None]:
+        """Around one micro-batch's forward and backward. ``stale``: the expert grads still
+        hold the last step's values, so their kernels write over them (weights that cannot take
+        that path are zeroed first). ``optimizer_step``: the hooks launch block updates, the
+        expert weights step in their kernels, and on a clean exit whatever has not been updated
         (block 0, embeddings, blocks whose trigger got no gradient) is, and the side stream
         joins the current one."""
+        overwrite = [p for p in self.in_backward if fusable(p)] if stale else []
+        if stale:
+            for p in set(self.in_backward) - set(overwrite):
+                p.grad.zero_()
         self.fired = [False] * len(self.fired)
-        self._armed = True
-        states = {p: self.optimizer.adam_state(p) for p in self.in_backward}
+        self._armed = optimizer_step
+        step = {p: self.optimizer.adam_state(p) for p in self.in_backward} if optimizer_step else {}
         try:
-            with optimizer_in_backward(states) as stepped:
+            with fused_backward(step, keep_grad=True, overwrite=overwrite) as handled:
                 yield
-                stepped = set(stepped)
+                handled = set(handled)
         finally:
             self._armed = False
+        unused = [p for p in overwrite if p not in handled]  # no gradient this micro-batch: zero
+        for p in unused:
+            p.grad.zero_()
+        if not optimizer_step:
+            return
         main = torch.cuda.current_stream()
-        missed = self.optimizer.pieces([p for p in self.in_backward if p not in stepped])
+        missed = self.optimizer.pieces([p for p in self.in_backward if p not in handled or p not in step])
         self.optimizer.apply(self.after + missed + [pc for i, done in enumerate(self.fired) if not done
                                                     for pc in self.pieces[i]])
         main.wait_stream(self.stream)

@@ -17,7 +17,8 @@ it writes ``.grad``; ``torch.autograd.grad`` with respect to such a weight sees 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -42,28 +43,43 @@ def _multi_process() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-_STEP: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-"""Weights whose backward also takes the AdamW step (see :func:`optimizer_in_backward`)."""
-_STEPPED: set[torch.Tensor] = set()
+@dataclasses.dataclass
+class _Fused:
+    """What :func:`grouped_linear`'s backward does differently for some weights, within
+    :func:`fused_backward`."""
+
+    step: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    keep_grad: bool
+    overwrite: set[torch.Tensor]
+    done: set[torch.Tensor] = dataclasses.field(default_factory=set)
+
+
+_CTX: list[_Fused] = []
 
 
 @contextlib.contextmanager
-def optimizer_in_backward(states: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-                          ) -> Iterator[set[torch.Tensor]]:
-    """Within: the backward of :func:`grouped_linear` for a weight in ``states`` (weight ->
-    ``(exp_avg, exp_avg_sq, scalars)`` of a :class:`~polyaccel.moe.optim.FlatAdamW` step
-    begun with ``begin_step``) also applies that AdamW step in the weight-gradient kernel's
-    epilogue (``ops.grouped_mm_wgrad_adamw_``) and zeroes ``.grad``. Use it for the last
-    micro-batch of a step, with no gradient clipping. Yields the set of weights stepped; the
-    caller steps the others itself."""
-    if _STEP:
-        raise RuntimeError("optimizer_in_backward does not nest")
-    _STEP.update(states)
-    _STEPPED.clear()
+def fused_backward(step: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+                   keep_grad: bool = False, overwrite: Iterable[torch.Tensor] = ()) -> Iterator[set[torch.Tensor]]:
+    """Within, the backward of :func:`grouped_linear`:
+
+    - for a weight in ``step`` (weight -> ``(exp_avg, exp_avg_sq, scalars)`` of a
+      :class:`~polyaccel.moe.optim.FlatAdamW` step begun with ``begin_step``) also applies that
+      AdamW step in the weight-gradient kernel's epilogue (``ops.grouped_mm_wgrad_adamw_``),
+      then zeroes ``.grad`` (``keep_grad=True``: leaves it, for a next micro-batch that
+      overwrites it). For the last micro-batch of a step, with no gradient clipping.
+    - for a weight in ``overwrite`` writes its gradient over ``.grad`` instead of adding to it
+      (the first micro-batch after a ``keep_grad`` step: no zeroing pass, no read).
+
+    Yields the set of weights so handled; the caller takes care of the others.
+    """
+    if _CTX:
+        raise RuntimeError("fused_backward does not nest")
+    ctx = _Fused(dict(step or {}), keep_grad, set(overwrite))
+    _CTX.append(ctx)
     try:
-        yield _STEPPED
+        yield ctx.done
     finally:
-        _STEP.clear()
+        _CTX.clear()
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -78,16 +94,20 @@ class _GroupedLinear(torch.autograd.Function):
         x, offsets = ctx.saved_tensors
         w = ctx.weight
         dx = ops.grouped_mm(dy, w.detach().transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
-        adam = _STEP.get(w)
-        if adam is not None and w.grad is not None:  # dx above was launched before w changes
-            if w in _STEPPED:
-                raise RuntimeError("optimizer_in_backward: a weight was used twice in one micro-batch")
-            ops.grouped_mm_wgrad_adamw_(dy, x, offsets, w.grad, w.detach(), *adam)
-            _STEPPED.add(w)
+        fused = _CTX[0] if _CTX else None
+        first = fused is not None and w in fused.overwrite and w not in fused.done
+        if fused is not None and w in fused.step and w.grad is not None:  # (dx is computed before w changes)
+            if w in fused.done:
+                raise RuntimeError("fused_backward: a weight stepped in its backward was used twice")
+            ops.grouped_mm_wgrad_adamw_(dy, x, offsets, w.grad, w.detach(), *fused.step[w],
+                                        accumulate=not first, zero_grad=not fused.keep_grad)
+            fused.done.add(w)
         elif w.grad is None:
             w.grad = ops.grouped_mm_wgrad(dy, x, offsets).to(w.dtype)
         else:
-            ops.grouped_mm_wgrad(dy, x, offsets, out=w.grad)
+            ops.grouped_mm_wgrad(dy, x, offsets, out=w.grad, accumulate=not first)
+            if first:
+                fused.done.add(w)
         return dx, None, None
 
 
