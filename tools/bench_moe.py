@@ -55,6 +55,10 @@ VARIANTS: dict[str, dict | None] = {
                                    "graph": True},
     "balanced-compile-flat-graph": {**_OURS, "gate": "balanced", "compile": True, "optimizer": "flat_adamw",
                                     "graph": True},
+    "learned-compile-flat-graph-tgemm": {**_OURS, "gate": "learned", "compile": True, "optimizer": "flat_adamw",
+                                         "graph": True, "grouped_mm": "triton"},
+    "learned-compile-overlap-tgemm": {**_OURS, "gate": "learned", "compile": True, "optimizer": "flat_adamw",
+                                      "graph": "overlap", "grouped_mm": "triton"},
     "learned-compile-overlap": {**_OURS, "gate": "learned", "compile": True, "optimizer": "flat_adamw",
                                 "graph": "overlap"},
     "balanced-compile-overlap": {**_OURS, "gate": "balanced", "compile": True, "optimizer": "flat_adamw",
@@ -65,13 +69,14 @@ VARIANTS: dict[str, dict | None] = {
 (:class:`polyaccel.moe.optim.FlatAdamW`, same math over flat buffers), and ``graph``: each
 micro-batch's forward + backward replayed as one CUDA graph
 (:class:`polyaccel.moe.graphed_step.GraphedMicroStep`); ``"overlap"``: also the AdamW step,
-inside the last micro-batch's graph, overlapped with its backward. ``grad_accumulation`` defaults to
+inside the last micro-batch's graph, overlapped with its backward; ``grouped_mm``:
+``"triton"`` sets ``POLYACCEL_CUDA_GROUPED_MM=triton`` (64-row-tile expert GEMMs). ``grad_accumulation`` defaults to
 ``"fused"`` (expert weight gradients accumulated inside the grouped GEMM)."""
 
 
 def backend_kwargs(variant: str) -> dict:
     """The ``BackendConfig`` keyword arguments of ``variant``."""
-    return {k: v for k, v in (VARIANTS[variant] or {}).items() if k not in ("optimizer", "graph")}
+    return {k: v for k, v in (VARIANTS[variant] or {}).items() if k not in ("optimizer", "graph", "grouped_mm")}
 
 
 def make_optimizer(model, variant: str) -> torch.optim.Optimizer:
@@ -82,7 +87,7 @@ def make_optimizer(model, variant: str) -> torch.optim.Optimizer:
         return FlatAdamW(model.parameters(), lr=1e-5)
     return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
-NO_CACHE = ("-nocache", "-compile", "-graph", "-flat", "-autograd", "-overlap")
+NO_CACHE = ("-nocache", "-compile", "-graph", "-flat", "-autograd", "-overlap", "-tgemm")
 """Variants whose forward gets ``use_cache=False``. A training step needs no KV cache;
 Transformers builds one anyway (``config.use_cache``), and under ``torch.compile`` a cache's
 per-layer state made every decoder layer recompile. Our model now turns the cache off in
@@ -378,6 +383,41 @@ def bench_adamw() -> list[dict]:
     return [rec]
 
 
+def bench_grouped_gemm() -> list[dict]:
+    """Expert forward + data-gradient GEMMs of one layer and micro-batch: CUTLASS
+    (``torch._grouped_mm``) against our 64-row-tile Triton kernel, for learned-router-like
+    and exactly balanced group sizes."""
+    from triton.testing import do_bench
+
+    from polyaccel.cuda.grouped_gemm import grouped_gemm
+
+    dev, bf = "cuda", torch.bfloat16
+    T, E, k, H, inter = 4096, 128, 8, 2048, 768
+    learned = torch.bincount(torch.rand(T, E, device=dev).argsort(-1)[:, :k].flatten(), minlength=E)
+    rows = []
+    for routing, counts in (("learned", learned), ("balanced", torch.full((E,), T * k // E, device=dev))):
+        offs = counts.cumsum(0).to(torch.int32)
+        for name, N, K in (("gate_up", 2 * inter, H), ("down", H, inter)):
+            x = torch.randn(T * k, K, device=dev, dtype=bf)
+            w = torch.randn(E, N, K, device=dev, dtype=bf) / K**0.5
+            dy = torch.randn(T * k, N, device=dev, dtype=bf)
+            ref = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+            got = grouped_gemm(x, w, offs, transpose_b=True)
+            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            cases = {
+                "cutlass_fwd": lambda x=x, w=w, o=offs: torch._grouped_mm(x, w.transpose(-2, -1), offs=o),
+                "triton_fwd": lambda x=x, w=w, o=offs: grouped_gemm(x, w, o, transpose_b=True),
+                "cutlass_dgrad": lambda dy=dy, w=w, o=offs: torch._grouped_mm(dy, w, offs=o),
+                "triton_dgrad": lambda dy=dy, w=w, o=offs: grouped_gemm(dy, w, o, transpose_b=False),
+            }
+            rec = {"kernel": f"grouped_mm {name} [E{E},{N},{K}] T*k={T * k} {routing}", "rel_err_triton": err}
+            for case, fn in cases.items():
+                rec[f"{case}_ms"] = round(do_bench(fn, warmup=25, rep=100, return_mode="median"), 3)
+            rows.append(rec)
+            print(json.dumps(rec), flush=True)
+    return rows
+
+
 def loss_sanity(layers: int, seq: int) -> dict:
     """Our model's loss and HF's on identical weights and tokens, bf16 on the GPU."""
     from transformers import Qwen3MoeForCausalLM
@@ -476,6 +516,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.one:  # child process: one variant
         from polyaccel.core import select_backend
 
+        if (VARIANTS.get(a.one) or {}).get("grouped_mm"):
+            os.environ["POLYACCEL_CUDA_GROUPED_MM"] = VARIANTS[a.one]["grouped_mm"]
+
         select_backend("cuda")
         print(json.dumps(run_variant(a)), flush=True)
         return
@@ -487,6 +530,7 @@ def main(argv: list[str] | None = None) -> None:
         select_backend("cuda")
         if a.kernels:
             recs += bench_wgrad_accumulation()
+            recs += bench_grouped_gemm()
             recs += bench_kernels()
             recs += bench_adamw()
         if a.sanity:

@@ -165,7 +165,25 @@ def test_register_all_registers_every_op_for_cuda():
     from polyaccel.cuda._triton import has_triton
 
     if has_triton():
-        assert {"rms_norm", "swiglu", "moe_unpermute", "linear_cross_entropy"} <= set(seen)
+        assert {"rms_norm", "swiglu", "moe_unpermute", "linear_cross_entropy", "grouped_mm_wgrad",
+                "grouped_mm_wgrad_adamw_", "adamw_step_", "adamw_apply_"} <= set(seen)
+
+
+def test_grouped_mm_implementation_follows_the_environment(monkeypatch):
+    seen = {}
+
+    class Recorder:
+        def register(self, op, device_type, fn, *, impl, backend=""):
+            seen[op] = impl
+
+    from polyaccel.cuda._triton import has_triton
+
+    monkeypatch.setenv("POLYACCEL_CUDA_GROUPED_MM", "triton")
+    kernels.register_all(Recorder())
+    assert seen["grouped_mm"] == ("triton-64row" if has_triton() else "torch._grouped_mm")
+    monkeypatch.setenv("POLYACCEL_CUDA_GROUPED_MM", "cublas")
+    with pytest.raises(ValueError, match="'cutlass'.*'triton'"):
+        kernels.register_all(Recorder())
 
 
 # ---------------------------------------------------------------------------------------
@@ -279,6 +297,22 @@ def test_gpu_grouped_mm_wgrad_adamw_matches_reference():
     assert not got[0].any()
     for a, b in zip(got[1:], ref[1:], strict=True):
         assert rel_err(a, b) < TOL[torch.bfloat16]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(("N", "K"), [(1536, 2048), (2048, 768)])
+def test_gpu_triton_grouped_mm_forward_and_backward(N, K):
+    from polyaccel.cuda.grouped_gemm import grouped_mm_triton
+
+    E = 32
+    counts = torch.randint(0, 400, (E,), device="cuda")
+    counts[7] = 0
+    offsets = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(int(counts.sum()) + 3, K, device="cuda")
+    w = torch.randn(E, N, K, device="cuda") / K**0.5
+    check_against_reference(lambda x, w: grouped_mm_triton(x, w, offsets),
+                            lambda x, w: ops.grouped_mm.reference(x, w, offsets), [x, w], torch.bfloat16)
 
 
 @gpu

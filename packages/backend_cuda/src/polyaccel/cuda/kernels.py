@@ -4,7 +4,7 @@
 |---|---|
 | ``rms_norm`` | Triton forward/backward, fp32 statistics (:mod:`.triton_rmsnorm`) |
 | ``swiglu`` | Triton forward/backward (:mod:`.swiglu`) |
-| ``grouped_mm`` | ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper), bf16 |
+| ``grouped_mm`` | ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper), bf16; with ``POLYACCEL_CUDA_GROUPED_MM=triton`` a Triton kernel with 64-row tiles (:mod:`.grouped_gemm`) |
 | ``grouped_mm_wgrad`` | Triton K-grouped GEMM accumulating into ``.grad`` (:mod:`.grouped_wgrad`) |
 | ``grouped_mm_wgrad_adamw_`` | the same kernel with the AdamW step in its epilogue |
 | ``moe_permute`` / ``moe_unpermute`` | device sort + Triton gather-combine, no host sync (:mod:`.moe_permute`) |
@@ -18,12 +18,15 @@ The kernel modules import Triton only when a kernel first runs.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from polyaccel.cuda._triton import has_triton
 from polyaccel.cuda.adamw import adamw_apply_, adamw_step_
 from polyaccel.cuda.attention import attention
 from polyaccel.cuda.cross_entropy import linear_cross_entropy
+from polyaccel.cuda.grouped_gemm import grouped_mm_triton
 from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad, grouped_mm_wgrad_adamw_
 from polyaccel.cuda.moe_permute import moe_permute, moe_unpermute
 from polyaccel.cuda.swiglu import swiglu
@@ -47,7 +50,12 @@ def register_all(registry) -> None:
                           backend=BACKEND)
     registry.register("moe_permute", "cuda", moe_permute, impl="device-sort", backend=BACKEND)
     registry.register("attention", "cuda", attention, impl="sdpa", backend=BACKEND)
-    if hasattr(torch, "_grouped_mm"):
+    choice = os.environ.get("POLYACCEL_CUDA_GROUPED_MM", "cutlass")
+    if choice not in ("cutlass", "triton"):
+        raise ValueError(f"POLYACCEL_CUDA_GROUPED_MM={choice!r}: choose 'cutlass' (torch._grouped_mm) or 'triton'")
+    if choice == "triton" and has_triton():
+        registry.register("grouped_mm", "cuda", grouped_mm_triton, impl="triton-64row", backend=BACKEND)
+    elif hasattr(torch, "_grouped_mm"):
         registry.register("grouped_mm", "cuda", grouped_mm, impl="torch._grouped_mm", backend=BACKEND)
 
 
