@@ -105,7 +105,9 @@ class GraphedMicroStep:
 
     def __call__(self, optimizer_step: bool = False, **batch: torch.Tensor) -> torch.Tensor:
         """One micro-batch; with ``optimizer_step`` (needs ``optimizer``) also the optimizer
-        step that ends this accumulation (grads are zeroed as they are read)."""
+        step that ends this accumulation: do not call ``optimizer.step()`` then. Afterwards the
+        dense gradients are zero and the expert gradients still hold this step's values (the
+        next call writes over them)."""
         if optimizer_step and self._overlap is None:
             raise ValueError("optimizer_step=True needs GraphedMicroStep(..., optimizer=FlatAdamW(...))")
         mode = (optimizer_step, self._stale)
