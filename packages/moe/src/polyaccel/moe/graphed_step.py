@@ -200,9 +200,8 @@ class _OverlappedUpdate:
         self.fired = [False] * len(blocks)
         self._armed = False
         for i, block in enumerate(blocks):
-            trigger = next((p for name, p in block.named_parameters()
-                            if p.requires_grad and "experts." not in name), None)
-            if trigger is not None:  # (expert weights with fused accumulation skip autograd's)
+            trigger = next((p for p in block.parameters() if p.requires_grad and id(p) not in skip), None)
+            if trigger is not None:  # (a weight whose gradient goes through autograd's accumulation)
                 trigger.register_post_accumulate_grad_hook(lambda p, i=i: self._fire(i))
 
     def _fire(self, i: int) -> None:

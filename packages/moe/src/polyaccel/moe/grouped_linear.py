@@ -9,9 +9,12 @@ expert weights' size per micro-batch (Megatron-LM's "gradient accumulation fusio
 It applies only where nothing else watches the weight's gradient: a plain leaf parameter
 (not a DTensor under FSDP2 / expert parallelism) with no gradient hooks, in a single-process
 job (not under DDP); :func:`fusable` checks that, and callers take plain ``ops.grouped_mm``
-otherwise. Like ``loss.backward()``
-it writes ``.grad``; ``torch.autograd.grad`` with respect to such a weight sees ``None``
-(use ``BackendConfig(grad_accumulation="autograd")`` for that).
+otherwise. Like ``loss.backward()`` it writes ``.grad``; ``torch.autograd.grad`` with respect
+to such a weight sees ``None`` (use ``BackendConfig(grad_accumulation="autograd")`` for that).
+
+:func:`fused_backward` goes further for a training loop that owns the optimizer
+(:class:`polyaccel.moe.graphed_step.GraphedMicroStep`): the last micro-batch's kernel also
+takes the AdamW step, and the next step's first micro-batch writes over the old gradient.
 """
 
 from __future__ import annotations
