@@ -32,6 +32,10 @@ import json
 import re
 import sys
 from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling tools, also when loaded by path
+from plot_bench import read_points  # noqa: E402  (one JSON-lines reader for the tools)
 
 # ---- prices (USD per hour; they change: check, and pass --price) ------------------------------
 
@@ -174,22 +178,14 @@ def parse_preset(item: str) -> ModelShape:
 def read_records(paths: Iterable[str]) -> list[dict]:
     """Benchmark records from JSON-lines files; lines that are not JSON objects, lack a key of
     :data:`MEASURED_KEYS` or have a non-positive RTFx are skipped."""
-    records = []
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if not isinstance(rec, dict) or any(k not in rec for k in MEASURED_KEYS):
-                    continue
-                try:
-                    if float(rec["rtfx"]) > 0:
-                        records.append(rec)
-                except (TypeError, ValueError):
-                    continue
-    return records
+
+    def positive_rtfx(rec: dict) -> bool:
+        try:
+            return float(rec["rtfx"]) > 0
+        except (TypeError, ValueError):
+            return False
+
+    return [rec for rec in read_points(paths, MEASURED_KEYS) if positive_rtfx(rec)]
 
 
 def best_batches(records: Iterable[dict]) -> list[dict]:

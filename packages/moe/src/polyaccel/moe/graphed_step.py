@@ -239,7 +239,7 @@ class _OverlappedUpdate:
         if not optimizer_step:
             return
         main = torch.cuda.current_stream()
-        missed = self.optimizer.pieces([p for p in self.in_backward if p not in handled or p not in step])
+        missed = self.optimizer.pieces([p for p in self.in_backward if p not in handled])
         self.optimizer.apply(self.after + missed + [pc for i, done in enumerate(self.fired) if not done
                                                     for pc in self.pieces[i]])
         main.wait_stream(self.stream)
