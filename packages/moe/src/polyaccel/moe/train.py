@@ -278,13 +278,12 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
     if t.optimizer == "flat_adamw" and rt.world_size > 1:
         raise ConfigError("train.optimizer=flat_adamw needs a single process (FSDP2 shards the parameters "
                           "as DTensors); use train.optimizer=adamw or auto")
-    if t.cuda_graph:
-        why = ("it needs a CUDA device" if rt.device.type != "cuda" else
-               "it needs a single process (FSDP2's collectives run on the host)" if rt.world_size > 1 else
-               "it needs train.optimizer=flat_adamw or auto (gradients must stay the same tensors)"
-               if t.optimizer == "adamw" else
-               "activation checkpointing saves RNG state on the host" if t.activation_checkpointing else None)
-        if why:
+    for unmet, why in ((rt.device.type != "cuda", "it needs a CUDA device"),
+                       (rt.world_size > 1, "it needs a single process (FSDP2's collectives run on the host)"),
+                       (t.optimizer == "adamw",
+                        "it needs train.optimizer=flat_adamw or auto (gradients must stay the same tensors)"),
+                       (t.activation_checkpointing, "activation checkpointing saves RNG state on the host")):
+        if t.cuda_graph and unmet:
             raise ConfigError(f"train.cuda_graph=true: {why}")
     try:
         plan = ParallelPlan(dp=cfg.parallel.dp or rt.world_size, ep=cfg.parallel.ep,
