@@ -53,36 +53,35 @@ VARIANTS: dict[str, dict | None] = {
                                    "graph": True},
     "balanced-compile-flat-graph": {**_OURS, "gate": "balanced", "compile": True, "optimizer": "flat_adamw",
                                     "graph": True},
-    "learned-compile-flat-graph-tgemm": {**_OURS, "gate": "learned", "compile": True, "optimizer": "flat_adamw",
-                                         "graph": True, "grouped_mm": "triton"},
-    "learned-compile-overlap-tgemm": {**_OURS, "gate": "learned", "compile": True, "optimizer": "flat_adamw",
-                                      "graph": "overlap", "grouped_mm": "triton"},
-    "learned-compile-overlap": {**_OURS, "gate": "learned", "compile": True, "optimizer": "flat_adamw",
-                                "graph": "overlap"},
-    "balanced-compile-overlap": {**_OURS, "gate": "balanced", "compile": True, "optimizer": "flat_adamw",
-                                 "graph": "overlap"},
+    "learned-compile-flat-graph-w2": {**_OURS, "gate": "learned", "compile": True, "optimizer": "flat_adamw",
+                                      "graph": True, "wgrad_window": 2},
+    "learned-compile-flat-graph-w4": {**_OURS, "gate": "learned", "compile": True, "optimizer": "flat_adamw",
+                                      "graph": True, "wgrad_window": 4},
+    "balanced-compile-flat-graph-w4": {**_OURS, "gate": "balanced", "compile": True, "optimizer": "flat_adamw",
+                                       "graph": True, "wgrad_window": 4},
 }
 """name -> ``BackendConfig`` keyword arguments (None: Transformers itself), plus ``optimizer``:
 ``"adamw"`` (default: ``torch.optim.AdamW(fused=True)``, the anchor's) or ``"flat_adamw"``
 (:class:`polyaccel.moe.optim.FlatAdamW`, same math over flat buffers), and ``graph``: each
 micro-batch's forward + backward replayed as one CUDA graph
-(:class:`polyaccel.moe.graphed_step.GraphedMicroStep`); ``"overlap"``: also the AdamW step,
-inside the last micro-batch's graph, overlapped with its backward; ``grouped_mm``:
-``"triton"`` sets ``POLYACCEL_CUDA_GROUPED_MM=triton`` (64-row-tile expert GEMMs). ``grad_accumulation`` defaults to
-``"fused"`` (expert weight gradients accumulated inside the grouped GEMM)."""
+(:class:`polyaccel.moe.graphed_step.GraphedMicroStep`), told each call's place in the step;
+``wgrad_window``: its expert weight gradients computed once per that many micro-batches.
+``grad_accumulation`` defaults to ``"fused"`` (expert weight gradients accumulated inside the
+grouped GEMM)."""
 
 
 def backend_kwargs(variant: str) -> dict:
     """The ``BackendConfig`` keyword arguments of ``variant``."""
-    return {k: v for k, v in (VARIANTS[variant] or {}).items() if k not in ("optimizer", "graph", "grouped_mm")}
+    return {k: v for k, v in (VARIANTS[variant] or {}).items() if k not in ("optimizer", "graph", "wgrad_window")}
 
 
-def make_optimizer(model, variant: str) -> torch.optim.Optimizer:
-    """The optimizer ``variant`` names (lr 1e-5 and AdamW defaults otherwise, as the anchor)."""
+def make_optimizer(model, variant: str, overwritten=()) -> torch.optim.Optimizer:
+    """The optimizer ``variant`` names (lr 1e-5 and AdamW defaults otherwise, as the anchor);
+    ``overwritten``: params whose grads the micro-step writes over (FlatAdamW leaves them)."""
     if (VARIANTS[variant] or {}).get("optimizer") == "flat_adamw":
         from polyaccel.moe.optim import FlatAdamW
 
-        return FlatAdamW(model.parameters(), lr=1e-5)
+        return FlatAdamW(model.parameters(), lr=1e-5, grads_overwritten=overwritten)
     return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
 
@@ -142,16 +141,14 @@ def train_step(model, opt, ids, accum: int, micro_step=None, **forward_kw) -> to
     """``accum`` forward/backward passes on ``ids``, one AdamW step; returns the last loss.
     ``micro_step`` (a :class:`~polyaccel.moe.graphed_step.GraphedMicroStep`) replaces the
     eager forward/backward when given."""
-    overlap = micro_step is not None and micro_step.optimizer is not None
     for i in range(accum):
         if micro_step is not None:
-            loss = micro_step(input_ids=ids, labels=ids, optimizer_step=overlap and i == accum - 1)
+            loss = micro_step(input_ids=ids, labels=ids, micro_batch=(i, accum))
         else:
             loss = model(input_ids=ids, labels=ids, **forward_kw).loss
             loss.backward()
-    if not overlap:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     return loss.detach()
 
 
@@ -162,16 +159,14 @@ def run_variant(a) -> dict:
     model = build_model(a.one, cfg)
     build_s = time.perf_counter() - t_build
     nparams = sum(p.numel() for p in model.parameters())
-    opt = make_optimizer(model, a.one)
-    micro_step, warmup = None, a.warmup
+    micro_step = None
     if (VARIANTS[a.one] or {}).get("graph"):
         from polyaccel.moe.graphed_step import GraphedMicroStep
 
-        overlap = VARIANTS[a.one]["graph"] == "overlap"
-        micro_step = GraphedMicroStep(model, warmup=1 if overlap else 2, optimizer=opt if overlap else None,
+        micro_step = GraphedMicroStep(model, warmup=1, wgrad_window=VARIANTS[a.one].get("wgrad_window", 1),
                                       **forward_kwargs(a.one))
-        if overlap:  # three graph kinds (first, middle, last micro-batch): captured by step 3
-            warmup = max(warmup, 3)
+    opt = make_optimizer(model, a.one, micro_step.overwritten_params if micro_step is not None else ())
+    warmup = a.warmup
     ids = torch.randint(0, cfg.vocab_size, (a.mbs, a.seq), device="cuda")
     torch.cuda.reset_peak_memory_stats()
     times, first_s = [], None
@@ -263,6 +258,7 @@ def bench_kernels() -> list[dict]:
     xs = xs0.detach().requires_grad_()
     hid, head = leaf(T, H), leaf(V, H, scale=0.02)
     labels = torch.randint(0, V, (T,), device=dev)
+    head_grad, logit_grad = torch.zeros(V, H, device=dev, dtype=bf), torch.randn(T, V, device=dev, dtype=bf)
 
     def ref_ce(h, w, y):
         return F.cross_entropy(F.linear(h, w).float(), y)
@@ -282,6 +278,9 @@ def bench_kernels() -> list[dict]:
             fwd_bwd(kernels.grouped_mm, xs, w_gu, offs), None),
         "linear_cross_entropy N4096 V151936": (fwd_bwd(linear_cross_entropy, hid, head, labels),
                                               fwd_bwd(ref_ce, hid, head, labels)),
+        "LM head wgrad into .grad: addmm_ vs mm + add_": (
+            lambda: head_grad.addmm_(logit_grad.t(), hid.detach()),
+            lambda: head_grad.add_(torch.mm(logit_grad.t(), hid.detach()))),
     }
     rows = []
     for name, (ours, ref) in cases.items():
@@ -296,35 +295,52 @@ def bench_kernels() -> list[dict]:
     return rows
 
 
+def _wgrad_cases(dys, xs, offs, grad, dy_all, x_all, all_offs) -> dict:
+    from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
+
+    sources = list(zip(dys, xs, offs, strict=True))
+    return {
+        "per_micro_batch": lambda: [grouped_mm_wgrad(d, x, o, out=grad) for d, x, o in sources],
+        "window_write": lambda: grouped_mm_wgrad(dys, xs, offs, out=grad, accumulate=False),
+        "window_accumulate": lambda: grouped_mm_wgrad(dys, xs, offs, out=grad),
+        "grouped_mm+add_": lambda: [grad.add_(torch._grouped_mm(d.t(), x, offs=o)) for d, x, o in sources],
+        "grouped_mm_concat": lambda: torch._grouped_mm(dy_all.t(), x_all, offs=all_offs)}
+
+
 def bench_wgrad_accumulation() -> list[dict]:
-    """Expert weight gradient of one micro-batch added into ``.grad``: the fused Triton kernel
-    (:mod:`polyaccel.cuda.grouped_wgrad`) against ``torch._grouped_mm`` + ``add_`` (what
-    autograd does), at the workload's two expert GEMM shapes with learned-router-like counts."""
+    """Expert weight gradients of a window of 1, 2 or 4 micro-batches, at the workload's two
+    expert GEMM shapes with learned-router-like counts: our Triton kernel once per
+    micro-batch accumulating into ``.grad`` (``per_micro_batch``), once over the whole window
+    (``window``: lists of sources; written over ``.grad``, or added), against
+    ``torch._grouped_mm`` + ``add_`` per micro-batch (what autograd does) and
+    ``torch._grouped_mm`` alone over the window's rows concatenated (CUTLASS, no accumulation)."""
     from triton.testing import do_bench
 
     from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
 
     dev, bf = "cuda", torch.bfloat16
     T, E, k, H, inter = 4096, 128, 8, 2048, 768
-    counts = torch.bincount(torch.rand(T, E, device=dev).argsort(-1)[:, :k].flatten(), minlength=E)
-    offs = counts.cumsum(0).to(torch.int32)
     rows = []
-    for name, N, K in (("gate_up", 2 * inter, H), ("down", H, inter)):
-        dy = torch.randn(T * k, N, device=dev, dtype=bf)
-        x = torch.randn(T * k, K, device=dev, dtype=bf)
-        grad = torch.zeros(E, N, K, device=dev, dtype=bf)
-        ref = torch._grouped_mm(dy.t(), x, offs=offs)
-        fused_err = ((grouped_mm_wgrad(dy, x, offs).float() - ref.float()).norm() / ref.float().norm()).item()
-        cases = {"fused_accumulate": lambda dy=dy, x=x, grad=grad: grouped_mm_wgrad(dy, x, offs, out=grad),
-                 "fused_write": lambda dy=dy, x=x: grouped_mm_wgrad(dy, x, offs),
-                 "grouped_mm+add_": lambda dy=dy, x=x, grad=grad: grad.add_(torch._grouped_mm(dy.t(), x, offs=offs)),
-                 "grouped_mm_only": lambda dy=dy, x=x: torch._grouped_mm(dy.t(), x, offs=offs)}
-        rec = {"kernel": f"wgrad {name} [E{E},{N},{K}] T*k={T * k}", "rel_err_vs_grouped_mm": fused_err}
-        for case, fn in cases.items():
-            rec[f"{case}_ms"] = round(do_bench(fn, warmup=25, rep=100, return_mode="median"), 3)
-        rec["tflops_fused"] = round(2 * T * k * N * K / (rec["fused_accumulate_ms"] * 1e-3) / 1e12, 1)
-        rows.append(rec)
-        print(json.dumps(rec), flush=True)
+    for window in (1, 2, 4):
+        offs = [torch.bincount(torch.rand(T, E, device=dev).argsort(-1)[:, :k].flatten(), minlength=E)
+                .cumsum(0).to(torch.int32) for _ in range(window)]
+        all_offs = sum(o.diff(prepend=o.new_zeros(1)) for o in offs).cumsum(0).to(torch.int32)
+        for name, N, K in (("gate_up", 2 * inter, H), ("down", H, inter)):
+            dys = [torch.randn(T * k, N, device=dev, dtype=bf) for _ in range(window)]
+            xs = [torch.randn(T * k, K, device=dev, dtype=bf) for _ in range(window)]
+            dy_all, x_all = torch.cat(dys), torch.cat(xs)  # (rows not grouped across sources: timing only)
+            grad = torch.zeros(E, N, K, device=dev, dtype=bf)
+            ref = sum(torch._grouped_mm(d.t(), x, offs=o).float() for d, x, o in zip(dys, xs, offs, strict=True))
+            got = grouped_mm_wgrad(dys, xs, offs).float()
+            cases = _wgrad_cases(dys, xs, offs, grad, dy_all, x_all, all_offs)
+            rec = {"kernel": f"wgrad {name} [E{E},{N},{K}] T*k={T * k} x {window} micro-batches", "window": window,
+                   "rel_err_vs_grouped_mm": round(((got - ref).norm() / ref.norm()).item(), 5)}
+            for case, fn in cases.items():
+                rec[f"{case}_ms"] = round(do_bench(fn, warmup=25, rep=100, return_mode="median"), 3)
+            rec["tflops_window_write"] = round(2 * window * T * k * N * K / (rec["window_write_ms"] * 1e-3) / 1e12, 1)
+            rows.append(rec)
+            print(json.dumps(rec), flush=True)
+            del dys, xs, dy_all, x_all, grad, ref, got
     return rows
 
 
@@ -376,41 +392,6 @@ def bench_adamw() -> list[dict]:
     rec["torch_gbps"] = round(14 * n / (rec["torch_ms"] * 1e-3) / 1e9, 1)
     print(json.dumps(rec), flush=True)
     return [rec]
-
-
-def bench_grouped_gemm() -> list[dict]:
-    """Expert forward + data-gradient GEMMs of one layer and micro-batch: CUTLASS
-    (``torch._grouped_mm``) against our 64-row-tile Triton kernel, for learned-router-like
-    and exactly balanced group sizes."""
-    from triton.testing import do_bench
-
-    from polyaccel.cuda.grouped_gemm import grouped_gemm
-
-    dev, bf = "cuda", torch.bfloat16
-    T, E, k, H, inter = 4096, 128, 8, 2048, 768
-    learned = torch.bincount(torch.rand(T, E, device=dev).argsort(-1)[:, :k].flatten(), minlength=E)
-    rows = []
-    for routing, counts in (("learned", learned), ("balanced", torch.full((E,), T * k // E, device=dev))):
-        offs = counts.cumsum(0).to(torch.int32)
-        for name, N, K in (("gate_up", 2 * inter, H), ("down", H, inter)):
-            x = torch.randn(T * k, K, device=dev, dtype=bf)
-            w = torch.randn(E, N, K, device=dev, dtype=bf) / K**0.5
-            dy = torch.randn(T * k, N, device=dev, dtype=bf)
-            ref = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-            got = grouped_gemm(x, w, offs, transpose_b=True)
-            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-            cases = {
-                "cutlass_fwd": lambda x=x, w=w, o=offs: torch._grouped_mm(x, w.transpose(-2, -1), offs=o),
-                "triton_fwd": lambda x=x, w=w, o=offs: grouped_gemm(x, w, o, transpose_b=True),
-                "cutlass_dgrad": lambda dy=dy, w=w, o=offs: torch._grouped_mm(dy, w, offs=o),
-                "triton_dgrad": lambda dy=dy, w=w, o=offs: grouped_gemm(dy, w, o, transpose_b=False),
-            }
-            rec = {"kernel": f"grouped_mm {name} [E{E},{N},{K}] T*k={T * k} {routing}", "rel_err_triton": err}
-            for case, fn in cases.items():
-                rec[f"{case}_ms"] = round(do_bench(fn, warmup=25, rep=100, return_mode="median"), 3)
-            rows.append(rec)
-            print(json.dumps(rec), flush=True)
-    return rows
 
 
 def loss_sanity(layers: int, seq: int) -> dict:
@@ -497,7 +478,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--variants", default="learned-compile-flat-graph,balanced-compile-flat-graph", help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--anchor", help="path of anchor_moe_hf.py to run first, same workload")
-    p.add_argument("--kernels", action="store_true", help="per-op micro-benchmarks instead")
+    p.add_argument("--kernels", nargs="?", const="wgrad,ops,adamw", default="",
+                   help="per-op micro-benchmarks instead (comma list of wgrad, ops, adamw; default all)")
     p.add_argument("--sanity", action="store_true", help="our loss vs HF's on identical weights")
     p.add_argument("--sanity-layers", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="write a torch.profiler table per variant")
@@ -511,9 +493,6 @@ def main(argv: list[str] | None = None) -> None:
     if a.one:  # child process: one variant
         from polyaccel.core import select_backend
 
-        if (VARIANTS.get(a.one) or {}).get("grouped_mm"):
-            os.environ["POLYACCEL_CUDA_GROUPED_MM"] = VARIANTS[a.one]["grouped_mm"]
-
         select_backend("cuda")
         print(json.dumps(run_variant(a)), flush=True)
         return
@@ -524,10 +503,12 @@ def main(argv: list[str] | None = None) -> None:
 
         select_backend("cuda")
         if a.kernels:
-            recs += bench_wgrad_accumulation()
-            recs += bench_grouped_gemm()
-            recs += bench_kernels()
-            recs += bench_adamw()
+            benches = {"wgrad": bench_wgrad_accumulation, "ops": bench_kernels,
+                       "adamw": bench_adamw}
+            for name in a.kernels.split(","):
+                if name not in benches:
+                    raise SystemExit(f"unknown --kernels {name!r}; known: {', '.join(benches)}")
+                recs += benches[name]()
         if a.sanity:
             recs.append(loss_sanity(a.sanity_layers, a.seq))
             print(json.dumps(recs[-1]), flush=True)

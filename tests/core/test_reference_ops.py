@@ -155,6 +155,27 @@ def test_grouped_mm_wgrad_is_grouped_mm_weight_gradient(gen, dtype):
     assert out is acc and rel_err(acc, expected) < TOL[dtype]
 
 
+def test_grouped_mm_wgrad_over_micro_batches_is_their_sum(gen):
+    """Lists (one entry per micro-batch, each with its own group sizes) give the sum of the
+    per-micro-batch gradients, added to or written over ``out``."""
+    E, K, N = 3, 6, 5
+    parts = []
+    for counts in ([2, 0, 3], [1, 4, 0], [0, 0, 2]):
+        offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+        parts.append((rnd(gen, sum(counts), N), rnd(gen, sum(counts), K), offs))
+    dys, xs, offs = (list(t) for t in zip(*parts, strict=True))
+    total = sum(ops.grouped_mm_wgrad(d, x, o) for d, x, o in parts)
+    assert rel_err(ops.grouped_mm_wgrad(dys, xs, offs), total) < 1e-6
+    acc = rnd(gen, E, N, K)
+    expected = acc + total
+    ops.grouped_mm_wgrad(dys, xs, offs, out=acc)
+    assert rel_err(acc, expected) < 1e-6
+    ops.grouped_mm_wgrad(dys, xs, offs, out=acc, accumulate=False)
+    assert rel_err(acc, total) < 1e-6
+    with pytest.raises(ValueError, match="2 dy, 3 x"):
+        ops.grouped_mm_wgrad(dys[:2], xs, offs)
+
+
 def test_moe_permute_unpermute_roundtrip(gen):
     T, H, E, k = 7, 5, 4, 2
     x = rnd(gen, T, H)

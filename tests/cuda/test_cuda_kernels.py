@@ -166,24 +166,7 @@ def test_register_all_registers_every_op_for_cuda():
 
     if has_triton():
         assert {"rms_norm", "swiglu", "moe_unpermute", "linear_cross_entropy", "grouped_mm_wgrad",
-                "grouped_mm_wgrad_adamw_", "adamw_step_", "adamw_apply_"} <= set(seen)
-
-
-def test_grouped_mm_implementation_follows_the_environment(monkeypatch):
-    seen = {}
-
-    class Recorder:
-        def register(self, op, device_type, fn, *, impl, backend=""):
-            seen[op] = impl
-
-    from polyaccel.cuda._triton import has_triton
-
-    monkeypatch.setenv("POLYACCEL_CUDA_GROUPED_MM", "triton")
-    kernels.register_all(Recorder())
-    assert seen["grouped_mm"] == ("triton-64row" if has_triton() else "torch._grouped_mm")
-    monkeypatch.setenv("POLYACCEL_CUDA_GROUPED_MM", "cublas")
-    with pytest.raises(ValueError, match="'cutlass'.*'triton'"):
-        kernels.register_all(Recorder())
+                "adamw_step_", "adamw_apply_"} <= set(seen)
 
 
 # ---------------------------------------------------------------------------------------
@@ -275,44 +258,28 @@ def test_gpu_grouped_mm_wgrad_writes_and_accumulates(N, K):
 
 @gpu
 @needs_cuda
-def test_gpu_grouped_mm_wgrad_adamw_matches_reference():
-    from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad_adamw_
+def test_gpu_grouped_mm_wgrad_over_several_micro_batches():
+    """One call over 1, 3, 4 and 5 micro-batches' rows (5: two launches) == the sum, written
+    over or added to ``out``."""
+    from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
 
     E, N, K = 16, 1536, 2048
-    counts = torch.randint(0, 300, (E,), device="cuda")
-    counts[5] = 0
-    offsets = counts.cumsum(0).to(torch.int32)
-    T = int(counts.sum())
-    dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
-    grad, param = (torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    m = 0.01 * torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
-    v = 1e-4 * torch.rand(E, N, K, device="cuda", dtype=torch.bfloat16)
-    # lr 0.05: a step well above bf16's resolution, so a missing update fails the param check
-    scalars = torch.tensor(ops.adamw_scalars(0.05, 0.9, 0.95, 1e-8, 0.1, 5), dtype=torch.float32, device="cuda")
-    ref = [t.clone() for t in (grad, param, m, v)]
-    ops.grouped_mm_wgrad_adamw_.reference(dy, x, offsets, *ref, scalars)
-    got = [t.clone() for t in (grad, param, m, v)]
-    grouped_mm_wgrad_adamw_(dy, x, offsets, *got, scalars)
-    assert not got[0].any()
-    for a, b in zip(got[1:], ref[1:], strict=True):
-        assert rel_err(a, b) < TOL[torch.bfloat16]
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize(("N", "K"), [(1536, 2048), (2048, 768)])
-def test_gpu_triton_grouped_mm_forward_and_backward(N, K):
-    from polyaccel.cuda.grouped_gemm import grouped_mm_triton
-
-    E = 32
-    counts = torch.randint(0, 400, (E,), device="cuda")
-    counts[7] = 0
-    offsets = counts.cumsum(0).to(torch.int32)
-    x = torch.randn(int(counts.sum()) + 3, K, device="cuda")
-    w = torch.randn(E, N, K, device="cuda") / K**0.5
-    check_against_reference(lambda x, w: grouped_mm_triton(x, w, offsets),
-                            lambda x, w: ops.grouped_mm.reference(x, w, offsets), [x, w], torch.bfloat16)
+    dys, xs, offs = [], [], []
+    for _ in range(5):
+        counts = torch.randint(0, 300, (E,), device="cuda")
+        counts[4] = 0
+        offs.append(counts.cumsum(0).to(torch.int32))
+        dys.append(torch.randn(int(counts.sum()), N, device="cuda", dtype=torch.bfloat16))
+        xs.append(torch.randn(int(counts.sum()), K, device="cuda", dtype=torch.bfloat16))
+    for n in (1, 3, 4, 5):
+        ref = ops.grouped_mm_wgrad.reference([d.double() for d in dys[:n]], [x.double() for x in xs[:n]], offs[:n])
+        over = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
+        grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=over, accumulate=False)
+        assert rel_err(over, ref) < TOL[torch.bfloat16] and (over[4] == 0).all()
+        acc = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
+        expected = acc.double() + ref
+        grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=acc)
+        assert rel_err(acc, expected) < TOL[torch.bfloat16]
 
 
 @gpu

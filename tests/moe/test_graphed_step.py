@@ -28,40 +28,48 @@ def test_refuses_zero_warmup():
         GraphedMicroStep(torch.nn.Linear(2, 2), warmup=0)
 
 
+def test_refuses_a_bad_window():
+    with pytest.raises(ValueError, match="wgrad_window"):
+        GraphedMicroStep(torch.nn.Linear(2, 2), wgrad_window=0)
+
+
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(("gate", "mode"), [("learned", "graph"), ("balanced", "graph"),
-                                            ("learned", "overlap"), ("balanced", "overlap")])
-def test_gpu_replays_equal_eager_steps(gate, mode):
-    """Four optimizer steps of 3 micro-batches each, graphed (``overlap``: with the AdamW
-    step inside the last micro-batch's graph, the expert weights' in their gradient kernels,
-    their grads written over by the next step's first micro-batch) and eager, give the same
-    losses and parameters (bf16: the same kernels run; atomics may reorder sums)."""
+@pytest.mark.parametrize(("gate", "window", "positions"), [("learned", 1, False), ("balanced", 1, True),
+                                                         ("learned", 2, True), ("learned", 3, True),
+                                                         ("balanced", 4, True)])
+def test_gpu_replays_equal_eager_steps(gate, window, positions):
+    """Five optimizer steps of 3 micro-batches each, graphed and eager, give the same losses
+    and parameters (bf16: the same kernels run; atomics may reorder sums). ``window``: expert
+    weight gradients computed once per that many micro-batches (in both); ``positions``: calls say where
+    they stand (the step's first expert gradients written over ``.grad``). In step 4 the middle
+    micro-batch has another shape: it and the rest of its window run eagerly."""
+    from polyaccel.moe.grouped_linear import defers, wgrad_window
     from polyaccel.moe.optim import FlatAdamW
 
     runs = {}
     for graphed in (False, True):
         model = _model("cuda", "cuda", gate=gate).to(torch.bfloat16)
         opt = FlatAdamW(model.parameters(), lr=1e-3)
-        overlap = graphed and mode == "overlap"
-        step = GraphedMicroStep(model, warmup=1, optimizer=opt if overlap else None) if graphed else None
+        step = GraphedMicroStep(model, warmup=1, wgrad_window=window) if graphed else None
         gen = torch.Generator(device="cuda").manual_seed(1)
         losses = []
-        for _ in range(4):
+        for s in range(5):
             for mb in range(3):
-                ids = torch.randint(3, 97, (2, 32), device="cuda", generator=gen)
+                ids = torch.randint(3, 97, (2, 24 if (s, mb) == (3, 1) else 32), device="cuda", generator=gen)
                 if step is not None:
-                    losses.append(step(input_ids=ids, labels=ids, optimizer_step=overlap and mb == 2))
-                else:
-                    loss = model(input_ids=ids, labels=ids).loss
-                    loss.backward()
+                    where = {"micro_batch": (mb, 3)} if positions else {}
+                    losses.append(step(input_ids=ids, labels=ids, **where))
+                else:  # eager, with the same windows (sums of the same products, rounded alike)
+                    with wgrad_window(defer=defers(mb, 3, window)):
+                        loss = model(input_ids=ids, labels=ids).loss
+                        loss.backward()
                     losses.append(loss.detach())
-            if not overlap:
-                opt.step()
-                opt.zero_grad()
-        if step is not None:  # every kind captured by step 3 and replayed in step 4
-            kinds = {(False, False), (True, False), (False, True)} if overlap else {(False, False)}
-            assert step.kinds.keys() == kinds and all(k.graph is not None for k in step.kinds.values())
+            opt.step()
+            opt.zero_grad()
+        if step is not None:  # every kind captured in step 2
+            assert all(k.graph is not None for k in step.kinds.values())
+            assert len(step.kinds) == (1 if not positions else 2 if window == 1 else 3)
         runs[graphed] = (torch.stack(losses), [p.detach().clone() for p in model.parameters()])
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-2, atol=1e-2)
     for a, b in zip(runs[True][1], runs[False][1], strict=True):

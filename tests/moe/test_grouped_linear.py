@@ -28,6 +28,28 @@ def test_accumulates_like_autograd_over_micro_batches():
         torch.testing.assert_close(w1.grad, w2.grad)
 
 
+def test_gathered_input_gives_the_same_gradients():
+    """``gathered_from=(source, rows)``: a deferred micro-batch keeps the source and row index
+    instead of the copies; same weight and input gradients as autograd's, deferred or not."""
+    from polyaccel.moe.grouped_linear import kept_wgrad_tensors, wgrad_window
+
+    w1 = nn.Parameter(torch.randn(5, 6, 4))
+    w2 = nn.Parameter(w1.detach().clone())
+    for seed, defer in ((0, True), (1, False), (2, False)):
+        x, offsets = _problem(seed)
+        src = x[:6].clone().requires_grad_()
+        rows = torch.randint(0, 6, (17,), dtype=torch.int32)
+        with wgrad_window(defer=defer):
+            grouped_linear(src[rows.long()], w1, offsets, gathered_from=(src, rows)).square().sum().backward()
+        if defer:
+            assert any(t is src for t in kept_wgrad_tensors())
+        g1 = src.grad.clone()
+        src.grad = None
+        ops.grouped_mm(src[rows.long()], w2, offsets).square().sum().backward()
+        torch.testing.assert_close(g1, src.grad)
+    torch.testing.assert_close(w1.grad, w2.grad)
+
+
 def test_frozen_weight_gets_no_gradient():
     w = nn.Parameter(torch.randn(5, 6, 4), requires_grad=False)
     x, offsets = _problem(0)
@@ -60,39 +82,67 @@ def test_not_fusable_in_a_multi_process_job(monkeypatch):
     assert fusable(w)
 
 
-def test_fused_backward_steps_equal_a_step_after_the_backward():
-    """Two micro-batches then FlatAdamW.step(), three times, == the last micro-batch's backward
-    taking the expert weights' AdamW step inside their weight-gradient op (the rest applied
-    after), leaving their grads for the next step's first micro-batch to write over."""
-    from polyaccel.moe import AutoModelForCausalLM, BackendConfig
-    from polyaccel.moe.grouped_linear import fused_backward
-    from polyaccel.moe.optim import FlatAdamW
-    from polyaccel.moe.presets import tiny
+def test_deferred_micro_batches_are_computed_by_the_next_backward():
+    """Two deferred micro-batches leave ``.grad`` alone; the third's backward adds all three
+    (one call over the kept rows), equal to autograd's accumulation."""
+    from polyaccel.moe.grouped_linear import kept_wgrad_tensors, wgrad_window
 
-    batches = [torch.randint(3, 97, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(6)]
-    runs = []
-    for fused in (False, True):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(tiny("qwen3_moe"), backend=BackendConfig(backend="cpu")).train()
-        opt = FlatAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        experts = [p for n, p in model.named_parameters() if ".experts." in n]
-        rest = [p for n, p in model.named_parameters() if ".experts." not in n]
-        for step in range(3):
-            first, last = batches[2 * step], batches[2 * step + 1]
-            if not fused:
-                for ids in (first, last):
-                    model(input_ids=ids, labels=ids).loss.backward()
-                opt.step()
-                continue
-            with fused_backward(overwrite=experts if step else ()) as written:
-                model(input_ids=first, labels=first).loss.backward()
-            assert set(written) == (set(experts) if step else set())
-            opt.begin_step()
-            with fused_backward({p: opt.adam_state(p) for p in experts}, keep_grad=True) as stepped:
-                model(input_ids=last, labels=last).loss.backward()
-            assert set(stepped) == set(experts)
-            opt.apply(opt.pieces(rest))
-            assert all(not p.grad.any() for p in rest) and all(p.grad.any() for p in experts)  # kept
-        runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    for n in runs[0]:
-        torch.testing.assert_close(runs[1][n], runs[0][n], rtol=1e-5, atol=1e-6, msg=n)
+    w1 = nn.Parameter(torch.randn(5, 6, 4))
+    w2 = nn.Parameter(w1.detach().clone())
+    w1.grad = torch.ones_like(w1)
+    w2.grad = torch.ones_like(w2)
+    for seed in range(3):
+        x, offsets = _problem(seed)
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with wgrad_window(defer=seed < 2):
+            grouped_linear(a, w1, offsets).square().sum().backward()
+        ops.grouped_mm(b, w2, offsets).square().sum().backward()
+        torch.testing.assert_close(a.grad, b.grad)  # input gradients are never deferred
+        if seed < 2:
+            assert torch.equal(w1.grad, torch.ones_like(w1)) and len(kept_wgrad_tensors()) == 3 * (seed + 1)
+    torch.testing.assert_close(w1.grad, w2.grad)
+    assert not kept_wgrad_tensors()
+
+
+def test_overwrite_replaces_a_stale_gradient_and_flush_finishes_a_window():
+    from polyaccel.moe.grouped_linear import flush_wgrad, kept_wgrad_tensors, wgrad_window
+
+    w = nn.Parameter(torch.randn(5, 6, 4))
+    w.grad = torch.full_like(w, 7.0)  # last step's, not zeroed
+    ref = nn.Parameter(w.detach().clone())
+    for seed, defer in ((0, True), (1, False)):
+        x, offsets = _problem(seed)
+        with wgrad_window(defer=defer, overwrite=[w]) as written:
+            grouped_linear(x.requires_grad_(), w, offsets).sum().backward()
+        ops.grouped_mm(x.detach(), ref, offsets).sum().backward()
+        assert written == (set() if defer else {w})
+    torch.testing.assert_close(w.grad, ref.grad)
+    x, offsets = _problem(2)
+    with wgrad_window(defer=True):
+        grouped_linear(x, w, offsets).sum().backward()
+    ops.grouped_mm(x, ref, offsets).sum().backward()
+    assert kept_wgrad_tensors()
+    flush_wgrad()
+    assert not kept_wgrad_tensors()
+    torch.testing.assert_close(w.grad, ref.grad)
+
+
+def test_fused_embedding_adds_rows_like_autograd():
+    """Repeated ids, the padding id and an existing gradient: the same ``.grad`` as
+    ``nn.Embedding``'s autograd path; a hooked module keeps the plain path."""
+    from polyaccel.moe.fused_embedding import embedding
+
+    g = torch.Generator().manual_seed(0)
+    ref = nn.Embedding(11, 6, padding_idx=2)
+    ours = nn.Embedding(11, 6, padding_idx=2)
+    ours.load_state_dict(ref.state_dict())
+    for _ in range(2):
+        ids = torch.randint(0, 11, (3, 9), generator=g)
+        ids[0, :4] = 5  # a repeated token
+        dy = torch.randn(3, 9, 6, generator=g)
+        (embedding(ids, ours) * dy).sum().backward()
+        (ref(ids) * dy).sum().backward()
+        torch.testing.assert_close(ours.weight.grad, ref.weight.grad)
+    assert not ours.weight.grad[2].any()
+    ours.register_forward_hook(lambda m, i, o: o * 2)  # a hook the fused path would skip
+    torch.testing.assert_close(embedding(ids, ours), 2 * torch.nn.functional.embedding(ids, ours.weight))

@@ -241,38 +241,24 @@ def test_mixed_dtypes_get_one_buffer_each_and_bf16_tracks_torch():
     _assert_views(opt)
 
 
-def test_step_in_pieces_equals_step():
-    """begin_step + apply over pieces covering every param (in any split) is step()."""
-    _, _, a, opt_a = _pair()
-    _, _, b, opt_b = _pair()
-    params_b = list(b.parameters())
+def test_grads_overwritten_are_left_and_the_rest_zeroed():
+    """Params named in ``grads_overwritten`` step as usual but keep their grads (the caller
+    writes over them); the others are zeroed; the state dict keeps torch's param order."""
+    ref, opt_ref, ours, _ = _pair()
+    first = next(ours.parameters())
+    opt = FlatAdamW(_groups(ours), lr=1e-2, betas=(0.9, 0.99), grads_overwritten=[first])
     for step in range(3):
-        for m in (a, b):
+        for m in (ref, ours):
             _backward(m, seed=step)
-        opt_a.step()
-        opt_b.begin_step()
-        for chunk in (params_b[3:], params_b[:1], params_b[1:3]):  # out of order, across groups
-            opt_b.apply(opt_b.pieces(chunk))
-        _assert_same(a, b, rtol=1e-5, atol=1e-6)  # the reference rounds its scalars to fp32 here
-        _assert_views(opt_b)
-        assert all(not p.grad.any() for p in b.parameters())
-    assert all(int(opt_b.state[p]["step"]) == 3 for p in params_b)
-
-
-def test_pieces_merge_adjacent_params_only():
-    _, _, model, opt = _pair()
-    ps = list(model.parameters())  # group 0: the two matrices; group 1: the vectors
-    vectors = [p for p in ps if p.ndim < 2]
-    whole = opt.pieces(vectors)
-    assert len(whole) == 1  # adjacent in one buffer: one range
-    gap = opt.pieces([vectors[0], vectors[-1]])
-    assert len(gap) == 2
-
-
-def test_begin_step_refuses_a_replaced_grad():
-    _, _, model, opt = _pair()
-    _backward(model, seed=0)
-    p = next(model.parameters())
-    p.grad = p.grad.clone()
-    with pytest.raises(RuntimeError, match="flat view"):
-        opt.begin_step()
+        kept = first.grad.clone()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        opt.step()
+        opt.zero_grad()
+        _assert_same(ref, ours)
+        assert torch.equal(first.grad, kept)
+        assert all(not p.grad.any() for p in ours.parameters() if p is not first)
+        first.grad.zero_()  # what the caller's next write does
+    _assert_views(opt)
+    ids = [i for g in opt.state_dict()["param_groups"] for i in g["params"]]
+    assert ids == sorted(ids)

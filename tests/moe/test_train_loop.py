@@ -200,6 +200,20 @@ def test_flat_adamw_is_the_single_process_default_and_trains_like_torch_adamw(tm
         torch.testing.assert_close(wf[k], wt[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+def test_wgrad_window_trains_like_no_window(tmp_path):
+    """Expert weight gradients computed once per 2 of 3 micro-batches: the same training (fp32,
+    the same sums in another order)."""
+    steps = ["train.max_steps=3", "train.grad_accum=3"]
+    windowed = finetune(_tiny(tmp_path / "w2", *steps, "train.wgrad_window=2"))
+    plain = finetune(_tiny(tmp_path / "w1", *steps))
+    torch.testing.assert_close(torch.tensor(windowed.losses), torch.tensor(plain.losses), rtol=1e-5, atol=1e-6)
+    ww, wp = _weights(tmp_path / "w2/out"), _weights(tmp_path / "w1/out")
+    for k in wp:
+        torch.testing.assert_close(ww[k], wp[k], rtol=1e-5, atol=1e-6, msg=k)
+    with pytest.raises(ConfigError, match="wgrad_window must be >= 1"):
+        finetune(_tiny(tmp_path / "bad", "train.wgrad_window=0"))
+
+
 def test_cuda_graph_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="cuda_graph=true: it needs a CUDA device"):
         finetune(_tiny(tmp_path, "train.cuda_graph=true"))

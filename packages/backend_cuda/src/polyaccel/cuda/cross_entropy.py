@@ -162,8 +162,10 @@ def _backward(ctx, grad_loss, _gh, _gw):
     if not ctx.compute_grad:
         raise RuntimeError("linear_cross_entropy ran without compute_grad; it cannot backpropagate")
     grad_h, grad_w = ctx.saved_tensors
-    g = grad_loss.to(grad_h.dtype)
-    return grad_h * g, grad_w * g.to(grad_w.dtype), None, None, None, None, None
+    # A foreach multiply reads the 0-dim scale from device memory and stays vectorized; ``t * g``
+    # broadcasts g through the strided path (0.75 vs 0.36 ms for the 622 MB LM-head gradient).
+    grad_h, grad_w = torch._foreach_mul([grad_h, grad_w], grad_loss.float())
+    return grad_h, grad_w, None, None, None, None, None
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)

@@ -1,24 +1,31 @@
-"""Expert weight gradients with the accumulation fused in: ``out[g] += dy_g.T @ x_g``.
+"""Expert weight gradients with the accumulation fused in: ``out[g] (+)= sum_s dy_s,g.T @ x_s,g``.
 
 With gradient accumulation, every micro-batch after the first adds its expert weight
 gradients into ``.grad``: unfused, the grouped GEMM writes a new [E, N, K] tensor and
 ``AccumulateGrad`` then reads it and ``.grad`` and writes ``.grad`` again (three passes over
 ~1 GB per expert weight and layer). Here one Triton kernel loops over each expert's token rows
 with an fp32 accumulator and finishes by loading the ``.grad`` tile, adding, and storing it:
-one read and one write of ``.grad``.
+one read and one write of ``.grad`` (none with ``accumulate=False``).
+
+At a few hundred rows per expert that store still dominates, so the kernel also takes the
+rows of up to :data:`MAX_SOURCES` micro-batches at once (lists of ``dy``, ``x``,
+``offsets``): one loop over all of an expert's rows, source after source, and one store of the
+sum (:mod:`polyaccel.moe.grouped_linear` defers micro-batches to build such windows).
 
 Programs are ordered expert-major, so the tiles of one expert run together and its token
-rows (a few hundred) are read from L2, not from memory, by all of them. The first
-micro-batch writes without reading (``accumulate=False``). The last one can also run the
-AdamW step in the epilogue (:func:`grouped_mm_wgrad_adamw_`): the finished gradient tile is in
-registers, so the parameter and moments are updated there and the gradient is never stored.
+rows are read from L2, not from memory, by all of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from polyaccel.cuda._triton import cdiv, triton_kernels, use_triton
+
+MAX_SOURCES = 4
+"""Micro-batches (sources) one launch reads; longer lists take several launches."""
 
 CONFIGS = [  # (BLOCK_N, BLOCK_K, BLOCK_T, num_warps, num_stages)
     (128, 128, 64, 8, 3),
@@ -26,8 +33,10 @@ CONFIGS = [  # (BLOCK_N, BLOCK_K, BLOCK_T, num_warps, num_stages)
     (256, 128, 64, 8, 3),
     (128, 128, 32, 4, 4),
     (64, 128, 64, 4, 4),
+    (128, 128, 64, 8, 4),
+    (128, 256, 64, 8, 4),
 ]
-"""Tile shapes tried by the autotuner (keyed on N and K)."""
+"""Tile shapes tried by the autotuner (keyed on N, K and the rows' order of magnitude)."""
 
 
 @triton_kernels
@@ -36,18 +45,39 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def grouped_wgrad(DY, X, OFFS, OUT, P, M, V, S, N, K, stride_dy, stride_x,
-                      ACCUMULATE: tl.constexpr, ADAMW: tl.constexpr, STORE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    def grouped_wgrad(DY0, DY1, DY2, DY3, X0, X1, X2, X3, OFFS0, OFFS1, OFFS2, OFFS3, OUT, N, K, ROWS,
+                      stride_dy, stride_x, SOURCES: tl.constexpr, ACCUMULATE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
         tile = tl.program_id(0)
         g = tl.program_id(1)
         tiles_k = tl.cdiv(K, BLOCK_K)
         rn = (tile // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-        start = tl.load(OFFS + g - 1, mask=g > 0, other=0)
-        end = tl.load(OFFS + g)
+        # Row ranges of group g in each source; one loop runs over their BLOCK_T chunks in turn.
+        first = g > 0
+        s0 = tl.load(OFFS0 + g - 1, mask=first, other=0)
+        e0 = tl.load(OFFS0 + g)
+        s1, e1, s2, e2, s3, e3 = s0, s0, s0, s0, s0, s0
+        if SOURCES > 1:
+            s1 = tl.load(OFFS1 + g - 1, mask=first, other=0)
+            e1 = tl.load(OFFS1 + g)
+        if SOURCES > 2:
+            s2 = tl.load(OFFS2 + g - 1, mask=first, other=0)
+            e2 = tl.load(OFFS2 + g)
+        if SOURCES > 3:
+            s3 = tl.load(OFFS3 + g - 1, mask=first, other=0)
+            e3 = tl.load(OFFS3 + g)
+        c1 = tl.cdiv(e0 - s0, BLOCK_T)
+        c2 = c1 + tl.cdiv(e1 - s1, BLOCK_T)
+        c3 = c2 + tl.cdiv(e2 - s2, BLOCK_T)
+        chunks = c3 + tl.cdiv(e3 - s3, BLOCK_T)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for t0 in range(start, end, BLOCK_T):
+        for i in range(0, chunks):
+            DY = tl.where(i < c1, DY0, tl.where(i < c2, DY1, tl.where(i < c3, DY2, DY3)))
+            X = tl.where(i < c1, X0, tl.where(i < c2, X1, tl.where(i < c3, X2, X3)))
+            t0 = tl.where(i < c1, s0 + i * BLOCK_T, tl.where(i < c2, s1 + (i - c1) * BLOCK_T,
+                          tl.where(i < c3, s2 + (i - c2) * BLOCK_T, s3 + (i - c3) * BLOCK_T)))
+            end = tl.where(i < c1, e0, tl.where(i < c2, e1, tl.where(i < c3, e2, e3)))
             rt = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
             in_rows = rt < end
             a = tl.load(DY + rt[None, :] * stride_dy + rn[:, None],
@@ -59,83 +89,66 @@ def _kernel():
         mask = (rn[:, None] < N) & (rk[None, :] < K)
         if ACCUMULATE:
             acc += tl.load(OUT + off, mask=mask, other=0.0).to(tl.float32)
-        if ADAMW:  # the optimizer step on this tile (adamw.py's math), then the grad zeroed
-            p = tl.load(P + off, mask=mask, other=0.0).to(tl.float32)
-            m = tl.load(M + off, mask=mask, other=0.0).to(tl.float32)
-            v = tl.load(V + off, mask=mask, other=0.0).to(tl.float32)
-            p = p * tl.load(S)
-            m = m + tl.load(S + 1) * (acc - m)
-            v = v * tl.load(S + 2) + tl.load(S + 3) * acc * acc
-            denom = tl.math.div_rn(tl.math.sqrt_rn(v), tl.load(S + 5)) + tl.load(S + 6)
-            p = p - tl.load(S + 4) * tl.math.div_rn(m, denom)
-            tl.store(P + off, p.to(P.dtype.element_ty), mask=mask)
-            tl.store(M + off, m.to(M.dtype.element_ty), mask=mask)
-            tl.store(V + off, v.to(V.dtype.element_ty), mask=mask)
-            acc = tl.zeros_like(acc)
-        if STORE:  # (the gradient after an epilogue step: zeros, or left for the next write)
-            tl.store(OUT + off, acc.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(OUT + off, acc.to(OUT.dtype.element_ty), mask=mask)
 
-    def tuned(restore: list[str]):
-        return triton.autotune(
-            configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt}, num_warps=w, num_stages=s)
-                     for bn, bk, bt, w, s in CONFIGS],
-            key=["N", "K", "ACCUMULATE", "ADAMW", "STORE"],
-            restore_value=restore,  # trial runs write these in place: put them back after each
-        )(grouped_wgrad)
-
-    return grouped_wgrad, tuned(["OUT"]), tuned(["OUT", "P", "M", "V"])
+    tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt}, num_warps=w, num_stages=s)
+                 for bn, bk, bt, w, s in CONFIGS],
+        key=["N", "K", "ROWS", "SOURCES", "ACCUMULATE"],
+        restore_value=["OUT"],  # trial runs add into OUT: put it back after each
+    )(grouped_wgrad)
+    return grouped_wgrad, tuned
 
 
-def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
-                     out: torch.Tensor | None = None, accumulate: bool = True) -> torch.Tensor:
+def grouped_mm_wgrad(dy: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor | Sequence[torch.Tensor],
+                     offsets: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor | None = None,
+                     accumulate: bool = True) -> torch.Tensor:
     """Core ``grouped_mm_wgrad`` on CUDA (bf16/fp16 inputs, contiguous ``out``); other
     inputs take core's reference."""
-    if (not use_triton(dy) or dy.dtype not in (torch.bfloat16, torch.float16) or x.dtype != dy.dtype
+    dys, xs, offs = (list(t) if isinstance(t, (list, tuple)) else [t] for t in (dy, x, offsets))
+    if (not use_triton(dys[0]) or dys[0].dtype not in (torch.bfloat16, torch.float16)
+            or any(t.dtype != dys[0].dtype for t in dys + xs)
             or (out is not None and not out.is_contiguous())):
         from polyaccel.core.ops import grouped_mm_wgrad as core_op
 
         return core_op.reference(dy, x, offsets, out, accumulate)
     accumulate = accumulate and out is not None
     if out is None:
-        out = dy.new_empty(offsets.numel(), dy.shape[1], x.shape[1])
-    _launch(dy, x, offsets, out, (out, out, out, out), accumulate=accumulate, adamw=False, store=True)
+        out = dys[0].new_empty(offs[0].numel(), dys[0].shape[1], xs[0].shape[1])
+    for i in range(0, len(dys), MAX_SOURCES):
+        part = slice(i, i + MAX_SOURCES)
+        _launch(dys[part], xs[part], offs[part], out, accumulate=accumulate or i > 0)
     return out
 
 
-def grouped_mm_wgrad_adamw_(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
-                            param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                            scalars: torch.Tensor, accumulate: bool = True, zero_grad: bool = True) -> None:
-    """Core ``grouped_mm_wgrad_adamw_`` on CUDA: the weight-gradient kernel with the AdamW
-    step in its epilogue (bf16/fp16 inputs, contiguous same-shape state); else core's reference."""
-    state = (grad, param, exp_avg, exp_avg_sq)
-    if (not use_triton(dy) or dy.dtype not in (torch.bfloat16, torch.float16) or x.dtype != dy.dtype
-            or scalars.dtype != torch.float32
-            or not all(t.is_contiguous() and t.shape == grad.shape for t in state)):
-        from polyaccel.core.ops import grouped_mm_wgrad_adamw_ as core_op
-
-        return core_op.reference(dy, x, offsets, grad, param, exp_avg, exp_avg_sq, scalars, accumulate, zero_grad)
-    _launch(dy, x, offsets, grad, (param, exp_avg, exp_avg_sq, scalars), accumulate=accumulate, adamw=True,
-            store=zero_grad)
+def _rows_key(rows: int) -> int:
+    """Rows rounded up to a power of two: the autotuner's key, so windows of 1, 2 or 4
+    micro-batches each get their own tile shape without retuning on every count."""
+    return 1 << max(rows - 1, 1).bit_length()
 
 
-def _launch(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
-            adam: tuple[torch.Tensor, ...], *, accumulate: bool, adamw: bool, store: bool) -> None:
-    G, N, K = offsets.numel(), dy.shape[1], x.shape[1]
-    if dy.stride(1) != 1:
-        dy = dy.contiguous()
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if offsets.dtype != torch.int32:
-        offsets = offsets.to(torch.int32)
-    plain, tuned, tuned_adamw = _kernel()
+def _launch(dys: list[torch.Tensor], xs: list[torch.Tensor], offs: list[torch.Tensor], out: torch.Tensor, *,
+            accumulate: bool) -> None:
+    G, N, K = out.shape
+    dys, xs = [t.contiguous() for t in dys], [t.contiguous() for t in xs]  # (no-ops for the usual layout)
+    if len({t.stride(0) for t in xs}) > 1:
+        raise ValueError("grouped_mm_wgrad: the x of all micro-batches must have the same width")
+    offs = [o if o.dtype == torch.int32 else o.to(torch.int32) for o in offs]
+    for o in offs:
+        if o.numel() != G:
+            raise ValueError(f"grouped_mm_wgrad: offsets of {o.numel()} groups for an output of {G}")
+    n = len(dys)
+    pad = lambda ts: ts + [ts[0]] * (MAX_SOURCES - len(ts))  # noqa: E731  (unused slots: never read)
+    plain, tuned = _kernel()
 
     def grid(meta):
         return cdiv(N, meta["BLOCK_N"]) * cdiv(K, meta["BLOCK_K"]), G
 
-    args = (dy, x, offsets, out, *adam, N, K, dy.stride(0), x.stride(0))
-    if dy.is_cuda:
-        (tuned_adamw if adamw else tuned)[grid](*args, ACCUMULATE=accumulate, ADAMW=adamw, STORE=store)
+    args = (*pad(dys), *pad(xs), *pad(offs), out, N, K,
+            _rows_key(sum(t.shape[0] for t in dys)), dys[0].stride(0), xs[0].stride(0))
+    flags = dict(SOURCES=n, ACCUMULATE=accumulate)
+    if dys[0].is_cuda:
+        tuned[grid](*args, **flags)
     else:  # Triton's CPU interpreter (tests): no timing, the first tile shape
         bn, bk, bt, _, _ = CONFIGS[0]
-        plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, ACCUMULATE=accumulate, ADAMW=adamw, STORE=store,
-                                                      BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt)
+        plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, **flags, BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt)

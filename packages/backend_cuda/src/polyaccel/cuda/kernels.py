@@ -4,9 +4,8 @@
 |---|---|
 | ``rms_norm`` | Triton forward/backward, fp32 statistics (:mod:`.triton_rmsnorm`) |
 | ``swiglu`` | Triton forward/backward (:mod:`.swiglu`) |
-| ``grouped_mm`` | ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper), bf16; with ``POLYACCEL_CUDA_GROUPED_MM=triton`` a Triton kernel with 64-row tiles (:mod:`.grouped_gemm`) |
-| ``grouped_mm_wgrad`` | Triton K-grouped GEMM accumulating into ``.grad`` (:mod:`.grouped_wgrad`) |
-| ``grouped_mm_wgrad_adamw_`` | the same kernel with the AdamW step in its epilogue |
+| ``grouped_mm`` | ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper), bf16 |
+| ``grouped_mm_wgrad`` | Triton K-grouped GEMM over one or several micro-batches, accumulating into ``.grad`` (:mod:`.grouped_wgrad`) |
 | ``moe_permute`` / ``moe_unpermute`` | device sort + Triton gather-combine, no host sync (:mod:`.moe_permute`) |
 | ``linear_cross_entropy`` | chunked LM head + CE with in-forward gradients (:mod:`.cross_entropy`) |
 | ``attention`` | ``F.scaled_dot_product_attention`` (flash / cuDNN / mem-efficient) (:mod:`.attention`) |
@@ -18,16 +17,13 @@ The kernel modules import Triton only when a kernel first runs.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from polyaccel.cuda._triton import has_triton
 from polyaccel.cuda.adamw import adamw_apply_, adamw_step_
 from polyaccel.cuda.attention import attention
 from polyaccel.cuda.cross_entropy import linear_cross_entropy
-from polyaccel.cuda.grouped_gemm import grouped_mm_triton
-from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad, grouped_mm_wgrad_adamw_
+from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
 from polyaccel.cuda.moe_permute import moe_permute, moe_unpermute
 from polyaccel.cuda.swiglu import swiglu
 from polyaccel.cuda.triton_rmsnorm import rms_norm
@@ -46,16 +42,9 @@ def register_all(registry) -> None:
         registry.register("adamw_step_", "cuda", adamw_step_, impl="triton", backend=BACKEND)
         registry.register("adamw_apply_", "cuda", adamw_apply_, impl="triton", backend=BACKEND)
         registry.register("grouped_mm_wgrad", "cuda", grouped_mm_wgrad, impl="triton", backend=BACKEND)
-        registry.register("grouped_mm_wgrad_adamw_", "cuda", grouped_mm_wgrad_adamw_, impl="triton",
-                          backend=BACKEND)
     registry.register("moe_permute", "cuda", moe_permute, impl="device-sort", backend=BACKEND)
     registry.register("attention", "cuda", attention, impl="sdpa", backend=BACKEND)
-    choice = os.environ.get("POLYACCEL_CUDA_GROUPED_MM", "cutlass")
-    if choice not in ("cutlass", "triton"):
-        raise ValueError(f"POLYACCEL_CUDA_GROUPED_MM={choice!r}: choose 'cutlass' (torch._grouped_mm) or 'triton'")
-    if choice == "triton" and has_triton():
-        registry.register("grouped_mm", "cuda", grouped_mm_triton, impl="triton-64row", backend=BACKEND)
-    elif hasattr(torch, "_grouped_mm"):
+    if hasattr(torch, "_grouped_mm"):
         registry.register("grouped_mm", "cuda", grouped_mm, impl="torch._grouped_mm", backend=BACKEND)
 
 

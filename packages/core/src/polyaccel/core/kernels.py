@@ -107,6 +107,8 @@ class KernelRegistry:
 
 def _first_device_type(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            a = a[0]  # (an op taking one tensor per micro-batch)
         if isinstance(a, torch.Tensor):
             return a.device.type
     return "cpu"

@@ -10,6 +10,7 @@ K reduction dim, N output dim, D head dim, NH heads, k experts per token.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -149,48 +150,37 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 @registry.define
-def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
-                     out: torch.Tensor | None = None, accumulate: bool = True) -> torch.Tensor:
+def grouped_mm_wgrad(dy: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor | Sequence[torch.Tensor],
+                     offsets: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor | None = None,
+                     accumulate: bool = True) -> torch.Tensor:
     """Weight gradient of :func:`grouped_mm`: ``dy_g.T @ x_g`` per group, [G, N, K].
 
     dy [T, N], x [T, K] (rows sorted by group), offsets int32 [G] cumulative row ends. With
     ``out`` given, the product is added into it in place (``accumulate=False``: written over
     it) and ``out`` is returned: gradient accumulation fused into the GEMM (Megatron's trick),
     so a micro-batch's expert weight gradient is never materialized beside ``.grad``.
-    Products are formed in fp32.
+
+    ``dy``, ``x`` and ``offsets`` may also be equally long lists, one entry per micro-batch:
+    the result is the sum over them, formed in fp32 and rounded once (one pass over ``out``
+    for several micro-batches). Products are formed in fp32.
     """
-    G, N, K = offsets.numel(), dy.shape[1], x.shape[1]
-    res = out if out is not None else dy.new_zeros(G, N, K)
-    if out is not None and not accumulate:
-        res.zero_()
-    start = 0
-    for g, end in enumerate(offsets.tolist()):
-        if end > start:
-            res[g] += (dy[start:end].float().T @ x[start:end].float()).to(res.dtype)
-        start = end
+    dys, xs, offs = (list(t) if isinstance(t, (list, tuple)) else [t] for t in (dy, x, offsets))
+    if not len(dys) == len(xs) == len(offs) >= 1:
+        raise ValueError(f"grouped_mm_wgrad: {len(dys)} dy, {len(xs)} x and {len(offs)} offsets")
+    G, N, K = offs[0].numel(), dys[0].shape[1], xs[0].shape[1]
+    res = out if out is not None else dys[0].new_zeros(G, N, K)
+    acc_dtype = torch.promote_types(res.dtype, torch.float32)
+    total = torch.zeros(G, N, K, device=res.device, dtype=acc_dtype)
+    for d, xx, o in zip(dys, xs, offs, strict=True):
+        start = 0
+        for g, end in enumerate(o.tolist()):
+            if end > start:
+                total[g] += d[start:end].to(acc_dtype).T @ xx[start:end].to(acc_dtype)
+            start = end
+    if out is not None and accumulate:
+        total += res
+    res.copy_(total)
     return res
-
-
-@registry.define
-def grouped_mm_wgrad_adamw_(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
-                            param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                            scalars: torch.Tensor, accumulate: bool = True, zero_grad: bool = True) -> None:
-    """The last micro-batch's :func:`grouped_mm_wgrad` and the AdamW step of that weight in one
-    pass: ``g = grad + dy_g.T @ x_g`` (fp32, never stored; ``accumulate=False``: without
-    ``grad``), then :func:`adamw_apply_` with ``g`` on ``param``/``exp_avg``/``exp_avg_sq``
-    (``scalars`` as there), and ``grad`` zeroed (``zero_grad=False``: left as it was, for a
-    caller whose next micro-batch writes over it).
-
-    Fusing the optimizer into the weight-gradient GEMM's epilogue reads each expert weight's
-    gradient, parameter and moments once while the tile is in registers, instead of writing
-    the gradient and streaming everything again in a separate optimizer pass. No gradient
-    clipping can come between (the step needs the global norm first).
-    """
-    total = grad.float().clone() if accumulate else torch.zeros(grad.shape, device=grad.device)
-    grouped_mm_wgrad.reference(dy.float(), x.float(), offsets, out=total)
-    adamw_apply_.reference(param.view(-1), total.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1), scalars)
-    if zero_grad:
-        grad.zero_()
 
 
 @registry.define

@@ -44,10 +44,11 @@ class BackendConfig:
             ``"standard"`` (logits, then cross-entropy, exactly as Transformers).
         loss_chunk_size: rows of the ``[rows, vocab]`` fp32 logits block the fused loss holds.
         grad_accumulation: ``"fused"`` (expert weight gradients are added into ``.grad`` inside
-            the weight-gradient grouped GEMM, :mod:`polyaccel.moe.grouped_linear`; applies to
-            single-process jobs with plain parameters only; under DDP, FSDP2 or expert parallelism
-            it falls back by itself) or ``"autograd"`` (autograd returns them and adds them; needed for
-            ``torch.autograd.grad`` with respect to expert weights).
+            the weight-gradient grouped GEMM, :mod:`polyaccel.moe.grouped_linear`, and the token
+            embedding's rows into its ``.grad`` in place, :mod:`polyaccel.moe.fused_embedding`;
+            applies to single-process jobs with plain parameters only; under DDP, FSDP2 or expert
+            parallelism it falls back by itself) or ``"autograd"`` (autograd returns them and adds
+            them; needed for ``torch.autograd.grad`` with respect to those weights).
         dispatcher: how token copies reach their experts under expert parallelism (ignored at
             ep=1): ``"auto"`` (``symm_mem`` on CUDA with NVSHMEM, else ``nccl_a2a``),
             ``"nccl_a2a"`` (``all_to_all_single``; any torch.distributed backend),

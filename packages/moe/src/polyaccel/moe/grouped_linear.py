@@ -12,9 +12,11 @@ job (not under DDP); :func:`fusable` checks that, and callers take plain ``ops.g
 otherwise. Like ``loss.backward()`` it writes ``.grad``; ``torch.autograd.grad`` with respect
 to such a weight sees ``None`` (use ``BackendConfig(grad_accumulation="autograd")`` for that).
 
-:func:`fused_backward` goes further for a training loop that owns the optimizer
-(:class:`polyaccel.moe.graphed_step.GraphedMicroStep`): the last micro-batch's kernel also
-takes the AdamW step, and the next step's first micro-batch writes over the old gradient.
+:func:`wgrad_window` goes further for a loop over micro-batches: at ~256 token rows per
+expert, the weight-gradient kernel spends most of its time reading and writing ``.grad``, so
+a micro-batch run with ``defer=True`` only keeps its ``(dy, x, offsets)`` and a later one
+computes the gradient over all kept micro-batches in one kernel (one pass over ``.grad``
+for several micro-batches; the kept activations cost their memory until then).
 """
 
 from __future__ import annotations
@@ -47,76 +49,115 @@ def _multi_process() -> bool:
 
 
 @dataclasses.dataclass
-class _Fused:
-    """What :func:`grouped_linear`'s backward does differently for some weights, within
-    :func:`fused_backward`."""
+class _Window:
+    """How :func:`grouped_linear`'s backward treats weight gradients, within :func:`wgrad_window`."""
 
-    step: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    keep_grad: bool
+    defer: bool
     overwrite: set[torch.Tensor]
-    done: set[torch.Tensor] = dataclasses.field(default_factory=set)
+    written: set[torch.Tensor] = dataclasses.field(default_factory=set)
 
 
-_CTX: list[_Fused] = []
+_MODE: list[_Window] = []
+_Source = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""One micro-batch's weight-gradient inputs: (dy, x, offsets, rows): ``x[rows]`` is the input
+(``rows`` None: ``x`` itself)."""
+_KEPT: dict[torch.Tensor, list[_Source]] = {}
+"""weight -> the sources of micro-batches whose weight gradient is deferred."""
 
 
 @contextlib.contextmanager
-def fused_backward(step: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
-                   keep_grad: bool = False, overwrite: Iterable[torch.Tensor] = ()) -> Iterator[set[torch.Tensor]]:
+def wgrad_window(defer: bool = False, overwrite: Iterable[torch.Tensor] = ()) -> Iterator[set[torch.Tensor]]:
     """Within, the backward of :func:`grouped_linear`:
 
-    - for a weight in ``step`` (weight -> ``(exp_avg, exp_avg_sq, scalars)`` of a
-      :class:`~polyaccel.moe.optim.FlatAdamW` step begun with ``begin_step``) also applies that
-      AdamW step in the weight-gradient kernel's epilogue (``ops.grouped_mm_wgrad_adamw_``),
-      then zeroes ``.grad`` (``keep_grad=True``: leaves it, for a next micro-batch that
-      overwrites it). For the last micro-batch of a step, with no gradient clipping.
-    - for a weight in ``overwrite`` writes its gradient over ``.grad`` instead of adding to it
-      (the first micro-batch after a ``keep_grad`` step: no zeroing pass, no read).
+    - with ``defer``, keeps ``(dy, x, offsets)`` of each weight instead of computing its
+      gradient (``.grad`` is left as it is; run the forward inside too, so that inputs given
+      with ``gathered_from`` are kept in their small form);
+    - without, computes the gradient of this micro-batch and of all kept ones in one kernel;
+    - for a weight in ``overwrite``, writes that gradient over ``.grad`` instead of adding to
+      it (the first gradient of an optimizer step: no need to zero ``.grad`` before).
 
-    Yields the set of weights so handled; the caller takes care of the others.
+    Yields the set of ``overwrite`` weights written. Kept micro-batches of a weight that no
+    later backward used are computed by :func:`flush_wgrad`.
     """
-    if _CTX:
-        raise RuntimeError("fused_backward does not nest")
-    ctx = _Fused(dict(step or {}), keep_grad, set(overwrite))
-    _CTX.append(ctx)
+    if _MODE:
+        raise RuntimeError("wgrad_window does not nest")
+    mode = _Window(defer, set(overwrite))
+    _MODE.append(mode)
     try:
-        yield ctx.done
+        yield mode.written
     finally:
-        _CTX.clear()
+        _MODE.clear()
+
+
+def defers(i: int, n: int, window: int) -> bool:
+    """Whether micro-batch ``i`` of ``n`` defers its weight gradients in windows of ``window``
+    micro-batches (the last of each window, and of the step, computes them)."""
+    return (i + 1) % window != 0 and i != n - 1
+
+
+def kept_wgrad_tensors() -> list[torch.Tensor]:
+    """The tensors deferred micro-batches hold (a CUDA graph capture keeps them alive)."""
+    return [t for kept in _KEPT.values() for source in kept for t in source if t is not None]
+
+
+def flush_wgrad() -> None:
+    """Compute the weight gradients still deferred (into ``.grad``) and drop what they kept."""
+    while _KEPT:
+        w, kept = _KEPT.popitem()
+        _write_wgrad(w, kept, overwrite=False)
+
+
+def _write_wgrad(w: torch.Tensor, sources: list[_Source], overwrite: bool) -> None:
+    dys, offs = [s[0] for s in sources], [s[2] for s in sources]
+    # Inputs kept small are gathered again here, one weight at a time (a gather in the GEMM's
+    # loads measured 0.55 ms slower per window of four than these copies, 0.05 ms each).
+    xs = [x if rows is None else x.index_select(0, rows) for _, x, _, rows in sources]
+    if w.grad is None:
+        w.grad = ops.grouped_mm_wgrad(dys, xs, offs).to(w.dtype)
+    else:
+        ops.grouped_mm_wgrad(dys, xs, offs, out=w.grad, accumulate=not overwrite)
 
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, offsets):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(x, offsets)
+    def forward(ctx, x, w, offsets, source, rows):  # noqa: ANN001, ANN205
+        # In a window of several micro-batches (this one defers, or earlier ones wait for this
+        # backward) keep the input small: the window's gradient gathers it again anyway.
+        if source is not None and ((_MODE and _MODE[0].defer) or w in _KEPT):
+            ctx.save_for_backward(source, offsets, rows)
+        else:
+            ctx.save_for_backward(x, offsets, None)
         ctx.weight = w
         return ops.grouped_mm(x, w, offsets)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
-        x, offsets = ctx.saved_tensors
+        x, offsets, rows = ctx.saved_tensors
         w = ctx.weight
         dx = ops.grouped_mm(dy, w.detach().transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
-        fused = _CTX[0] if _CTX else None
-        first = fused is not None and w in fused.overwrite and w not in fused.done
-        if fused is not None and w in fused.step and w.grad is not None:  # (dx is computed before w changes)
-            if w in fused.done:
-                raise RuntimeError("fused_backward: a weight stepped in its backward was used twice")
-            ops.grouped_mm_wgrad_adamw_(dy, x, offsets, w.grad, w.detach(), *fused.step[w],
-                                        accumulate=not first, zero_grad=not fused.keep_grad)
-            fused.done.add(w)
-        elif w.grad is None:
-            w.grad = ops.grouped_mm_wgrad(dy, x, offsets).to(w.dtype)
-        else:
-            ops.grouped_mm_wgrad(dy, x, offsets, out=w.grad, accumulate=not first)
-            if first:
-                fused.done.add(w)
-        return dx, None, None
+        mode = _MODE[0] if _MODE else None
+        sources = _KEPT.pop(w, []) + [(dy, x, offsets, rows)]
+        if mode is not None and mode.defer:
+            _KEPT[w] = sources
+            return dx, None, None, None, None
+        overwrite = mode is not None and w in mode.overwrite and w not in mode.written
+        _write_wgrad(w, sources, overwrite)
+        if overwrite:
+            mode.written.add(w)
+        return dx, None, None, None, None
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+                   gathered_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``ops.grouped_mm(x, w, offsets)`` with the weight gradient accumulated into ``w.grad``
-    in backward (see the module docstring); plain ``ops.grouped_mm`` when not :func:`fusable`."""
+    in backward (see the module docstring); plain ``ops.grouped_mm`` when not :func:`fusable`.
+
+    ``gathered_from=(source, rows)``: ``x`` is ``source[rows]`` (e.g. the token copies that
+    ``ops.moe_permute`` sorted by expert, with ``rows = order // top_k``); in a window of
+    several micro-batches (forward and backward inside :func:`wgrad_window`) the backward then
+    keeps ``source`` and ``rows`` (alive anyway, ``1/top_k`` of the size) instead of ``x``.
+    """
     if not fusable(w):
         return ops.grouped_mm(x, w, offsets)
-    return _GroupedLinear.apply(x, w, offsets)
+    source, rows = gathered_from if gathered_from is not None else (None, None)
+    return _GroupedLinear.apply(x, w, offsets, source, rows)

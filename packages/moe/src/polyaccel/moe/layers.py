@@ -363,9 +363,13 @@ class Experts(nn.Module):
             return self._forward_eager(x, idx, w)
         x_sorted, order, counts = ops.moe_permute(x, idx, self.num_experts)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        mm = grouped_linear if self.fuse_wgrad else ops.grouped_mm
-        h = self.gated(mm(x_sorted, self.gate_up_proj, offsets))
-        y = mm(h, self.down_proj, offsets)
+        if self.fuse_wgrad:
+            rows = torch.div(order, idx.shape[1], rounding_mode="floor").to(torch.int32)
+            h = self.gated(grouped_linear(x_sorted, self.gate_up_proj, offsets, gathered_from=(x, rows)))
+            y = grouped_linear(h, self.down_proj, offsets)
+        else:
+            h = self.gated(ops.grouped_mm(x_sorted, self.gate_up_proj, offsets))
+            y = ops.grouped_mm(h, self.down_proj, offsets)
         return ops.moe_unpermute(y, order, w)
 
     # ---- expert parallelism (polyaccel.moe.expert_parallel) ---------------------------------

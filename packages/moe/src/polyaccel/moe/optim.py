@@ -38,14 +38,20 @@ class _Flat:
     """One set of flat buffers (param, grad, exp_avg, exp_avg_sq): the params of one group
     with one dtype and device. Each ``p.data`` and ``p.grad`` becomes its view here."""
 
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], overwritten: frozenset[int] = frozenset()) -> None:
+        # Params whose grads the caller writes over go last: the step zeroes [0, zero_end) only.
+        params = [p for p in params if id(p) not in overwritten] + [p for p in params if id(p) in overwritten]
         self.params = params
         self.index = {p: i for i, p in enumerate(params)}
         align = max(1, _ALIGN_BYTES // params[0].element_size())
         self.offsets, n = [], 0
+        self.zero_end = None
         for p in params:
+            if id(p) in overwritten and self.zero_end is None:
+                self.zero_end = n
             self.offsets.append(n)
             n += -(-p.numel() // align) * align
+        self.zero_end = n if self.zero_end is None else self.zero_end
         kw = {"dtype": params[0].dtype, "device": params[0].device}
         # One buffer at a time, so that the old params are freed before the state is allocated
         # (peak: the four buffers, not four plus the model).
@@ -99,15 +105,22 @@ class FlatAdamW(torch.optim.Optimizer):
 
     ``state_dict()`` has torch AdamW's format (``state[p] = {"step", "exp_avg",
     "exp_avg_sq"}``, the same group options), so checkpoints move both ways between the two.
+
+    ``grads_overwritten``: params whose gradients the caller writes over (rather than adds to)
+    at the start of every step, e.g. the expert weights a
+    :class:`~polyaccel.moe.graphed_step.GraphedMicroStep` told ``micro_batch`` handles
+    (``its .overwritten_params``); neither :meth:`step` nor :meth:`zero_grad` zeroes their
+    grads (2 of the 16 bytes a bf16 step moves per parameter).
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2) -> None:
+                 weight_decay: float = 1e-2, grads_overwritten: Iterable[torch.Tensor] = ()) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW hyperparameters: lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay}")
         self._flats: list[list[_Flat]] = []
+        self._overwritten = frozenset(id(p) for p in grads_overwritten)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_UNSUPPORTED,
                         foreach=None, fused=None, decoupled_weight_decay=True)  # torch AdamW's keys
         super().__init__(params, defaults)
@@ -124,7 +137,7 @@ class FlatAdamW(torch.optim.Optimizer):
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
         for p in params:
             by_kind.setdefault((p.dtype, p.device), []).append(p)
-        flats = [_Flat(ps) for ps in by_kind.values()]
+        flats = [_Flat(ps, self._overwritten) for ps in by_kind.values()]
         for flat in flats:
             for p in flat.params:
                 _, _, m, v = flat.views(p)
@@ -168,7 +181,11 @@ class FlatAdamW(torch.optim.Optimizer):
         steps = [self.state[p]["step"] for p in flat.params]
         counts = {int(s) for s in steps}
         if not skip and len(counts) == 1:
-            ops.adamw_step_(flat.param, flat.grad, flat.exp_avg, flat.exp_avg_sq, step=counts.pop() + 1, **hyper)
+            step = counts.pop() + 1
+            for part, zero in ((slice(0, flat.zero_end), True), (slice(flat.zero_end, None), False)):
+                if part.start != flat.param.numel():
+                    ops.adamw_step_(flat.param[part], flat.grad[part], flat.exp_avg[part], flat.exp_avg_sq[part],
+                                    step=step, **{**hyper, "zero_grad": zero})
             torch._foreach_add_(steps, 1.0)
         else:
             for p, s in zip(flat.params, steps, strict=True):
@@ -191,7 +208,7 @@ class FlatAdamW(torch.optim.Optimizer):
                     if p.grad is not g:
                         p.grad = g
                 if flat.zeroed_version != flat.grad._version:
-                    flat.grad.zero_()
+                    flat.grad[:flat.zero_end].zero_()
                     flat.zeroed_version = flat.grad._version
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -221,67 +238,3 @@ class FlatAdamW(torch.optim.Optimizer):
                         step = float(s["step"]) if "step" in s else 0.0
                         self.state[p] = {"step": torch.tensor(step, dtype=torch.float32),
                                          "exp_avg": m.view(p.shape), "exp_avg_sq": v.view(p.shape)}
-
-    # ---- a step split into pieces (optimizer work overlapped with backward) --------------------
-    def begin_step(self) -> None:
-        """Start a step that :meth:`apply` will carry out piece by piece (possibly inside a
-        CUDA graph, on another stream, interleaved with the last micro-batch's backward).
-
-        Counts the step and writes each group's AdamW scalars (learning rate, bias corrections)
-        into a device tensor that the kernels read, so a replayed graph picks up this step's
-        values. Needs the fast path: every ``p.grad`` its flat view, equal step counts.
-        """
-        for group, flats in zip(self.param_groups, self._flats, strict=True):
-            for flat in flats:
-                steps = [self.state[p]["step"] for p in flat.params]
-                if any(p.grad is not g for p, g in zip(flat.params, flat.grads, strict=True)) \
-                        or len({int(s) for s in steps}) != 1:
-                    raise RuntimeError("FlatAdamW.begin_step needs every p.grad to be its flat view and "
-                                       "equal step counts; call step() instead")
-                beta1, beta2 = group["betas"]
-                values = ops.adamw_scalars(float(group["lr"]), beta1, beta2, group["eps"],
-                                           group["weight_decay"], int(steps[0]) + 1)
-                if getattr(flat, "scalars", None) is None:
-                    flat.scalars = torch.zeros(7, dtype=torch.float32, device=flat.param.device)
-                host = torch.tensor(values, dtype=torch.float32,
-                                    pin_memory=flat.param.device.type == "cuda")
-                flat.scalars.copy_(host, non_blocking=True)
-                torch._foreach_add_(steps, 1.0)
-
-    def pieces(self, params: Iterable[torch.Tensor]) -> list[tuple[_Flat, int, int]]:
-        """The flat-buffer ranges ``(flat, lo, hi)`` that hold exactly ``params`` (adjacent
-        params merge into one range; the alignment padding between them is stepped too, which
-        leaves its zeros zero)."""
-        wanted = {id(p) for p in params}
-        out: list[tuple[_Flat, int, int]] = []
-        for flats in self._flats:
-            for flat in flats:
-                lo = hi = None
-                for p in flat.params:  # in offset order
-                    sl = flat.slice(p)
-                    if id(p) in wanted:
-                        lo = sl.start if lo is None else lo
-                        hi = sl.stop
-                    elif lo is not None:
-                        out.append((flat, lo, hi))
-                        lo = None
-                if lo is not None:
-                    out.append((flat, lo, hi))
-        return out
-
-    def adam_state(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(exp_avg, exp_avg_sq, scalars)`` of ``p`` for a step begun with :meth:`begin_step`
-        and carried out elsewhere (an optimizer fused into ``p``'s weight-gradient kernel)."""
-        flat = next(f for flats in self._flats for f in flats if p in f.index)
-        if getattr(flat, "scalars", None) is None:
-            flat.scalars = torch.zeros(7, dtype=torch.float32, device=flat.param.device)
-        st = self.state[p]
-        return st["exp_avg"], st["exp_avg_sq"], flat.scalars
-
-    @torch.no_grad()
-    def apply(self, pieces: list[tuple[_Flat, int, int]]) -> None:
-        """Update the params in ``pieces`` (from :meth:`pieces`) with the scalars of the step
-        :meth:`begin_step` started, zeroing their grads; launches only (no host sync)."""
-        for flat, lo, hi in pieces:
-            ops.adamw_apply_(flat.param[lo:hi], flat.grad[lo:hi], flat.exp_avg[lo:hi], flat.exp_avg_sq[lo:hi],
-                             flat.scalars, zero_grad=True)

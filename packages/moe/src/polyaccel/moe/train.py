@@ -23,7 +23,7 @@ import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from torch import nn
 
 from polyaccel.core.parallel import ParallelPlan
 from polyaccel.moe import checkpoint as ckpt
+from polyaccel.moe import grouped_linear
 from polyaccel.moe.data import IGNORE_INDEX, Batches, build_dataset
 from polyaccel.moe.flops import mfu, peak_flops, train_flops_per_token
 from polyaccel.moe.train_config import ConfigError, FinetuneConfig, ModelConfig, TrainConfig, did_you_mean
@@ -137,7 +138,7 @@ def resolve_model_config(cfg: ModelConfig):
 def validate(cfg: FinetuneConfig, model_config: Any) -> None:
     """Shape checks that need the model's config; raises :class:`ConfigError`."""
     t = cfg.train
-    for name in ("seq_len", "micro_batch", "grad_accum", "max_steps"):
+    for name in ("seq_len", "micro_batch", "grad_accum", "max_steps", "wgrad_window"):
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
     max_pos = getattr(model_config, "max_position_embeddings", None)
@@ -221,12 +222,14 @@ def lr_factor(t: TrainConfig) -> Callable[[int], float]:
     return factor
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device,
+                    overwritten: Iterable[torch.Tensor] = ()) -> torch.optim.Optimizer:
     """AdamW over the trainable params; no weight decay on vectors (norms, biases).
 
     ``t.optimizer``: ``flat_adamw`` is :class:`polyaccel.moe.optim.FlatAdamW` (flat buffers, one
-    ``ops.adamw_step_`` per buffer); ``adamw`` is ``torch.optim.AdamW``, fused on CUDA;
-    ``auto`` picks ``flat_adamw`` for a single process with plain-tensor params, else ``adamw``.
+    ``ops.adamw_step_`` per buffer; it leaves the grads of ``overwritten`` params unzeroed);
+    ``adamw`` is ``torch.optim.AdamW``, fused on CUDA; ``auto`` picks ``flat_adamw`` for a
+    single process with plain-tensor params, else ``adamw``.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
@@ -239,7 +242,7 @@ def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device) -> t
         from polyaccel.moe.optim import FlatAdamW
 
         try:
-            return FlatAdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps)
+            return FlatAdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, grads_overwritten=overwritten)
         except ValueError as e:
             raise ConfigError(f"train.optimizer=flat_adamw: {e} (or set train.optimizer=adamw)") from e
     fused = device.type == "cuda"
@@ -319,7 +322,11 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
 
         apply_fsdp(model, plan, plan.build(rt.world_size, rt.device.type), param_dtype=compute_dtype,
                    reduce_dtype=torch.float32)
-    optimizer = build_optimizer(model, t, rt.device)
+    autocast = (torch.autocast(rt.device.type, dtype=compute_dtype)
+                if param_dtype != compute_dtype and not sharded else contextlib.nullcontext())
+    micro_step = _graphed_micro_step(model, t, autocast) if t.cuda_graph else None
+    optimizer = build_optimizer(model, t, rt.device,
+                                overwritten=micro_step.overwritten_params if micro_step is not None else ())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t))
     step = 0
     if resume_from is not None:
@@ -329,9 +336,6 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
         step = state["step"]
     start_step = step
 
-    autocast = (torch.autocast(rt.device.type, dtype=compute_dtype)
-                if param_dtype != compute_dtype and not sharded else contextlib.nullcontext())
-    micro_step = _graphed_micro_step(model, t, autocast) if t.cuda_graph else None
     tokens_per_step = batches.samples_per_step * t.seq_len
     flops_tok = train_flops_per_token(model_config, t.seq_len)
     peak = peak_flops(rt.device, cfg.log.peak_tflops)
@@ -350,20 +354,23 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                 dist.all_reduce(n_targets)
             n_targets.clamp_(min=1)
             loss_sum = torch.zeros((), device=rt.device)
+            n_mb = len(micro_batches)
             for m, mb in enumerate(micro_batches):
                 if micro_step is not None:
                     loss_sum += micro_step(input_ids=mb["input_ids"].to(rt.device, non_blocking=True),
                                            labels=mb["labels"].to(rt.device, non_blocking=True),
-                                           num_items_in_batch=n_targets).float()
+                                           num_items_in_batch=n_targets, micro_batch=(m, n_mb)).float()
                     continue
                 if sharded:
-                    model.set_requires_gradient_sync(m == len(micro_batches) - 1)
-                with autocast:
-                    out = model(input_ids=mb["input_ids"].to(rt.device), labels=mb["labels"].to(rt.device),
-                                num_items_in_batch=n_targets, use_cache=False)
-                loss_part = _scaled_loss(out, model.config, rt.world_size, len(micro_batches))
-                loss_part.backward()
+                    model.set_requires_gradient_sync(m == n_mb - 1)
+                with grouped_linear.wgrad_window(defer=grouped_linear.defers(m, n_mb, t.wgrad_window)):
+                    with autocast:
+                        out = model(input_ids=mb["input_ids"].to(rt.device), labels=mb["labels"].to(rt.device),
+                                    num_items_in_batch=n_targets, use_cache=False)
+                    loss_part = _scaled_loss(out, model.config, rt.world_size, n_mb)
+                    loss_part.backward()
                 loss_sum += loss_part.detach().float() / rt.world_size
+            grouped_linear.flush_wgrad()
             grad_norm = _clip_grads(model, t.grad_clip)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
@@ -421,7 +428,7 @@ def _graphed_micro_step(model: nn.Module, t: TrainConfig, autocast: Any) -> Any:
             out = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items_in_batch, use_cache=False)
         return _scaled_loss(out, model.config, 1, t.grad_accum)
 
-    return GraphedMicroStep(model, warmup=2, loss_fn=loss_fn)
+    return GraphedMicroStep(model, warmup=2, wgrad_window=t.wgrad_window, loss_fn=loss_fn)
 
 
 def _scaled_loss(out: Any, config: Any, world_size: int, micro_batches: int) -> torch.Tensor:

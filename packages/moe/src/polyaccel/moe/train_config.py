@@ -112,6 +112,11 @@ class TrainConfig:
     ``cuda_graph``: replay each micro-batch's forward + backward as one CUDA graph
     (:class:`polyaccel.moe.graphed_step.GraphedMicroStep`); one CUDA process, ``flat_adamw``,
     no activation checkpointing. Micro-batches of another shape (a short last batch) run eagerly.
+
+    ``wgrad_window``: compute the expert weight gradients once per this many micro-batches, in
+    one kernel over all their token rows (:func:`polyaccel.moe.grouped_linear.wgrad_window`;
+    one process, ``backend.grad_accumulation: fused``): fewer passes over ``.grad``, for the
+    memory of ``wgrad_window - 1`` micro-batches' expert activations.
     """
 
     seq_len: int = 2048
@@ -130,6 +135,7 @@ class TrainConfig:
     seed: int = 0
     activation_checkpointing: bool = False
     cuda_graph: bool = False
+    wgrad_window: int = 1
     dtype: Literal["bf16", "fp32"] = "bf16"
     fp32_master: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"

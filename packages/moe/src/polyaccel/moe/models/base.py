@@ -21,6 +21,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
+from polyaccel.moe import fused_embedding
 from polyaccel.moe.config import BackendConfig, require_transformer_engine
 from polyaccel.moe.layers import (
     AttentionContext,
@@ -118,6 +119,7 @@ class MoeModel(MoePreTrainedModel):
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.attn_impl = "sdpa"
+        self.fuse_embedding_grad = False  # BackendConfig(grad_accumulation="fused"): polyaccel.moe.fused_embedding
         self.post_init()
 
     @property
@@ -138,7 +140,8 @@ class MoeModel(MoePreTrainedModel):
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False  # a recomputed layer would write the cache twice
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = (fused_embedding.embedding(input_ids, self.embed_tokens) if self.fuse_embedding_grad
+                             else self.embed_tokens(input_ids))
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if not use_cache:
@@ -220,6 +223,7 @@ class MoeForCausalLM(MoePreTrainedModel, GenerationMixin):
             elif isinstance(m, TopKRouter):
                 m.mode, m.noise = backend.gate, backend.gate_noise
         self.model.attn_impl = backend.attn
+        self.model.fuse_embedding_grad = backend.grad_accumulation == "fused"
         if backend.linear == "te":
             self._use_te_linear()
         if backend.attn == "te":
