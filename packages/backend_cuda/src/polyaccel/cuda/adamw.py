@@ -33,12 +33,8 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def adamw_kernel(P, G, M, V, n, S, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
-                     SCALARS_IN_S: tl.constexpr, ZERO_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-        if SCALARS_IN_S:  # read from device memory: a CUDA graph replays with new values
-            decay, one_minus_beta1 = tl.load(S), tl.load(S + 1)
-            beta2, one_minus_beta2 = tl.load(S + 2), tl.load(S + 3)
-            step_size, bc2_sqrt, eps = tl.load(S + 4), tl.load(S + 5), tl.load(S + 6)
+    def adamw_kernel(P, G, M, V, n, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
+                     ZERO_GRAD: tl.constexpr, BLOCK: tl.constexpr):
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = idx < n
         # Streamed once: ask the cache to evict these lines first.
@@ -77,9 +73,9 @@ def adamw_step_op(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         return
     # Scalars formed in double here, as torch does, then passed as fp32 (1 - beta1 in fp32
     # would be 0.100000024, not 0.1f, and shift every element by an ulp or two).
-    _kernels()[(cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, n, param,
+    _kernels()[(cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, n,
                                   *adamw_scalars(lr, beta1, beta2, eps, weight_decay, step),
-                                  SCALARS_IN_S=False, ZERO_GRAD=zero_grad, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                                  ZERO_GRAD=zero_grad, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -97,20 +93,3 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     torch.ops.polyaccel_cuda.adamw_step_(param, grad, exp_avg, exp_avg_sq, float(lr), float(beta1),
                                          float(beta2), float(eps), float(weight_decay), int(step),
                                          bool(zero_grad))
-
-
-def adamw_apply_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 scalars: torch.Tensor, zero_grad: bool = False) -> None:
-    """Core ``adamw_apply_`` on CUDA: the Triton pass with its scalars read from ``scalars``
-    (fp32, on the device), so it can be captured in a CUDA graph."""
-    tensors = (param, grad, exp_avg, exp_avg_sq)
-    n = param.numel()
-    if (not use_triton(param) or scalars.dtype != torch.float32 or scalars.device != param.device
-            or not all(t.is_contiguous() and t.numel() == n and t.device == param.device for t in tensors)):
-        from polyaccel.core.ops import adamw_apply_ as core_op
-
-        return core_op.reference(param, grad, exp_avg, exp_avg_sq, scalars, zero_grad)
-    if n:
-        _kernels()[(cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, n, scalars, 0.0, 0.0, 0.0, 0.0, 0.0,
-                                      0.0, 0.0, SCALARS_IN_S=True, ZERO_GRAD=zero_grad, BLOCK=BLOCK,
-                                      num_warps=NUM_WARPS)

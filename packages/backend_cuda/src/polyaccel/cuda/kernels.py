@@ -10,7 +10,6 @@
 | ``linear_cross_entropy`` | chunked LM head + CE with in-forward gradients (:mod:`.cross_entropy`) |
 | ``attention`` | ``F.scaled_dot_product_attention`` (flash / cuDNN / mem-efficient) (:mod:`.attention`) |
 | ``adamw_step_`` | one Triton pass over a flat buffer, fp32 math, optional grad zeroing (:mod:`.adamw`) |
-| ``adamw_apply_`` | the same pass with its scalars read from a device tensor (graph-replayable) |
 
 The kernel modules import Triton only when a kernel first runs.
 """
@@ -20,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from polyaccel.cuda._triton import has_triton
-from polyaccel.cuda.adamw import adamw_apply_, adamw_step_
+from polyaccel.cuda.adamw import adamw_step_
 from polyaccel.cuda.attention import attention
 from polyaccel.cuda.cross_entropy import linear_cross_entropy
 from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
@@ -40,7 +39,6 @@ def register_all(registry) -> None:
                           impl="chunked+triton", backend=BACKEND)
         registry.register("moe_unpermute", "cuda", moe_unpermute, impl="triton", backend=BACKEND)
         registry.register("adamw_step_", "cuda", adamw_step_, impl="triton", backend=BACKEND)
-        registry.register("adamw_apply_", "cuda", adamw_apply_, impl="triton", backend=BACKEND)
         registry.register("grouped_mm_wgrad", "cuda", grouped_mm_wgrad, impl="triton", backend=BACKEND)
     registry.register("moe_permute", "cuda", moe_permute, impl="device-sort", backend=BACKEND)
     registry.register("attention", "cuda", attention, impl="sdpa", backend=BACKEND)

@@ -261,27 +261,8 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
 def adamw_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                   step: int) -> list[float]:
     """The seven numbers one AdamW step needs, formed in double as torch does:
-    ``[1 - lr*wd, 1 - beta1, beta2, 1 - beta2, lr / bc1, sqrt(bc2), eps]`` (see :func:`adamw_apply_`)."""
+    ``[1 - lr*wd, 1 - beta1, beta2, 1 - beta2, lr / bc1, sqrt(bc2), eps]`` (the kernels' arguments)."""
     if step < 1:
         raise ValueError(f"adamw_scalars: step must be >= 1 (this step's count), got {step}")
     return [1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, lr / (1.0 - beta1**step),
             math.sqrt(1.0 - beta2**step), eps]
-
-
-@registry.define
-def adamw_apply_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 scalars: torch.Tensor, zero_grad: bool = False) -> None:
-    """:func:`adamw_step_` with its hyperparameters in a device tensor: ``scalars`` [7] fp32 from
-    :func:`adamw_scalars`. Nothing here reads a number on the host, so a CUDA graph can replay
-    the step while the learning rate and bias corrections change between replays."""
-    decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps = scalars.float().unbind()
-    p, g, m, v = param.float(), grad.float(), exp_avg.float(), exp_avg_sq.float()
-    p.mul_(decay)
-    m.lerp_(g, one_minus_beta1)
-    v.mul_(beta2).addcmul_(g * g, one_minus_beta2)
-    p.sub_(step_size * m / (v.sqrt() / bc2_sqrt + eps))
-    for out, val in ((param, p), (exp_avg, m), (exp_avg_sq, v)):
-        if out is not val:
-            out.copy_(val)
-    if zero_grad:
-        grad.zero_()

@@ -43,13 +43,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from polyaccel.moe import grouped_linear
-from polyaccel.moe.grouped_linear import defers, fusable, wgrad_window
+from polyaccel.moe.grouped_linear import (
+    defers,
+    flush_wgrad,
+    fusable,
+    kept_wgrad,
+    kept_wgrad_tensors,
+    restore_kept_wgrad,
+    wgrad_window,
+)
 
 logger = logging.getLogger(__name__)
-
-_Kept = dict[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
-
 
 class _Captured:
     """One kind of micro-step: its eager call count, graph, static inputs and loss, and
@@ -60,7 +64,7 @@ class _Captured:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: dict[str, torch.Tensor] = {}
         self.loss: torch.Tensor | None = None
-        self.kept: _Kept = {}
+        self.kept: dict = {}
 
 
 class GraphedMicroStep:
@@ -109,7 +113,7 @@ class GraphedMicroStep:
         # A graph reads what the graph of the kind before it kept; after anything else
         # (an eager call) the deferred tensors are others, so run eagerly until the window ends.
         before = self.kinds.get((kind_key[0] - 1, True, False)) if kind_key[0] else None
-        ready = (before is not None and self._kept_by is before) if kind_key[0] else not grouped_linear._KEPT
+        ready = (before is not None and self._kept_by is before) if kind_key[0] else not kept_wgrad_tensors()
         if not ready or (kind.graph is not None and not self._matches(kind, batch)):
             return self._eager(batch, kind_key)
         if kind.graph is None:
@@ -121,8 +125,7 @@ class GraphedMicroStep:
             for name, t in batch.items():
                 kind.inputs[name].copy_(t, non_blocking=True)
         kind.graph.replay()
-        grouped_linear._KEPT.clear()
-        grouped_linear._KEPT.update({w: list(v) for w, v in kind.kept.items()})
+        restore_kept_wgrad(kind.kept)
         self._kept_by = kind if kind_key[1] else None
         return kind.loss.clone()
 
@@ -159,7 +162,7 @@ class GraphedMicroStep:
             if p not in written and p.grad is not None:
                 p.grad.zero_()
         if not defer:
-            grouped_linear.flush_wgrad()
+            flush_wgrad()
         return loss.detach()
 
     def _eager(self, batch: dict[str, torch.Tensor], key: tuple[int, bool, bool]) -> torch.Tensor:
@@ -197,5 +200,5 @@ class GraphedMicroStep:
         with torch.cuda.graph(graph, pool=self._pool):
             kind.loss = self._forward_backward(kind.inputs, key)
         self._pool = self._pool if self._pool is not None else graph.pool()
-        kind.kept = {w: list(v) for w, v in grouped_linear._KEPT.items()}
+        kind.kept = kept_wgrad()
         kind.graph = graph

@@ -95,6 +95,18 @@ def defers(i: int, n: int, window: int) -> bool:
     return (i + 1) % window != 0 and i != n - 1
 
 
+def kept_wgrad() -> dict[torch.Tensor, list[_Source]]:
+    """A copy of what deferred micro-batches keep, per weight (see :func:`restore_kept_wgrad`)."""
+    return {w: list(v) for w, v in _KEPT.items()}
+
+
+def restore_kept_wgrad(kept: dict[torch.Tensor, list[_Source]]) -> None:
+    """Make ``kept`` (from :func:`kept_wgrad`) what is deferred: a replayed CUDA graph wrote
+    those tensors without running this module's Python."""
+    _KEPT.clear()
+    _KEPT.update({w: list(v) for w, v in kept.items()})
+
+
 def kept_wgrad_tensors() -> list[torch.Tensor]:
     """The tensors deferred micro-batches hold (a CUDA graph capture keeps them alive)."""
     return [t for kept in _KEPT.values() for source in kept for t in source if t is not None]
