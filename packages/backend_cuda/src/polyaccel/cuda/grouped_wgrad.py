@@ -35,6 +35,10 @@ CONFIGS = [  # (BLOCK_N, BLOCK_K, BLOCK_T, num_warps, num_stages)
     (64, 128, 64, 4, 4),
     (128, 128, 64, 8, 4),
     (128, 256, 64, 8, 4),
+    # longer row chunks and wider tiles, for windows of several micro-batches (not yet timed)
+    (128, 128, 128, 8, 3),
+    (256, 128, 64, 8, 4),
+    (256, 128, 128, 8, 2),
 ]
 """Tile shapes tried by the autotuner (keyed on N, K and the rows' order of magnitude)."""
 
