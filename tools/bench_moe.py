@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--accum", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--variants", default="learned-compile-flat-graph,balanced-compile-flat-graph", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default="learned-compile-flat-graph-w4,balanced-compile-flat-graph-w4", help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--anchor", help="path of anchor_moe_hf.py to run first, same workload")
     p.add_argument("--kernels", nargs="?", const="wgrad,ops,adamw", default="",
                    help="per-op micro-benchmarks instead (comma list of wgrad, ops, adamw; default all)")
