@@ -205,6 +205,27 @@ def test_linear_cross_entropy(gen):
     assert abs(ops.linear_cross_entropy(h, W, labels).item() - expected.item()) < 1e-5
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_grads_are_autograds(gen, reduction):
+    h, W = rnd(gen, 9, 8), rnd(gen, 13, 8)
+    labels = torch.tensor([1, 2, -100, 10, 0, 3, 12, -100, 5])
+    hr, Wr = h.clone().requires_grad_(), W.clone().requires_grad_()
+    ref = ops.linear_cross_entropy.reference(hr, Wr, labels, reduction=reduction)
+    ref.backward()
+    loss, gh, gw = ops.linear_cross_entropy_grads(h, W, labels, reduction=reduction, chunk=4)
+    assert abs(loss.item() - ref.item()) < 1e-5
+    assert rel_err(gh, hr.grad) < 1e-5 and rel_err(gw, Wr.grad) < 1e-5
+    _, none_h, only_w = ops.linear_cross_entropy_grads(h, W, labels, reduction=reduction, grad_hidden=False)
+    assert none_h is None and rel_err(only_w, Wr.grad) < 1e-5
+
+
+def test_add_scaled_reads_a_tensor_scale(gen):
+    out, x = rnd(gen, 5, 3, dtype=torch.bfloat16), rnd(gen, 5, 3, dtype=torch.bfloat16)
+    expected = (out.float() + 0.37 * x.float()).to(torch.bfloat16)
+    assert ops.add_scaled_(out, x, torch.tensor(0.37)) is out
+    torch.testing.assert_close(out, expected)
+
+
 def _torch_adamw_step(p, g, m, v, step, **hp):
     """One torch.optim.AdamW step in fp32 from state (p, m, v, step - 1): (p, m, v) after it."""
     param = torch.nn.Parameter(p.float().clone())

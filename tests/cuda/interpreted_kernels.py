@@ -17,7 +17,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 
 from polyaccel.core import ops  # noqa: E402
-from polyaccel.cuda import adamw, grouped_wgrad, moe_permute, swiglu, triton_rmsnorm  # noqa: E402
+from polyaccel.cuda import adamw, add_scaled, grouped_wgrad, moe_permute, swiglu, triton_rmsnorm  # noqa: E402
 from polyaccel.cuda.cross_entropy import linear_cross_entropy  # noqa: E402
 
 
@@ -99,6 +99,15 @@ def check_adamw():
     assert max(errs) < 1e-6 and not a[1].any(), errs
 
 
+def check_add_scaled():
+    out, x = torch.randn(10_007).half(), torch.randn(10_007).half()
+    expected = out.double() + x.double() * 0.3
+    add_scaled.add_scaled_(out, x, torch.tensor(0.3))
+    err = rel_err(out, expected)
+    print(f"add_scaled_ fp16: rel err {err:.2e}")
+    assert err < 1e-3
+
+
 def check_permute_unpermute():
     T, k, E, H = 37, 4, 8, 24
     idx = torch.rand(T, E).argsort(-1)[:, :k]
@@ -126,6 +135,7 @@ def main() -> None:
                   [torch.randn(19, 32), 0.1 * torch.randn(300, 32)])
     check_grouped_wgrad()
     check_grouped_wgrad_window()
+    check_add_scaled()
     check_adamw()
 
 

@@ -165,8 +165,8 @@ def test_register_all_registers_every_op_for_cuda():
     from polyaccel.cuda._triton import has_triton
 
     if has_triton():
-        assert {"rms_norm", "swiglu", "moe_unpermute", "linear_cross_entropy", "grouped_mm_wgrad",
-                "adamw_step_"} <= set(seen)
+        assert {"rms_norm", "swiglu", "moe_unpermute", "linear_cross_entropy", "linear_cross_entropy_grads",
+                "add_scaled_", "grouped_mm_wgrad", "adamw_step_"} <= set(seen)
 
 
 # ---------------------------------------------------------------------------------------
@@ -365,3 +365,28 @@ def test_gpu_ops_under_torch_compile():
     compiled = torch.compile(step, fullgraph=True)(x)
     (g_comp,) = torch.autograd.grad(compiled, x)
     assert rel_err(compiled, eager) < 1e-2 and rel_err(g_comp, g_eager) < 2e-2
+
+
+@gpu
+@needs_cuda
+def test_gpu_linear_cross_entropy_grads_and_add_scaled():
+    """The CUDA op's returned gradients equal autograd's through the reference; add_scaled_
+    adds a [V, H] gradient scaled by a device scalar."""
+    from polyaccel.cuda.add_scaled import add_scaled_
+    from polyaccel.cuda.cross_entropy import linear_cross_entropy_grads
+
+    N, H, V = 300, 256, 5000
+    h = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(V, H, device="cuda") / 16).bfloat16()
+    y = torch.randint(0, V, (N,), device="cuda")
+    y[::7] = -100
+    hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
+    ref = ops.linear_cross_entropy.reference(hr, wr, y, reduction="sum")
+    ref.backward()
+    loss, gh, gw = linear_cross_entropy_grads(h, w, y, reduction="sum")
+    assert rel_err(loss, ref) < 1e-3
+    assert rel_err(gh, hr.grad) < TOL[torch.bfloat16] and rel_err(gw, wr.grad) < TOL[torch.bfloat16]
+    acc = torch.randn(V, H, device="cuda", dtype=torch.bfloat16)
+    expected = acc.double() + 0.25 * gw.double()
+    add_scaled_(acc, gw, torch.tensor(0.25, device="cuda"))
+    assert rel_err(acc, expected) < TOL[torch.bfloat16]

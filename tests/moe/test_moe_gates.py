@@ -198,3 +198,21 @@ def test_unknown_polyaccel_backend_is_an_error():
     with pytest.raises(KeyError, match="unknown backend 'nosuch'"):
         AutoModelForCausalLM.from_config(tiny("olmoe"), backend=BackendConfig(backend="nosuch"))
 
+
+
+def test_fused_weight_gradient_is_added_into_grad():
+    """``fuse_weight_grad``: the LM-head weight's gradient, scaled by the upstream gradient, is
+    added into its existing ``.grad`` (or becomes it); the hidden gradient still flows."""
+    torch.manual_seed(1)
+    N, H, V = 19, 8, 30
+    y = torch.randint(0, V, (N,))
+    y[4] = -100
+    w = torch.nn.Parameter(0.3 * torch.randn(V, H))
+    w_ref = torch.nn.Parameter(w.detach().clone())
+    for step in range(3):
+        h = torch.randn(N, H, requires_grad=True)
+        h_ref = h.detach().clone().requires_grad_()
+        linear_cross_entropy_sum(h, w, y, chunk=7, fuse_weight_grad=True).backward(torch.tensor(0.5))
+        F.cross_entropy(F.linear(h_ref, w_ref), y, ignore_index=-100, reduction="sum").backward(torch.tensor(0.5))
+        torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6, msg=f"step {step}")

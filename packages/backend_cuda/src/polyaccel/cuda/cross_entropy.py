@@ -188,3 +188,21 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     loss, _, _ = torch.ops.polyaccel_cuda.linear_cross_entropy(h, weight, y, ignore_index, reduction,
                                                                chunk, compute_grad)
     return loss
+
+
+def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                               ignore_index: int = -100, reduction: str = "mean", chunk: int = 1024,
+                               grad_hidden: bool = True, grad_weight: bool = True
+                               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Core ``linear_cross_entropy_grads`` on CUDA: the same op as :func:`linear_cross_entropy`,
+    its gradients returned instead of kept for autograd (``chunk`` is ignored: the chunks are
+    sized by :data:`CHUNK_BYTES`). Unfused reductions take core's reference."""
+    if reduction not in ("mean", "sum"):
+        from polyaccel.core.ops import linear_cross_entropy_grads as core_op
+
+        return core_op.reference(hidden, weight, labels, ignore_index, reduction, chunk, grad_hidden, grad_weight)
+    rows = chunk_rows(hidden.shape[0], weight.shape[0], hidden.element_size())
+    with torch.no_grad():
+        loss, grad_h, grad_w = torch.ops.polyaccel_cuda.linear_cross_entropy(
+            hidden, weight, labels, ignore_index, reduction, rows, grad_hidden or grad_weight)
+    return loss, grad_h if grad_hidden else None, grad_w if grad_weight else None

@@ -7,7 +7,8 @@
 | ``grouped_mm`` | ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper), bf16 |
 | ``grouped_mm_wgrad`` | Triton K-grouped GEMM over one or several micro-batches, accumulating into ``.grad`` (:mod:`.grouped_wgrad`) |
 | ``moe_permute`` / ``moe_unpermute`` | device sort + Triton gather-combine, no host sync (:mod:`.moe_permute`) |
-| ``linear_cross_entropy`` | chunked LM head + CE with in-forward gradients (:mod:`.cross_entropy`) |
+| ``linear_cross_entropy`` / ``linear_cross_entropy_grads`` | chunked LM head + CE with in-forward gradients (:mod:`.cross_entropy`) |
+| ``add_scaled_`` | one Triton pass, the scale read from device memory (:mod:`.add_scaled`) |
 | ``attention`` | ``F.scaled_dot_product_attention`` (flash / cuDNN / mem-efficient) (:mod:`.attention`) |
 | ``adamw_step_`` | one Triton pass over a flat buffer, fp32 math, optional grad zeroing (:mod:`.adamw`) |
 
@@ -20,8 +21,9 @@ import torch
 
 from polyaccel.cuda._triton import has_triton
 from polyaccel.cuda.adamw import adamw_step_
+from polyaccel.cuda.add_scaled import add_scaled_
 from polyaccel.cuda.attention import attention
-from polyaccel.cuda.cross_entropy import linear_cross_entropy
+from polyaccel.cuda.cross_entropy import linear_cross_entropy, linear_cross_entropy_grads
 from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
 from polyaccel.cuda.moe_permute import moe_permute, moe_unpermute
 from polyaccel.cuda.swiglu import swiglu
@@ -37,6 +39,9 @@ def register_all(registry) -> None:
         registry.register("swiglu", "cuda", swiglu, impl="triton", backend=BACKEND)
         registry.register("linear_cross_entropy", "cuda", linear_cross_entropy,
                           impl="chunked+triton", backend=BACKEND)
+        registry.register("linear_cross_entropy_grads", "cuda", linear_cross_entropy_grads,
+                          impl="chunked+triton", backend=BACKEND)
+        registry.register("add_scaled_", "cuda", add_scaled_, impl="triton", backend=BACKEND)
         registry.register("moe_unpermute", "cuda", moe_unpermute, impl="triton", backend=BACKEND)
         registry.register("adamw_step_", "cuda", adamw_step_, impl="triton", backend=BACKEND)
         registry.register("grouped_mm_wgrad", "cuda", grouped_mm_wgrad, impl="triton", backend=BACKEND)

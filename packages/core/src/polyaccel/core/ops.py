@@ -228,6 +228,63 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
 
 @registry.define
+def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                               ignore_index: int = -100, reduction: str = "mean", chunk: int = 1024,
+                               grad_hidden: bool = True, grad_weight: bool = True
+                               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`linear_cross_entropy`'s loss and its gradients for an upstream gradient of 1,
+    ``(loss, d loss/d hidden or None, d loss/d weight or None)``, formed during the forward
+    ``chunk`` rows at a time (no autograd graph; at most a [chunk, V] fp32 block of logits at
+    once). For callers that scale and place the gradients themselves. ``reduction``: ``"mean"``
+    (over non-ignored labels) or ``"sum"``; backends may pick their own chunking.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"linear_cross_entropy_grads: reduction must be 'mean' or 'sum', got {reduction!r}")
+    N = hidden.shape[0]
+    scale = None
+    if reduction == "mean":
+        scale = 1.0 / (labels != ignore_index).sum().clamp_min(1).float()
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_h = torch.empty_like(hidden) if grad_hidden else None
+    grad_w = None
+    for start in range(0, N, chunk):
+        h, y = hidden[start:start + chunk], labels[start:start + chunk]
+        logits = F.linear(h, weight).float()  # [c, V]
+        valid = y != ignore_index
+        y_safe = torch.where(valid, y, torch.zeros_like(y))
+        lse = torch.logsumexp(logits, dim=-1)
+        target = logits.gather(1, y_safe[:, None]).squeeze(1)
+        total = total + torch.where(valid, lse - target, torch.zeros_like(lse)).sum()
+        if not (grad_hidden or grad_weight):
+            continue
+        g = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+        g.scatter_add_(1, y_safe[:, None], -torch.ones_like(lse)[:, None])
+        g = g * valid[:, None]
+        if scale is not None:
+            g = g * scale
+        g = g.to(hidden.dtype)
+        if grad_hidden:
+            grad_h[start:start + chunk] = g @ weight
+        if grad_weight:
+            gw = g.t() @ h
+            if grad_w is None:
+                grad_w = gw if N <= chunk else gw.float()
+            else:
+                grad_w += gw
+    if grad_weight and grad_w is None:  # no rows
+        grad_w = torch.zeros_like(weight)
+    loss = total if scale is None else total * scale
+    return loss, grad_h, grad_w.to(weight.dtype) if grad_w is not None else None
+
+
+@registry.define
+def add_scaled_(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``out += x * scale`` in place, ``scale`` a 0-dim tensor read where it lives (no host
+    synchronization); fp32 math, one rounding to ``out``'s dtype. Returns ``out``."""
+    return out.add_(x.float().mul_(scale.float()))
+
+
+@registry.define
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                 zero_grad: bool = False) -> None:

@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyaccel.core import ops
-from polyaccel.core.kernels import registry
-from polyaccel.moe.grouped_linear import grouped_linear
+from polyaccel.moe.grouped_linear import fusable, grouped_linear
 
 # ---------------------------------------------------------------------------------------------
 # Norms
@@ -486,79 +485,68 @@ def load_balancing_loss(router_logits: Sequence[torch.Tensor | None], num_expert
     return (counts / rows * (prob_sum / rows)).sum() * num_experts
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of ``hidden @ weight.T`` computed ``chunk`` rows at a time.
-
-    The gradient is computed during the forward (one extra GEMM pair per chunk, no recompute)
-    so at most a [chunk, V] fp32 block of logits exists at once.
-    """
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T`` whose gradients ``ops.linear_cross_entropy_grads``
+    forms during the forward (chunked: the [N, V] fp32 logits never exist); the backward only
+    scales them by the upstream gradient. With ``into_grad`` the weight's is added into
+    ``weight.grad`` in one pass there (``ops.add_scaled_``) instead of being returned for
+    autograd to scale and add (two more passes over a [V, H] tensor per micro-batch)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index: int, chunk: int, need_grad: bool):  # noqa: ANN001
-        need_h, need_w = need_grad and hidden.requires_grad, need_grad and weight.requires_grad
-        N = hidden.shape[0]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = None
-        for start in range(0, N, chunk):
-            h, y = hidden[start:start + chunk], labels[start:start + chunk]
-            logits = F.linear(h, weight).float()  # [c, V]
-            valid = y != ignore_index
-            y_safe = torch.where(valid, y, torch.zeros_like(y))
-            lse = torch.logsumexp(logits, dim=-1)
-            target = logits.gather(1, y_safe[:, None]).squeeze(1)
-            total = total + torch.where(valid, lse - target, torch.zeros_like(lse)).sum()
-            if not (need_h or need_w):
-                continue
-            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place
-            g.scatter_add_(1, y_safe[:, None], -torch.ones_like(lse)[:, None])
-            g = (g * valid[:, None]).to(hidden.dtype)
-            if need_h:
-                grad_h[start:start + chunk] = g @ weight
-            if need_w:
-                gw = g.t() @ h
-                if grad_w is None:
-                    grad_w = gw if N <= chunk else gw.float()
-                else:
-                    grad_w += gw
-        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
-        return total
+    def forward(ctx, hidden, weight, labels, ignore_index: int, chunk: int, need_h: bool, need_w: bool,  # noqa: ANN001
+                into_grad: bool):
+        loss, grad_h, grad_w = ops.linear_cross_entropy_grads(hidden, weight, labels, ignore_index, "sum", chunk,
+                                                              grad_hidden=need_h, grad_weight=need_w)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight = weight if into_grad and need_w else None
+        return loss.float()
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001
         grad_h, grad_w = ctx.saved_tensors
-        return (grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
-                grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None,
-                None, None, None, None)
+        w = ctx.weight
+        if grad_w is not None and w is not None:
+            if w.grad is None:
+                w.grad = torch._foreach_mul([grad_w], grad_out.float())[0]
+            else:
+                ops.add_scaled_(w.grad, grad_w, grad_out)
+            grad_w = None
+        # (a foreach multiply reads the 0-dim scale on the device and stays vectorized)
+        scaled = list(torch._foreach_mul([t for t in (grad_h, grad_w) if t is not None], grad_out.float()))
+        grad_h = scaled.pop(0) if grad_h is not None else None
+        grad_w = scaled.pop(0) if grad_w is not None else None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             ignore_index: int = -100, chunk: int = 1024) -> torch.Tensor:
+                             ignore_index: int = -100, chunk: int = 1024, fuse_weight_grad: bool = False
+                             ) -> torch.Tensor:
     """Sum over rows of CE(hidden @ weight.T, labels), never holding full [N, V] fp32 logits.
 
-    hidden [N, H], weight [V, H], labels [N] -> fp32 scalar. Uses the backend's
-    ``linear_cross_entropy`` kernel when one is registered for the device, else a chunked
-    PyTorch implementation.
+    hidden [N, H], weight [V, H], labels [N] -> fp32 scalar, through the backend's
+    ``linear_cross_entropy_grads`` (core's chunked reference where none is registered).
+    ``fuse_weight_grad``: add the weight's gradient into ``weight.grad`` in the backward where
+    :func:`~polyaccel.moe.grouped_linear.fusable` allows (autograd then gets none for it).
     """
-    if registry.implementations("linear_cross_entropy").get(hidden.device.type) is not None:
-        return ops.linear_cross_entropy(hidden, weight, labels, ignore_index=ignore_index,
-                                        reduction="sum").float()
-    # Inside autograd.Function.forward grad mode is always off, so decide here whether the
-    # gradient (formed during the forward) is needed at all.
-    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, need_grad)
+    # Inside autograd.Function.forward grad mode is always off, so decide here which
+    # gradients (formed during the forward) are needed at all.
+    grad_on = torch.is_grad_enabled()
+    need_h, need_w = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
+    into_grad = fuse_weight_grad and need_w and fusable(weight)
+    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, need_h, need_w, into_grad)
 
 
 def causal_lm_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, *,
                    logits: torch.Tensor | None = None, num_items_in_batch: Any = None,
                    ignore_index: int = -100, chunk: int = 1024,
-                   shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+                   shift_labels: torch.Tensor | None = None, fuse_weight_grad: bool = False) -> torch.Tensor:
     """Next-token cross-entropy as Transformers' ``ForCausalLMLoss`` computes it.
 
     Labels are shifted left by one (``shift_labels`` if given, already shifted); the mean is
     over non-ignored targets, or the sum divided by ``num_items_in_batch`` when given
     (gradient accumulation). With ``logits`` [B, S, V] it is the standard loss; without,
-    the chunked linear cross-entropy on hidden [B, S, H].
+    the chunked linear cross-entropy on hidden [B, S, H] (``fuse_weight_grad``: see
+    :func:`linear_cross_entropy_sum`).
     """
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -568,7 +556,7 @@ def causal_lm_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: t
                                 ignore_index=ignore_index, reduction="sum")
     else:
         total = linear_cross_entropy_sum(hidden.reshape(-1, hidden.shape[-1]), lm_head_weight,
-                                         shift_labels, ignore_index, chunk)
+                                         shift_labels, ignore_index, chunk, fuse_weight_grad)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(total.device)

@@ -290,7 +290,8 @@ class MoeForCausalLM(MoePreTrainedModel, GenerationMixin):
             loss = causal_lm_loss(hidden, self.lm_head.weight, labels, logits=logits,
                                   num_items_in_batch=kwargs.get("num_items_in_batch"),
                                   chunk=self.backend_config.loss_chunk_size,
-                                  shift_labels=kwargs.get("shift_labels"))
+                                  shift_labels=kwargs.get("shift_labels"),
+                                  fuse_weight_grad=self.backend_config.grad_accumulation == "fused")
         aux_loss = None
         if output_router_logits and self.has_aux_loss:
             aux_loss = load_balancing_loss(out.router_logits, self.num_experts, self.num_experts_per_tok,
