@@ -356,3 +356,18 @@ def test_graphs_trace_without_breaks(model: ConformerAED) -> None:
         for r, t in zip(ref_inputs, example):  # same in-place updates as eager
             assert torch.equal(r, t)
     torch._dynamo.reset()
+
+
+def test_encoder_blocks_get_contiguous_inputs(model):
+    """Each conformer block sees a contiguous [B, S, D] residual stream (a strided one makes
+    every residual add an unvectorized GPU kernel; see Whisper's encoder)."""
+    seen = []
+    hooks = [block.register_forward_pre_hook(lambda m, args: seen.append(args[0].is_contiguous()))
+             for block in model.encoder.layers]
+    try:
+        with torch.no_grad():
+            model.encoder(torch.randn(2, model.config.n_mels, 200), torch.tensor([200, 150]))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen == [True] * len(model.encoder.layers)

@@ -206,3 +206,19 @@ def test_min_new_tokens_suppresses_eos_until_reached():
               rules=LogitsRules([], []), device="cpu", check_every=1)
     assert [h.tokens for h in greedy_decode(step, **kw)] == [[], []]
     assert [h.tokens for h in greedy_decode(step, min_new_tokens=5, **kw)] == [[5] * 5, [5] * 5]
+
+
+def test_encoder_residual_stream_is_contiguous(model):
+    """Every encoder layer gets a contiguous [B, S, D] input: a transposed layout carried
+    along the residual stream makes each residual add a strided, unvectorized GPU kernel
+    (measured: two ~0.8 ms kernels per layer, a fifth of Whisper turbo's encoder at batch 64)."""
+    seen = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args: seen.append(args[0].is_contiguous()))
+             for layer in model.encoder.layers]
+    try:
+        with torch.no_grad():
+            model.encoder(torch.randn(2, 16, 60))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen == [True] * len(model.encoder.layers)

@@ -289,7 +289,9 @@ class WhisperEncoder(nn.Module):
 
     def forward(self, features_BMF: torch.Tensor) -> torch.Tensor:
         x_BDS = F.gelu(self.conv2(F.gelu(self.conv1(features_BMF))))
-        x_BSD = x_BDS.transpose(1, 2) + self.embed_positions.weight[: x_BDS.shape[-1]]
+        # contiguous: a transposed view here would make the whole residual stream keep the
+        # [B, D, S] memory layout, and every residual add a strided, unvectorized kernel
+        x_BSD = x_BDS.transpose(1, 2).contiguous() + self.embed_positions.weight[: x_BDS.shape[-1]]
         for layer in self.layers:
             x_BSD = layer(x_BSD)
         return _layer_norm(self.layer_norm, x_BSD)
