@@ -154,6 +154,10 @@ class GraphedMicroStep:
     def _forward_backward(self, batch: dict[str, torch.Tensor], key: tuple[int, bool, bool]) -> torch.Tensor:
         _, defer, overwrite = key
         targets = self.overwritten_params if overwrite else []
+        if overwrite:  # an expert weight that cannot be written over (hooked since): from zero
+            for p in set(self._experts) - set(targets):
+                if p.grad is not None:
+                    p.grad.zero_()
         with wgrad_window(defer, targets) as written:
             loss = self.loss_fn(**batch)
             loss.backward()
