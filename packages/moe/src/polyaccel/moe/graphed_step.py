@@ -19,7 +19,7 @@ Told where a call stands in the optimizer step (``micro_batch=(i, n)``), it also
   :mod:`polyaccel.moe.grouped_linear`) once per ``wgrad_window`` micro-batches, over all their
   token rows (:func:`~polyaccel.moe.grouped_linear.wgrad_window`): the micro-batches in
   between keep their expert activations and output gradients alive until then (memory:
-  about ``4 * top_k * (hidden + intermediate)`` bytes per token and MoE layer for each kept
+  about ``2 * top_k * (3 * intermediate + hidden)`` bytes per token and MoE layer for each kept
   micro-batch, in bf16);
 - writes the step's first expert weight gradients over ``.grad`` instead of adding them to
   the zeros the optimizer left (no read of ``.grad``).
