@@ -140,7 +140,9 @@ def test_fused_embedding_adds_rows_like_autograd():
         ids = torch.randint(0, 11, (3, 9), generator=g)
         ids[0, :4] = 5  # a repeated token
         dy = torch.randn(3, 9, 6, generator=g)
-        (embedding(ids, ours) * dy).sum().backward()
+        out = embedding(ids, ours)
+        assert type(out.grad_fn).__name__ == "_EmbeddingBackward"  # the fused path, not nn.Embedding's
+        (out * dy).sum().backward()
         (ref(ids) * dy).sum().backward()
         torch.testing.assert_close(ours.weight.grad, ref.weight.grad)
     assert not ours.weight.grad[2].any()

@@ -200,9 +200,15 @@ def test_unknown_polyaccel_backend_is_an_error():
 
 
 
-def test_fused_weight_gradient_is_added_into_grad():
+def test_fused_weight_gradient_is_added_into_grad(monkeypatch):
     """``fuse_weight_grad``: the LM-head weight's gradient, scaled by the upstream gradient, is
-    added into its existing ``.grad`` (or becomes it); the hidden gradient still flows."""
+    added into its existing ``.grad`` by ``ops.add_scaled_`` (the first one, with no ``.grad``
+    yet, goes through autograd); the hidden gradient still flows."""
+    from polyaccel.core import ops
+
+    calls = []
+    add = ops.add_scaled_
+    monkeypatch.setattr(ops, "add_scaled_", lambda *a: calls.append(1) or add(*a))
     torch.manual_seed(1)
     N, H, V = 19, 8, 30
     y = torch.randint(0, V, (N,))
@@ -216,3 +222,4 @@ def test_fused_weight_gradient_is_added_into_grad():
         F.cross_entropy(F.linear(h_ref, w_ref), y, ignore_index=-100, reduction="sum").backward(torch.tensor(0.5))
         torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+    assert len(calls) == 2

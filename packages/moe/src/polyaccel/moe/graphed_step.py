@@ -161,7 +161,6 @@ class GraphedMicroStep:
         with wgrad_window(defer, targets) as written:
             loss = self.loss_fn(**batch)
             loss.backward()
-            written = set(written)
         for p in targets:  # a weight that got no gradient this step: zero, not stale
             if p not in written and p.grad is not None:
                 p.grad.zero_()

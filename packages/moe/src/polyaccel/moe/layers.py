@@ -505,17 +505,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):  # noqa: ANN001
         grad_h, grad_w = ctx.saved_tensors
         w = ctx.weight
-        if grad_w is not None and w is not None:
-            if w.grad is None:
-                w.grad = torch._foreach_mul([grad_w], grad_out.float())[0]
-            else:
-                ops.add_scaled_(w.grad, grad_w, grad_out)
+        if grad_w is not None and w is not None and w.grad is not None:  # (no .grad yet: autograd's)
+            ops.add_scaled_(w.grad, grad_w, grad_out)
             grad_w = None
         # (a foreach multiply reads the 0-dim scale on the device and stays vectorized)
-        scaled = list(torch._foreach_mul([t for t in (grad_h, grad_w) if t is not None], grad_out.float()))
-        grad_h = scaled.pop(0) if grad_h is not None else None
-        grad_w = scaled.pop(0) if grad_w is not None else None
-        return grad_h, grad_w, None, None, None, None, None, None
+        scaled = iter(torch._foreach_mul([t for t in (grad_h, grad_w) if t is not None], grad_out.float()))
+        return (next(scaled) if grad_h is not None else None, next(scaled) if grad_w is not None else None,
+                None, None, None, None, None, None)
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
