@@ -82,7 +82,7 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx, x, group):  # noqa: ANN001
         ctx.group = group
         out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(out, x.contiguous(), group=group)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -101,13 +101,13 @@ class _ReduceScatterRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001
         out = grad.new_empty((dist.get_world_size(ctx.group) * grad.shape[0], *grad.shape[1:]))
-        dist.all_gather_single(out, grad.contiguous(), group=ctx.group)
+        dist.all_gather_into_tensor(out, grad.contiguous(), group=ctx.group)
         return out, None
 
 
 def _reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:  # noqa: ANN001
     out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
-    dist.reduce_scatter_single(out, x.contiguous(), group=group)
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
     return out
 
 
@@ -231,7 +231,7 @@ class AllGatherDispatcher(TokenDispatcher):
         E_local, T = self.num_local_experts, x.shape[0]
         sizes = torch.tensor([T], device=x.device)
         all_sizes = sizes.new_empty(self.ep_size)
-        dist.all_gather_single(all_sizes, sizes, group=self.group)
+        dist.all_gather_into_tensor(all_sizes, sizes, group=self.group)
         padded = int(all_sizes.max())
         if padded > T:
             pad = padded - T
@@ -241,7 +241,7 @@ class AllGatherDispatcher(TokenDispatcher):
         x_all = _GatherRows.apply(x, self.group)
         w_all = _GatherRows.apply(w, self.group)
         idx_all = torch.empty((self.ep_size * padded, idx.shape[1]), dtype=idx.dtype, device=idx.device)
-        dist.all_gather_single(idx_all, idx.contiguous(), group=self.group)
+        dist.all_gather_into_tensor(idx_all, idx.contiguous(), group=self.group)
         local = idx_all - self.ep_rank * E_local
         is_local = (local >= 0) & (local < E_local)
         local = torch.where(is_local, local, E_local)  # discard group
