@@ -1,6 +1,7 @@
-"""Expert parallelism on the MoE mesh, orthogonal to FSDP data parallelism: gloo processes
-(this file re-run as a script, one process per rank) against one process on the same global
-batch. Forward logits, loss, every parameter's gradient and a few AdamW steps must match."""
+"""Expert parallelism on the MoE mesh, orthogonal to data parallelism (FSDP2 or dense
+replicas): gloo processes (this file re-run as a script, one process per rank) against one
+process on the same global batch. Forward logits, loss, every parameter's gradient and a few
+AdamW steps must match."""
 
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ def _config():
     return tiny("qwen3_moe", router_aux_loss_coef=0.0)
 
 
-def _model(dispatcher: str = "nccl_a2a"):
+def _model(dispatcher: str = "nccl_a2a", grad_accumulation: str = "autograd"):
     from polyaccel.moe import AutoModelForCausalLM, BackendConfig
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(), dtype=torch.float32,
                                              backend=BackendConfig(backend="cpu", loss="standard",
-                                                                   dispatcher=dispatcher))
+                                                                   dispatcher=dispatcher,
+                                                                   grad_accumulation=grad_accumulation))
     return model.train()
 
 
@@ -44,36 +46,77 @@ def _loss(model, ids: torch.Tensor, n_global: int) -> tuple[torch.Tensor, torch.
 
 
 # --------------------------------------------------------------------------------------------
-# Worker (one rank): python test_expert_parallel.py RANK WORLD EP PORT OUT DISPATCHER CKPT STEPS
+# Worker (one rank): python test_expert_parallel.py RANK WORLD EP PORT OUT DISPATCHER CKPT STEPS DENSE
 # --------------------------------------------------------------------------------------------
 
-def _worker(rank: int, world: int, ep: int, port: int, out: Path, dispatcher: str, ckpt: bool, steps: int) -> None:
+def _worker(rank: int, world: int, ep: int, port: int, out: Path, dispatcher: str, ckpt: bool, steps: int,
+            dense: str) -> None:
+    """``dense``: ``fsdp`` (FSDP2 over the world, DTensor experts) or ``replicate``
+    (polyaccel.moe.dense_replicas: whole dense weights, plain expert blocks, fused expert
+    weight gradients, fixed-size allgather dispatch when ``dispatcher`` is allgather)."""
     import torch.distributed as dist
 
     from polyaccel.core.parallel import ParallelPlan
+    from polyaccel.moe.dense_replicas import apply_dense_replicas
     from polyaccel.moe.expert_parallel import clip_grad_norm_
     from polyaccel.moe.parallelize import apply_fsdp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    model = _model(dispatcher)
+    replicate = dense == "replicate"
+    model = _model(dispatcher, grad_accumulation="fused" if replicate else "autograd")
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     plan = ParallelPlan(dp=world, ep=ep)
-    apply_fsdp(model, plan, plan.build(world, "cpu"), param_dtype=torch.float32)
+    meshes = plan.build(world, "cpu")
+    if replicate:
+        sync = apply_dense_replicas(model, meshes, dispatcher=dispatcher,
+                                    tokens_per_rank=PER_RANK * SEQ if dispatcher == "allgather" else None)
+        scale = 1  # each rank's share of the global loss; GradientSync sums the gradients
+        sync_grads, clip = sync.all_reduce, sync.grad_norm
+
+        def full_grads():
+            ep_group = meshes.moe["ep"].get_group()
+            out_ = {}
+            for n, p in model.named_parameters():
+                if n.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                    full = p.grad.new_empty((ep * p.shape[0], *p.shape[1:]))
+                    dist.all_gather_into_tensor(full, p.grad.contiguous(), group=ep_group)
+                    out_[n] = full
+                else:
+                    out_[n] = p.grad.clone()
+            return out_
+    else:
+        apply_fsdp(model, plan, meshes, param_dtype=torch.float32)
+        scale = world  # FSDP averages over the world: the global mean's gradient
+
+        def sync_grads():
+            pass  # FSDP reduced them in backward
+
+        def clip(max_norm):
+            return clip_grad_norm_(model.parameters(), max_norm)
+
+        def full_grads():
+            return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     experts = model.model.layers[0].mlp.experts
-    assert experts.gate_up_proj.to_local().shape[0] == 8 // ep  # only this rank's experts
+    if replicate:
+        from polyaccel.moe.grouped_linear import fusable
+
+        assert fusable(experts.gate_up_proj)  # fused expert weight gradients in a multi-process job
+    local = experts.gate_up_proj.to_local() if hasattr(experts.gate_up_proj, "to_local") else experts.gate_up_proj
+    assert local.shape[0] == 8 // ep  # only this rank's experts
 
     ids = _batch(world)
     n_global = ids.shape[0] * (SEQ - 1)
     mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
     loss, logits = _loss(model, mine, n_global)
-    (loss * world).backward()  # FSDP averages over the world: the global mean's gradient
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    (loss * scale).backward()
+    sync_grads()
+    norm = clip(None)
+    grads = full_grads()
     total = loss.detach().clone()
     dist.all_reduce(total)
-    result = {"loss": total, "logits": logits.detach(), "grads": grads,
-              "grad_norm": clip_grad_norm_(model.parameters(), None)}
+    result = {"loss": total, "logits": logits.detach(), "grads": grads, "grad_norm": norm}
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     losses = []
@@ -82,23 +125,26 @@ def _worker(rank: int, world: int, ep: int, port: int, out: Path, dispatcher: st
             opt.zero_grad()
             ids = _batch(world, step)
             loss, _ = _loss(model, ids[rank * PER_RANK:(rank + 1) * PER_RANK], n_global)
-            (loss * world).backward()
+            (loss * scale).backward()
             total = loss.detach().clone()
             dist.all_reduce(total)
-        clip_grad_norm_(model.parameters(), 1.0)
+            sync_grads()
+        clip(1.0)
         opt.step()
         losses.append(float(total))
     result["losses"] = losses
+    if replicate:
+        result["state"] = sync.full_state_dict()
     torch.save(result, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
 
 def _launch(port: int, tmp_path: Path, world: int, ep: int, dispatcher: str = "nccl_a2a", ckpt: bool = False,
-            steps: int = 0, timeout: float = 120) -> list[dict]:
+            steps: int = 0, timeout: float = 120, dense: str = "fsdp") -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(ep), str(port), str(tmp_path),
-                               dispatcher, str(int(ckpt)), str(steps)], env=env,
+                               dispatcher, str(int(ckpt)), str(steps), dense], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     try:
@@ -132,6 +178,7 @@ def _reference(world: int, steps: int = 0) -> dict:
         opt.step()
         losses.append(float(loss.detach()))
     ref["losses"] = losses
+    ref["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return ref
 
 
@@ -167,6 +214,32 @@ def test_dp4_ep2_on_4_ranks_matches_one_process(tmp_path, free_port):
     _assert_matches(results, _reference(world=4))
 
 
+@pytest.mark.timeout(150)
+def test_dense_replicas_ep2_on_2_ranks_match_one_process(tmp_path, free_port):
+    """Dense replicas: whole non-expert weights on both ranks, one expert block each, the
+    fixed-size allgather dispatcher, fused expert weight gradients, activation checkpointing:
+    gradients after GradientSync, the global norm, 3 clipped AdamW steps and the gathered
+    final weights all match one process."""
+    results = _launch(free_port(), tmp_path, world=2, ep=2, dispatcher="allgather", ckpt=True, steps=3,
+                      dense="replicate")
+    ref = _reference(world=2, steps=3)
+    _assert_matches(results, ref)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
+    assert results[0]["state"].keys() == ref["state"].keys()
+    for name, t in ref["state"].items():
+        for r in results:
+            # Adam turns fp32 round-off in near-zero gradients into ~1e-5 moves (lr 1e-2)
+            torch.testing.assert_close(r["state"][name], t, rtol=1e-4, atol=5e-5, msg=name)
+
+
+@pytest.mark.timeout(150)
+def test_dense_replicas_dp4_ep2_sum_expert_grads_over_replicas(tmp_path, free_port):
+    """4 ranks, ep=2: each expert block lives on 2 ranks (ep_shard=2), whose gradients
+    GradientSync sums; all-to-all dispatcher."""
+    _assert_matches(_launch(free_port(), tmp_path, world=4, ep=2, dense="replicate"), _reference(world=4))
+
+
 def test_clear_errors_without_processes():
     """(f): experts not divisible by ep, ep not dividing the world, symm_mem on CPU, no DeepEP."""
     from polyaccel.core.parallel import ParallelPlan
@@ -193,7 +266,7 @@ def test_clear_errors_without_processes():
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    _worker(int(a[0]), int(a[1]), int(a[2]), int(a[3]), Path(a[4]), a[5], bool(int(a[6])), int(a[7]))
+    _worker(int(a[0]), int(a[1]), int(a[2]), int(a[3]), Path(a[4]), a[5], bool(int(a[6])), int(a[7]), a[8])
 
 
 def test_experts_under_expert_parallelism_run_outside_torch_compile():

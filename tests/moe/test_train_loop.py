@@ -306,16 +306,21 @@ def _losses(metrics: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_fsdp_dp2_matches_single_process_and_resumes(tmp_path):
+@pytest.mark.parametrize("layout", [
+    [],  # FSDP2 over both ranks
+    ["parallel.ep=2", "parallel.dense=replicate", "model.backend.dispatcher=allgather"],
+], ids=["fsdp", "ep2-dense-replicas"])
+def test_fsdp_dp2_matches_single_process_and_resumes(tmp_path, layout):
     """dp=2 x micro-batch 1 == one process x micro-batch 2 on the same global batches (fp32
-    tolerance); killing the FSDP run's last checkpoint and rerunning resumes from the previous
-    one and reproduces the same losses."""
+    tolerance); killing the run's last checkpoint and rerunning resumes from the previous
+    one and reproduces the same losses. Under FSDP2, and with expert parallelism over dense
+    replicas (FlatAdamW, per-rank optimizer state, gathered Hugging Face checkpoints)."""
     steps = ["train.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=0"]
     single = finetune(_tiny(tmp_path / "single", *steps))
     args = ["-m", "polyaccel.moe.cli", "finetune", str(TINY), "--set", "train.micro_batch=1",
             "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--set", f"output_dir={tmp_path / 'out'}",
             "--set", f"log.metrics_jsonl={tmp_path / 'metrics.jsonl'}", "--set", "log.progress_bar=false",
-            *[a for s in steps for a in ("--set", s)]]
+            *[a for s in steps + layout for a in ("--set", s)]]
     run = _torchrun(2, *args)
     assert run.returncode == 0, run.stderr[-3000:]
     fsdp = _losses(tmp_path / "metrics.jsonl")
@@ -325,6 +330,9 @@ def test_fsdp_dp2_matches_single_process_and_resumes(tmp_path):
     assert w_fsdp.keys() == w_single.keys()
     for k in w_fsdp:
         torch.testing.assert_close(w_fsdp[k], w_single[k], rtol=1e-4, atol=1e-5, msg=k)
+
+    per_rank = sorted(p.name for p in (tmp_path / "ck/step_00000002").glob("optimizer_rank*.pt"))
+    assert per_rank == (["optimizer_rank0.pt", "optimizer_rank1.pt"] if layout else [])
 
     # Lose step 4: the rerun resumes at step 2 (optimizer state re-sharded from the full copy).
     import shutil

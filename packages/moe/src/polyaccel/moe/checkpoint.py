@@ -52,6 +52,20 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -73,10 +87,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    extra: dict[str, Any], keep_last: int = 0) -> Path:
+                    extra: dict[str, Any], keep_last: int = 0,
+                    model_state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank calls it) and prune old ones.
 
     :param extra: JSON/pickle-able trainer state (scheduler, data position, config...).
+    :param model_state_dict: the full model state, when the caller gathered it
+        (:meth:`polyaccel.moe.dense_replicas.GradientSync.full_state_dict`); each rank then
+        saves its own optimizer state (``optimizer_rank{r}.pt``: with dense replicas the
+        ranks' optimizers hold different experts), and resuming needs the same layout.
     :returns: the final checkpoint directory.
     """
     from torch.distributed.checkpoint.state_dict import (
@@ -93,8 +112,11 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
         tmp.mkdir(parents=True)
     _barrier()
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = get_model_state_dict(model, options=opts)
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=opts)
+    per_rank = model_state_dict is not None
+    model_sd = model_state_dict if per_rank else get_model_state_dict(model, options=opts)
+    optim_sd = None if per_rank else get_optimizer_state_dict(model, optimizer, options=opts)
+    if per_rank:
+        torch.save(_to_cpu(optimizer.state_dict()), tmp / f"optimizer_rank{rank}.pt")
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
         model.save_pretrained(tmp, state_dict=model_sd)
@@ -110,18 +132,32 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     return final
 
 
-def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                       per_rank_optimizer: bool = False) -> dict[str, Any]:
     """Restore optimizer and this rank's RNG from checkpoint ``path`` into an already built
     (and, if distributed, already sharded) ``model``; return the rest of the trainer state.
 
     The model's weights are loaded separately, by ``from_pretrained(path)``.
+    ``per_rank_optimizer``: read ``optimizer_rank{r}.pt`` (written with a gathered
+    ``model_state_dict``, see :func:`save_checkpoint`).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     path = Path(path)
     state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
-    set_optimizer_state_dict(model, optimizer, state.pop("optimizer"),
-                             options=StateDictOptions(full_state_dict=True))
+    saved = state.pop("optimizer")
+    if per_rank_optimizer:
+        own = path / f"optimizer_rank{_rank()}.pt"
+        if not own.is_file():
+            raise FileNotFoundError(
+                f"{own} is missing: this checkpoint was not written by {_world()} ranks with parallel.dense="
+                "replicate; resume with the layout that wrote it")
+        optimizer.load_state_dict(torch.load(own, map_location="cpu", weights_only=False))
+    elif saved is None:
+        raise ValueError(f"{path} keeps its optimizer state per rank (parallel.dense=replicate); resume with "
+                         "that layout")
+    else:
+        set_optimizer_state_dict(model, optimizer, saved, options=StateDictOptions(full_state_dict=True))
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.is_file():
         set_rng_state(torch.load(rng, weights_only=False))

@@ -35,12 +35,19 @@ def fusable(w: torch.Tensor) -> bool:
     """Whether ``w``'s gradient may be accumulated inside the weight-gradient GEMM: a plain
     leaf parameter with no gradient hooks, in a single-process job (DDP reduces gradients from
     hooks on autograd's accumulator that a tensor does not show, so any multi-process job keeps
-    autograd's accumulation)."""
+    autograd's accumulation) unless :func:`mark_caller_syncs_grad` marked ``w``."""
     return (torch.is_grad_enabled() and w.requires_grad and w.is_leaf
             and type(w) in (nn.Parameter, torch.Tensor)
             and not getattr(w, "_post_accumulate_grad_hooks", None)
             and not getattr(w, "_backward_hooks", None)
-            and not _multi_process())
+            and (getattr(w, "_polyaccel_caller_syncs_grad", False) or not _multi_process()))
+
+
+def mark_caller_syncs_grad(w: torch.Tensor) -> None:
+    """Declare that nothing hooks ``w``'s gradient accumulation in this multi-process job: its
+    owner reduces ``w.grad`` itself after the backward (:mod:`polyaccel.moe.dense_replicas`),
+    so the weight-gradient GEMM may write it directly."""
+    w._polyaccel_caller_syncs_grad = True
 
 
 def _multi_process() -> bool:

@@ -374,11 +374,16 @@ class Experts(nn.Module):
     # ---- expert parallelism (polyaccel.moe.expert_parallel) ---------------------------------
     def _forward_expert_parallel(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Dispatch copies to the experts' ranks, run the local experts, combine back."""
-        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
         x_local, counts, handle = self.dispatcher.dispatch(x, idx, w)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        h = self.gated(ops.grouped_mm(x_local, gate_up, offsets))
-        return self.dispatcher.combine(ops.grouped_mm(h, down, offsets), handle)
+        if self.fuse_wgrad and not hasattr(self.gate_up_proj, "to_local"):
+            # Plain local parameters (polyaccel.moe.dense_replicas): fused weight gradients.
+            h = self.gated(grouped_linear(x_local, self.gate_up_proj, offsets))
+            y = grouped_linear(h, self.down_proj, offsets)
+        else:
+            h = self.gated(ops.grouped_mm(x_local, _local(self.gate_up_proj), offsets))
+            y = ops.grouped_mm(h, _local(self.down_proj), offsets)
+        return self.dispatcher.combine(y, handle)
 
     def _forward_eager(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

@@ -228,16 +228,16 @@ def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device,
 
     ``t.optimizer``: ``flat_adamw`` is :class:`polyaccel.moe.optim.FlatAdamW` (flat buffers, one
     ``ops.adamw_step_`` per buffer; it leaves the grads of ``overwritten`` params unzeroed);
-    ``adamw`` is ``torch.optim.AdamW``, fused on CUDA; ``auto`` picks ``flat_adamw`` for a
-    single process with plain-tensor params, else ``adamw``.
+    ``adamw`` is ``torch.optim.AdamW``, fused on CUDA; ``auto`` picks ``flat_adamw`` when every
+    param is a plain tensor (one process, or ``parallel.dense=replicate``), else ``adamw``
+    (FSDP2's DTensor params).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     kind = t.optimizer
     if kind == "auto":
-        single = not (dist.is_initialized() and dist.get_world_size() > 1)
-        kind = "flat_adamw" if single and all(type(p.data) is torch.Tensor for p in params) else "adamw"
+        kind = "flat_adamw" if all(type(p.data) is torch.Tensor for p in params) else "adamw"
     if kind == "flat_adamw":
         from polyaccel.moe.optim import FlatAdamW
 
@@ -278,11 +278,14 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
     backend_config(cfg.model)  # fail on a bad backend section before loading anything
     num_experts = next((getattr(model_config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
                         if getattr(model_config, k, None)), None)
-    if t.optimizer == "flat_adamw" and rt.world_size > 1:
-        raise ConfigError("train.optimizer=flat_adamw needs a single process (FSDP2 shards the parameters "
-                          "as DTensors); use train.optimizer=adamw or auto")
+    fsdp = rt.world_size > 1 and cfg.parallel.dense == "fsdp"
+    replicas = rt.world_size > 1 and cfg.parallel.dense == "replicate"
+    if t.optimizer == "flat_adamw" and fsdp:
+        raise ConfigError("train.optimizer=flat_adamw does not run under FSDP2 (it shards the parameters as "
+                          "DTensors); use train.optimizer=adamw or auto, or parallel.dense=replicate")
     for unmet, why in ((rt.device.type != "cuda", "it needs a CUDA device"),
-                       (rt.world_size > 1, "it needs a single process (FSDP2's collectives run on the host)"),
+                       (fsdp, "it does not run under FSDP2 (its collectives and hooks run on the host); "
+                              "use parallel.dense=replicate"),
                        (t.optimizer == "adamw",
                         "it needs train.optimizer=flat_adamw or auto (gradients must stay the same tensors)"),
                        (t.activation_checkpointing, "activation checkpointing saves RNG state on the host")):
@@ -317,20 +320,31 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     sharded = rt.world_size > 1
-    if sharded:
+    grad_sync = None
+    if fsdp:
         from polyaccel.moe.parallelize import apply_fsdp
 
         apply_fsdp(model, plan, plan.build(rt.world_size, rt.device.type), param_dtype=compute_dtype,
                    reduce_dtype=torch.float32)
+    elif replicas:
+        from polyaccel.moe.dense_replicas import apply_dense_replicas
+
+        grad_sync = apply_dense_replicas(model, plan.build(rt.world_size, rt.device.type),
+                                         tokens_per_rank=t.micro_batch * t.seq_len)
+        if t.cuda_graph:
+            _check_graphable_dispatch(model)
     autocast = (torch.autocast(rt.device.type, dtype=compute_dtype)
-                if param_dtype != compute_dtype and not sharded else contextlib.nullcontext())
-    micro_step = _graphed_micro_step(model, t, autocast) if t.cuda_graph else None
+                if param_dtype != compute_dtype and not fsdp else contextlib.nullcontext())
+    # Under FSDP2 each rank's loss is scaled by the world size (FSDP averages the gradients);
+    # with dense replicas it is the rank's share of the global loss (gradients are summed).
+    loss_world = rt.world_size if fsdp else 1
+    micro_step = _graphed_micro_step(model, t, autocast, rt.world_size) if t.cuda_graph else None
     optimizer = build_optimizer(model, t, rt.device,
                                 overwritten=micro_step.overwritten_params if micro_step is not None else ())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t))
     step = 0
     if resume_from is not None:
-        state = ckpt.load_trainer_state(resume_from, model, optimizer)
+        state = ckpt.load_trainer_state(resume_from, model, optimizer, per_rank_optimizer=replicas)
         scheduler.load_state_dict(state["scheduler"])
         batches.load_state_dict(state["data"])
         step = state["step"]
@@ -361,17 +375,21 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                                            labels=mb["labels"].to(rt.device, non_blocking=True),
                                            num_items_in_batch=n_targets, micro_batch=(m, n_mb)).float()
                     continue
-                if sharded:
+                if fsdp:
                     model.set_requires_gradient_sync(m == n_mb - 1)
                 with grouped_linear.wgrad_window(defer=grouped_linear.defers(m, n_mb, t.wgrad_window)):
                     with autocast:
                         out = model(input_ids=mb["input_ids"].to(rt.device), labels=mb["labels"].to(rt.device),
                                     num_items_in_batch=n_targets, use_cache=False)
-                    loss_part = _scaled_loss(out, model.config, rt.world_size, n_mb)
+                    loss_part = _scaled_loss(out, model.config, loss_world, n_mb * rt.world_size // loss_world)
                     loss_part.backward()
-                loss_sum += loss_part.detach().float() / rt.world_size
+                loss_sum += loss_part.detach().float() / loss_world
             grouped_linear.flush_wgrad()
-            grad_norm = _clip_grads(model, t.grad_clip)
+            if grad_sync is not None:
+                grad_sync.all_reduce()
+                grad_norm = float(grad_sync.grad_norm(t.grad_clip))
+            else:
+                grad_norm = _clip_grads(model, t.grad_clip)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
@@ -398,9 +416,10 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                     print(json.dumps(record), flush=True)
             every = cfg.checkpoint.every_steps
             if cfg.checkpoint.dir and ((every and step % every == 0) or step == t.max_steps):
-                last_saved = ckpt.save_checkpoint(cfg.checkpoint.dir, step, model, optimizer,
-                                                  _trainer_extra(cfg, scheduler, batches),
-                                                  keep_last=cfg.checkpoint.keep_last)
+                last_saved = ckpt.save_checkpoint(
+                    cfg.checkpoint.dir, step, model, optimizer, _trainer_extra(cfg, scheduler, batches),
+                    keep_last=cfg.checkpoint.keep_last,
+                    model_state_dict=grad_sync.full_state_dict() if grad_sync is not None else None)
     finally:
         if bar is not None:
             bar.close()
@@ -408,7 +427,7 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
             metrics_file.close()
 
     if cfg.output_dir and step == t.max_steps:
-        save_final(model, cfg, rt)
+        save_final(model, cfg, rt, state=grad_sync.full_state_dict() if grad_sync is not None else None)
     measured = times[1:] or times
     tok_s_dev = tokens_per_step / statistics.median(measured) / rt.world_size if measured else None
     return TrainResult(
@@ -419,23 +438,37 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
         last_checkpoint=str(last_saved or resume_from) if (last_saved or resume_from) else None)
 
 
-def _graphed_micro_step(model: nn.Module, t: TrainConfig, autocast: Any) -> Any:
-    """The single-process micro-step (scaled loss, backward) as a replayed CUDA graph."""
+def _graphed_micro_step(model: nn.Module, t: TrainConfig, autocast: Any, world_size: int) -> Any:
+    """The micro-step (scaled loss, backward) as a replayed CUDA graph: one process, or dense
+    replicas (the loss is this rank's share of the global loss; gradients are summed later)."""
     from polyaccel.moe.graphed_step import GraphedMicroStep
 
     def loss_fn(input_ids: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor) -> torch.Tensor:
         with autocast:
             out = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items_in_batch, use_cache=False)
-        return _scaled_loss(out, model.config, 1, t.grad_accum)
+        return _scaled_loss(out, model.config, 1, t.grad_accum * world_size)
 
     return GraphedMicroStep(model, warmup=2, wgrad_window=t.wgrad_window, loss_fn=loss_fn)
 
 
+def _check_graphable_dispatch(model: nn.Module) -> None:
+    """Raise ConfigError unless every expert dispatcher runs without host syncs."""
+    from polyaccel.moe.expert_parallel import expert_modules
+
+    for m in expert_modules(model):
+        d = getattr(m, "dispatcher", None)
+        if d is not None and not d.sync_free:
+            raise ConfigError(f"train.cuda_graph=true with expert parallelism needs a dispatcher that never waits "
+                              f"on the host; {d.name!r} reads its split sizes on the host every layer. Use "
+                              "model.backend.dispatcher=allgather")
+
+
 def _scaled_loss(out: Any, config: Any, world_size: int, micro_batches: int) -> torch.Tensor:
     """The micro-batch loss to back-propagate so that, after FSDP averages gradients over
-    ``world_size`` ranks, the step's gradient is the global per-token mean of the token loss
-    (already divided by the global target count) plus the router's load-balancing loss
-    averaged over micro-batches and ranks."""
+    ``world_size`` ranks (1: gradients are summed over ranks), the step's gradient is the
+    global per-token mean of the token loss (already divided by the global target count) plus
+    the router's load-balancing loss averaged over ``micro_batches`` (micro-batches of a step,
+    times the ranks when gradients are summed)."""
     aux = getattr(out, "aux_loss", None)
     coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
     if aux is None or not getattr(config, "output_router_logits", False) or not coef:
@@ -456,12 +489,14 @@ def _trainer_extra(cfg: FinetuneConfig, scheduler, batches: Batches) -> dict[str
     return {"scheduler": scheduler.state_dict(), "data": batches.state_dict(), "config": cfg.to_dict()}
 
 
-def save_final(model: nn.Module, cfg: FinetuneConfig, rt: Runtime) -> None:
+def save_final(model: nn.Module, cfg: FinetuneConfig, rt: Runtime, state: dict[str, Any] | None = None) -> None:
     """``save_pretrained`` the trained model (and the tokenizer, if there is one) to
-    ``cfg.output_dir``; collective under FSDP (rank 0 writes)."""
+    ``cfg.output_dir``; collective under FSDP (rank 0 writes). ``state``: the full state dict
+    when the caller gathered it (dense replicas)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if state is None:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rt.rank == 0:
         model.save_pretrained(cfg.output_dir, state_dict=state)
         tok_dir = cfg.data.tokenizer or cfg.model.path

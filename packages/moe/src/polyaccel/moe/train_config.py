@@ -161,11 +161,20 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
-    """Process layout. ``dp`` None means all ranks; ``ep`` > 1 is not implemented yet."""
+    """Process layout. ``dp`` None means all ranks; ``ep`` splits each layer's experts over
+    that many ranks (it divides the world size and the expert count).
+
+    ``dense``: how the non-expert weights are kept on several ranks. ``fsdp`` shards them with
+    FSDP2 (least memory; HSDP with ``dp_replicate``); ``replicate`` keeps a whole copy on every
+    rank and all-reduces their gradients once per step (:mod:`polyaccel.moe.dense_replicas`):
+    more memory for those weights, but FlatAdamW, fused weight gradients and CUDA graphs work,
+    which makes it the fast layout on a few GPUs.
+    """
 
     dp: int | None = None
     dp_replicate: int = 1
     ep: int = 1
+    dense: Literal["fsdp", "replicate"] = "fsdp"
 
 
 @dataclass(kw_only=True, slots=True)
