@@ -226,6 +226,16 @@ def test_add_scaled_reads_a_tensor_scale(gen):
     torch.testing.assert_close(out, expected)
 
 
+def test_zero_rows_from_reads_a_tensor_count(gen):
+    x = rnd(gen, 7, 2, 3)
+    expected = x.clone()
+    expected[4:] = 0
+    assert ops.zero_rows_from_(x, torch.tensor(4)) is x
+    assert torch.equal(x, expected)
+    assert torch.equal(ops.zero_rows_from_(x.clone(), torch.tensor(9)), x)  # count past the end
+    assert not ops.zero_rows_from_(x.clone(), torch.tensor(0)).any()
+
+
 def _torch_adamw_step(p, g, m, v, step, **hp):
     """One torch.optim.AdamW step in fp32 from state (p, m, v, step - 1): (p, m, v) after it."""
     param = torch.nn.Parameter(p.float().clone())

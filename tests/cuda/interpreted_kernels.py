@@ -17,7 +17,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 
 from polyaccel.core import ops  # noqa: E402
-from polyaccel.cuda import adamw, add_scaled, grouped_wgrad, moe_permute, swiglu, triton_rmsnorm  # noqa: E402
+from polyaccel.cuda import adamw, add_scaled, grouped_wgrad, moe_permute, swiglu, triton_rmsnorm, zero_rows  # noqa: E402
 from polyaccel.cuda.cross_entropy import linear_cross_entropy  # noqa: E402
 
 
@@ -97,6 +97,14 @@ def check_adamw():
     errs = [rel_err(x, y) for x, y in zip(a[::2] + a[3:], ref[::2] + ref[3:], strict=True)]
     print(f"adamw_step_ fp32: max rel err {max(errs):.2e}")
     assert max(errs) < 1e-6 and not a[1].any(), errs
+    scale = torch.tensor(0.3)
+    ref = [t.clone() for t in (p, g, m, v)]
+    ops.adamw_step_.reference(*ref, **hp, zero_grad=False, grad_scale=scale)
+    a = [t.clone() for t in (p, g, m, v)]
+    adamw.adamw_step_(*a, **hp, zero_grad=False, grad_scale=scale)
+    errs = [rel_err(x, y) for x, y in zip(a, ref, strict=True)]
+    print(f"adamw_step_ fp32, grad_scale: max rel err {max(errs):.2e}")
+    assert max(errs) < 1e-6 and torch.equal(a[1], g), errs
 
 
 def check_add_scaled():
@@ -106,6 +114,16 @@ def check_add_scaled():
     err = rel_err(out, expected)
     print(f"add_scaled_ fp16: rel err {err:.2e}")
     assert err < 1e-3
+
+
+def check_zero_rows_from():
+    for rows, cols, end in ((37, 300, 11), (16, 256, 16), (5, 3, 0), (9, 40, 50)):
+        x = torch.randn(rows, cols)
+        expected = x.clone()
+        expected[end:] = 0
+        zero_rows.zero_rows_from_(x, torch.tensor(end))
+        assert torch.equal(x, expected), (rows, cols, end)
+    print("zero_rows_from_: exact")
 
 
 def check_permute_unpermute():
@@ -136,6 +154,7 @@ def main() -> None:
     check_grouped_wgrad()
     check_grouped_wgrad_window()
     check_add_scaled()
+    check_zero_rows_from()
     check_adamw()
 
 

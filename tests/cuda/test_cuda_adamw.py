@@ -67,6 +67,7 @@ def test_opcheck_cpu():
     p, g, m, v = _state(257, torch.float32)
     args = (p, g, m, v, 1e-3, 0.9, 0.999, 1e-8, 0.01, 3, True)
     torch.library.opcheck(torch.ops.polyaccel_cuda.adamw_step_, args)
+    torch.library.opcheck(torch.ops.polyaccel_cuda.adamw_step_, (*args, torch.tensor(0.5)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -93,6 +94,35 @@ def test_gpu_adamw_matches_reference(dtype, zero_grad):
         assert err < (1e-6 if dtype == torch.float32 else 2e-3), (name, err)
         if dtype == torch.bfloat16:
             assert (x != y).float().mean() < 1e-2, name
+
+
+def test_grad_scale_is_the_step_on_scaled_grads():
+    """``grad_scale`` (clipping's coefficient, a device tensor) == the step on pre-scaled grads;
+    the grads themselves are not scaled in place."""
+    for zero_grad in (True, False):
+        a, b = _state(1001, torch.float32), _state(1001, torch.float32)
+        g_before = a[1].clone()
+        adamw.adamw_step_(*a, **HYPER, step=2, zero_grad=zero_grad, grad_scale=torch.tensor(0.25))
+        b[1].mul_(0.25)
+        ops.adamw_step_.reference(*b, **HYPER, step=2, zero_grad=zero_grad)
+        for x, y in zip(a[::2] + a[3:], b[::2] + b[3:], strict=True):
+            assert torch.equal(x, y)
+        assert not a[1].any() if zero_grad else torch.equal(a[1], g_before)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_grad_scale_matches_reference(dtype):
+    n, seed = 1_000_003, int(torch.seed() % 2**31)
+    fast, ref = _state(n, dtype, "cuda", seed), _state(n, dtype, "cuda", seed)
+    scale = torch.tensor(0.37, device="cuda")
+    adamw.adamw_step_(*fast, **HYPER, step=3, zero_grad=True, grad_scale=scale)
+    ops.adamw_step_.reference(*ref, **HYPER, step=3, zero_grad=True, grad_scale=scale)
+    for x, y in zip(fast[::2] + fast[3:], ref[::2] + ref[3:], strict=True):
+        err = ((x.double() - y.double()).norm() / y.double().norm()).item()
+        assert err < (1e-6 if dtype == torch.float32 else 2e-3), err
+    assert not fast[1].any()
 
 
 @gpu

@@ -369,6 +369,19 @@ def test_gpu_ops_under_torch_compile():
 
 @gpu
 @needs_cuda
+def test_gpu_zero_rows_from_writes_only_the_rows_past_a_device_count():
+    from polyaccel.cuda.zero_rows import zero_rows_from_
+
+    for shape, end in (((65536, 2048), 40_000), ((37, 3, 100), 5), ((8, 8), 0), ((8, 8), 9)):
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        expected = x.clone()
+        expected[end:] = 0
+        assert zero_rows_from_(x, torch.tensor(end, device="cuda")) is x
+        assert torch.equal(x, expected), (shape, end)
+
+
+@gpu
+@needs_cuda
 def test_gpu_linear_cross_entropy_grads_and_add_scaled():
     """The CUDA op's returned gradients equal autograd's through the reference; add_scaled_
     adds a [V, H] gradient scaled by a device scalar."""

@@ -308,7 +308,7 @@ def _losses(metrics: Path) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     [],  # FSDP2 over both ranks
-    ["parallel.ep=2", "parallel.dense=replicate", "model.backend.dispatcher=allgather"],
+    ["parallel.ep=2", "parallel.dense=replicate", "model.backend.dispatcher=allgather", "train.wgrad_window=2"],
 ], ids=["fsdp", "ep2-dense-replicas"])
 def test_fsdp_dp2_matches_single_process_and_resumes(tmp_path, layout):
     """dp=2 x micro-batch 1 == one process x micro-batch 2 on the same global batches (fp32

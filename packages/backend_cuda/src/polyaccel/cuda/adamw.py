@@ -33,8 +33,8 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def adamw_kernel(P, G, M, V, n, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
-                     ZERO_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    def adamw_kernel(P, G, M, V, S, n, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
+                     ZERO_GRAD: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr):
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = idx < n
         # Streamed once: ask the cache to evict these lines first.
@@ -42,6 +42,8 @@ def _kernels():
         g = tl.load(G + idx, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         m = tl.load(M + idx, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         v = tl.load(V + idx, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if SCALE:
+            g = g * tl.load(S).to(tl.float32)
         p = p * decay
         m = m + one_minus_beta1 * (g - m)  # torch's lerp(m, g, 1 - beta1)
         v = v * beta2 + one_minus_beta2 * g * g
@@ -60,36 +62,39 @@ def _kernels():
                          mutates_args=("param", "grad", "exp_avg", "exp_avg_sq"))
 def adamw_step_op(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                  zero_grad: bool) -> None:
+                  zero_grad: bool, grad_scale: torch.Tensor | None = None) -> None:
     """One AdamW step over contiguous tensors of equal length, in place (see core's op)."""
     if not use_triton(param):
         from polyaccel.core.ops import adamw_step_ as core_op
 
         core_op.reference(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                          weight_decay=weight_decay, step=step, zero_grad=zero_grad)
+                          weight_decay=weight_decay, step=step, zero_grad=zero_grad, grad_scale=grad_scale)
         return
     n = param.numel()
     if n == 0:
         return
     # Scalars formed in double here, as torch does, then passed as fp32 (1 - beta1 in fp32
     # would be 0.100000024, not 0.1f, and shift every element by an ulp or two).
-    _kernels()[(cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, n,
+    scale = grad_scale.reshape(1) if grad_scale is not None else param  # S unread without SCALE
+    _kernels()[(cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, scale, n,
                                   *adamw_scalars(lr, beta1, beta2, eps, weight_decay, step),
-                                  ZERO_GRAD=zero_grad, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                                  ZERO_GRAD=zero_grad, SCALE=grad_scale is not None, BLOCK=BLOCK,
+                                  num_warps=NUM_WARPS)
 
 
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                zero_grad: bool = False) -> None:
+                zero_grad: bool = False, grad_scale: torch.Tensor | None = None) -> None:
     """Core ``adamw_step_`` on CUDA: one Triton pass over contiguous flat tensors; anything
     else (not contiguous, unequal lengths, a bad step) goes to core's reference, which checks it."""
     tensors = (param, grad, exp_avg, exp_avg_sq)
     n = param.numel()
-    if step < 1 or not all(t.is_contiguous() and t.numel() == n and t.device == param.device for t in tensors):
+    if (step < 1 or not all(t.is_contiguous() and t.numel() == n and t.device == param.device for t in tensors)
+            or (grad_scale is not None and (grad_scale.numel() != 1 or grad_scale.device != param.device))):
         from polyaccel.core.ops import adamw_step_ as core_op
 
         return core_op.reference(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                 weight_decay=weight_decay, step=step, zero_grad=zero_grad)
+                                 weight_decay=weight_decay, step=step, zero_grad=zero_grad, grad_scale=grad_scale)
     torch.ops.polyaccel_cuda.adamw_step_(param, grad, exp_avg, exp_avg_sq, float(lr), float(beta1),
                                          float(beta2), float(eps), float(weight_decay), int(step),
-                                         bool(zero_grad))
+                                         bool(zero_grad), grad_scale)

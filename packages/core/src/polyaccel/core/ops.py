@@ -285,15 +285,27 @@ def add_scaled_(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> torc
 
 
 @registry.define
+def zero_rows_from_(x: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """Zero rows ``end:`` of ``x`` (along dim 0) in place, ``end`` a 0-dim integer tensor read
+    where it lives (no host synchronization): the rows past a data-dependent count in a
+    fixed-size buffer (e.g. the discard rows of a grouped GEMM, never computed). Returns ``x``."""
+    rows = torch.arange(x.shape[0], device=x.device)
+    keep = (rows < end.to(x.device)).view(-1, *([1] * (x.dim() - 1)))
+    return x.masked_fill_(~keep, 0)
+
+
+@registry.define
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                zero_grad: bool = False) -> None:
+                zero_grad: bool = False, grad_scale: torch.Tensor | None = None) -> None:
     """One AdamW step, in place, over flat tensors of equal length: torch.optim.AdamW's math.
 
     ``p *= 1 - lr*wd``; ``m = lerp(m, g, 1 - beta1)``; ``v = beta2*v + (1 - beta2)*g*g``;
     ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)`` with ``bc = 1 - beta**step`` (``step`` >= 1
     counts this step). Computed in fp32, stored in each tensor's dtype. ``zero_grad`` also
     writes zeros into ``grad`` (the next accumulation starts from zero with no separate memset).
+    ``grad_scale``: a 0-dim tensor the gradient is multiplied by first (gradient clipping's
+    coefficient, read where it lives: no host sync and no separate pass over the gradients).
     """
     if step < 1:
         raise ValueError(f"adamw_step_: step must be >= 1 (this step's count), got {step}")
@@ -301,6 +313,8 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     if any(t.numel() != n for t in (grad, exp_avg, exp_avg_sq)):
         raise ValueError("adamw_step_: param, grad, exp_avg and exp_avg_sq must have the same length")
     p, g, m, v = param.float(), grad.float(), exp_avg.float(), exp_avg_sq.float()  # fp32: no copies
+    if grad_scale is not None:
+        g = g * grad_scale.float()
     if weight_decay:
         p.mul_(1 - lr * weight_decay)
     m.lerp_(g, 1 - beta1)

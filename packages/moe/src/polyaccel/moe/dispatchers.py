@@ -105,6 +105,40 @@ class _ReduceScatterRows(torch.autograd.Function):
         return out, None
 
 
+class _ZeroGradRowsFrom(torch.autograd.Function):
+    """Identity forward; backward zeroes the gradient of rows ``>= end`` (a 0-dim device
+    tensor: no host sync). Rows past the last grouped-GEMM group are never computed, and
+    whatever the GEMMs' backward leaves in them must not reach the tokens' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, end):  # noqa: ANN001
+        ctx.save_for_backward(end)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001
+        (end,) = ctx.saved_tensors
+        # In place: the gradient is the grouped GEMM's fresh data gradient, used nowhere else.
+        return ops.zero_rows_from_(grad, end), None
+
+
+class _ZeroRowsFrom(torch.autograd.Function):
+    """Zero rows ``>= end`` of a fresh grouped-GEMM output in place, and of its gradient:
+    those rows were never computed (their memory is whatever was there: select, don't
+    multiply by a zero weight, 0 * NaN is NaN)."""
+
+    @staticmethod
+    def forward(ctx, y, end):  # noqa: ANN001
+        ctx.save_for_backward(end)
+        ctx.mark_dirty(y)
+        return ops.zero_rows_from_(y, end)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001
+        (end,) = ctx.saved_tensors
+        return ops.zero_rows_from_(grad.clone() if grad._base is not None else grad, end), None
+
+
 def _reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:  # noqa: ANN001
     out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
     dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
@@ -143,7 +177,9 @@ class TokenDispatcher:
 
         x [T, H], idx [T, k] (global expert ids), w [T, k] -> (x_local [R, H] with rows grouped
         by local expert, counts [E_local] (rows per local expert; rows past ``counts.sum()``
-        may exist and must not be read), handle for :meth:`combine`).
+        may exist and must not be read), handle for :meth:`combine`). A handle may carry
+        ``gathered_from = (source, rows)`` when ``x_local`` is ``source[rows]`` (see
+        :func:`polyaccel.moe.grouped_linear.grouped_linear`).
         """
         raise NotImplementedError
 
@@ -216,6 +252,7 @@ class _GatherHandle:
     valid_rows: int | torch.Tensor  # rows of x_local that belong to local experts
     tokens: int            # T per rank
     padded: int            # T padded to the group's largest T
+    gathered_from: tuple[torch.Tensor, torch.Tensor]  # (x_all, row of each copy): x_local's source
 
 
 class AllGatherDispatcher(TokenDispatcher):
@@ -266,17 +303,13 @@ class AllGatherDispatcher(TokenDispatcher):
         local = torch.where(is_local, local, E_local)  # discard group
         x_sorted, order, counts = ops.moe_permute(x_all, local, E_local + 1)
         valid_rows = counts[:E_local].sum()
-        # Rows of the discard group are never computed; zero them so that whatever the grouped
-        # GEMMs' backward leaves in them cannot flow back into the tokens' gradients.
-        rows = torch.arange(x_sorted.shape[0], device=x.device)
-        x_sorted = torch.where((rows < valid_rows)[:, None], x_sorted, x_sorted.new_zeros(()))
-        handle = _GatherHandle(order, w_all * is_local, valid_rows, T, padded)
+        x_sorted = _ZeroGradRowsFrom.apply(x_sorted, valid_rows)
+        rows = torch.div(order, idx.shape[1], rounding_mode="floor").to(torch.int32)
+        handle = _GatherHandle(order, w_all * is_local, valid_rows, T, padded, (x_all, rows))
         return x_sorted, counts[:E_local], handle
 
     def combine(self, y, handle):  # noqa: ANN001
-        # Rows of the discard group were never computed: select, don't multiply (0 * NaN).
-        rows = torch.arange(y.shape[0], device=y.device)
-        y = torch.where((rows < handle.valid_rows)[:, None], y, y.new_zeros(()))
+        y = _ZeroRowsFrom.apply(y, handle.valid_rows)  # the discard group: never computed
         partial = ops.moe_unpermute(y, handle.order, handle.weights)  # [ep * T_pad, H]
         return _ReduceScatterRows.apply(partial, self.group)[:handle.tokens]
 
@@ -568,9 +601,7 @@ class DeepEPDispatcher(TokenDispatcher):
         return x_sorted, counts[:E_local], _DeepEPHandle(handle, order, recv_w * is_local, counts[:E_local].sum())
 
     def combine(self, y, handle):  # noqa: ANN001
-        # Rows of the discard group were never computed: select, don't multiply (0 * NaN).
-        rows = torch.arange(y.shape[0], device=y.device)
-        y = torch.where((rows < handle.valid_rows)[:, None], y, y.new_zeros(()))
+        y = _ZeroRowsFrom.apply(y, handle.valid_rows)  # the discard group: never computed
         partial = ops.moe_unpermute(y, handle.order, handle.weights)
         return _DeepEPCombine.apply(partial, handle.handle, self)
 

@@ -378,7 +378,8 @@ class Experts(nn.Module):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         if self.fuse_wgrad and not hasattr(self.gate_up_proj, "to_local"):
             # Plain local parameters (polyaccel.moe.dense_replicas): fused weight gradients.
-            h = self.gated(grouped_linear(x_local, self.gate_up_proj, offsets))
+            h = self.gated(grouped_linear(x_local, self.gate_up_proj, offsets,
+                                          gathered_from=getattr(handle, "gathered_from", None)))
             y = grouped_linear(h, self.down_proj, offsets)
         else:
             h = self.gated(ops.grouped_mm(x_local, _local(self.gate_up_proj), offsets))

@@ -146,7 +146,7 @@ class FlatAdamW(torch.optim.Optimizer):
         self._flats.append(flats)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: torch.Tensor | None = None) -> Any:
         """One AdamW step for every param; the grads are zeroed as they are read.
 
         Fast path: one :func:`~polyaccel.core.ops.adamw_step_` per flat buffer. A param whose
@@ -154,6 +154,10 @@ class FlatAdamW(torch.optim.Optimizer):
         is ``None`` is skipped (as torch AdamW does), and then that buffer is stepped param by
         param (also when its params' step counts differ, e.g. after loading such a state).
         Every ``p.grad`` is its (zeroed) view afterwards.
+
+        ``grad_scale``: a 0-dim device tensor every gradient is multiplied by as it is read,
+        e.g. :func:`clip_coefficient`'s: gradient clipping without its own pass over the
+        gradients and without a host sync.
         """
         loss = None
         if closure is not None:
@@ -161,10 +165,10 @@ class FlatAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group, flats in zip(self.param_groups, self._flats, strict=True):
             for flat in flats:
-                self._step_flat(group, flat)
+                self._step_flat(group, flat, grad_scale)
         return loss
 
-    def _step_flat(self, group: dict[str, Any], flat: _Flat) -> None:
+    def _step_flat(self, group: dict[str, Any], flat: _Flat, grad_scale: torch.Tensor | None) -> None:
         skip = set()
         for p, g in zip(flat.params, flat.grads, strict=True):
             if p.grad is g:
@@ -177,7 +181,7 @@ class FlatAdamW(torch.optim.Optimizer):
             p.grad = g
         beta1, beta2 = group["betas"]
         hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                     weight_decay=float(group["weight_decay"]), zero_grad=True)
+                     weight_decay=float(group["weight_decay"]), zero_grad=True, grad_scale=grad_scale)
         steps = [self.state[p]["step"] for p in flat.params]
         counts = {int(s) for s in steps}
         if not skip and len(counts) == 1:
@@ -238,3 +242,25 @@ class FlatAdamW(torch.optim.Optimizer):
                         step = float(s["step"]) if "step" in s else 0.0
                         self.state[p] = {"step": torch.tensor(step, dtype=torch.float32),
                                          "exp_avg": m.view(p.shape), "exp_avg_sq": v.view(p.shape)}
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float | None) -> torch.Tensor | None:
+    """Gradient clipping's factor ``min(1, max_norm / (total_norm + 1e-6))`` (torch's
+    ``clip_grad_norm_``) as a device tensor, or None when ``max_norm`` is None or 0."""
+    if not max_norm:
+        return None
+    return torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)
+
+
+def step_scaled(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None) -> None:
+    """``optimizer.step()`` on gradients multiplied by ``grad_scale`` (None: as they are):
+    inside FlatAdamW's pass, else one foreach multiply over the gradients first."""
+    if grad_scale is None:
+        optimizer.step()
+    elif isinstance(optimizer, FlatAdamW):
+        optimizer.step(grad_scale=grad_scale)
+    else:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, grad_scale.to(grads[0].device))
+        optimizer.step()

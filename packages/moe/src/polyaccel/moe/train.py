@@ -36,6 +36,7 @@ from polyaccel.moe import checkpoint as ckpt
 from polyaccel.moe import grouped_linear
 from polyaccel.moe.data import IGNORE_INDEX, Batches, build_dataset
 from polyaccel.moe.flops import mfu, peak_flops, train_flops_per_token
+from polyaccel.moe.optim import clip_coefficient, step_scaled
 from polyaccel.moe.train_config import ConfigError, FinetuneConfig, ModelConfig, TrainConfig, did_you_mean
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -385,13 +386,17 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                     loss_part.backward()
                 loss_sum += loss_part.detach().float() / loss_world
             grouped_linear.flush_wgrad()
-            if grad_sync is not None:
-                grad_sync.all_reduce()
-                grad_norm = float(grad_sync.grad_norm(t.grad_clip))
+            if fsdp:
+                grad_norm, grad_scale = _clip_grads(model, t.grad_clip), None
             else:
-                grad_norm = _clip_grads(model, t.grad_clip)
+                # Clipping folded into the optimizer's pass (FlatAdamW), no host sync before it.
+                if grad_sync is not None:
+                    grad_sync.all_reduce()
+                grad_norm = grad_sync.grad_norm() if grad_sync is not None else _grad_norm(model)
+                grad_scale = clip_coefficient(grad_norm, t.grad_clip)
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            step_scaled(optimizer, grad_scale)
+            grad_norm = float(grad_norm)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             if sharded:
@@ -475,6 +480,12 @@ def _scaled_loss(out: Any, config: Any, world_size: int, micro_batches: int) -> 
         return out.loss * world_size
     aux_part = coef * aux.to(out.loss.device)
     return (out.loss - aux_part) * world_size + aux_part / micro_batches
+
+
+def _grad_norm(model: nn.Module) -> torch.Tensor:
+    """L2 norm of all gradients of a single-process model, on the device."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
 
 
 def _clip_grads(model: nn.Module, max_norm: float | None) -> float:
