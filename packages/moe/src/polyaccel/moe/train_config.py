@@ -106,12 +106,15 @@ class TrainConfig:
 
     ``optimizer``: ``flat_adamw`` (:class:`polyaccel.moe.optim.FlatAdamW`, AdamW over one flat
     buffer per param group: one kernel per step), ``adamw`` (``torch.optim.AdamW``, fused on
-    CUDA), or ``auto``: ``flat_adamw`` in a single process, ``adamw`` under FSDP2 (sharded
-    DTensor parameters, which FlatAdamW cannot flatten).
+    CUDA), or ``auto``: ``flat_adamw`` in a single process or with ``parallel.dense:
+    replicate``, ``adamw`` under FSDP2 (sharded DTensor parameters, which FlatAdamW cannot
+    flatten).
 
     ``cuda_graph``: replay each micro-batch's forward + backward as one CUDA graph
-    (:class:`polyaccel.moe.graphed_step.GraphedMicroStep`); one CUDA process, ``flat_adamw``,
-    no activation checkpointing. Micro-batches of another shape (a short last batch) run eagerly.
+    (:class:`polyaccel.moe.graphed_step.GraphedMicroStep`); CUDA, ``flat_adamw``, no activation
+    checkpointing, one process or ``parallel.dense: replicate`` with a dispatcher that never
+    waits on the host (``allgather``). Micro-batches of another shape (a short last batch) run
+    eagerly.
 
     ``wgrad_window``: compute the expert weight gradients once per this many micro-batches, in
     one kernel over all their token rows (:func:`polyaccel.moe.grouped_linear.wgrad_window`;
