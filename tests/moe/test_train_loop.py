@@ -308,8 +308,9 @@ def _losses(metrics: Path) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     [],  # FSDP2 over both ranks
-    ["parallel.ep=2", "parallel.dense=replicate", "model.backend.dispatcher=allgather", "train.wgrad_window=2"],
-], ids=["fsdp", "ep2-dense-replicas"])
+    ["parallel.ep=2", "parallel.dense=replicate", "train.wgrad_window=2"],  # auto: fixed-size allgather
+    ["parallel.dense=replicate"],  # ep=1: plain data parallelism over whole replicas
+], ids=["fsdp", "ep2-dense-replicas", "dense-replicas"])
 def test_fsdp_dp2_matches_single_process_and_resumes(tmp_path, layout):
     """dp=2 x micro-batch 1 == one process x micro-batch 2 on the same global batches (fp32
     tolerance); killing the run's last checkpoint and rerunning resumes from the previous
@@ -332,7 +333,8 @@ def test_fsdp_dp2_matches_single_process_and_resumes(tmp_path, layout):
         torch.testing.assert_close(w_fsdp[k], w_single[k], rtol=1e-4, atol=1e-5, msg=k)
 
     per_rank = sorted(p.name for p in (tmp_path / "ck/step_00000002").glob("optimizer_rank*.pt"))
-    assert per_rank == (["optimizer_rank0.pt", "optimizer_rank1.pt"] if layout else [])
+    replicas = "parallel.dense=replicate" in layout
+    assert per_rank == (["optimizer_rank0.pt", "optimizer_rank1.pt"] if replicas else [])
 
     # Lose step 4: the rerun resumes at step 2 (optimizer state re-sharded from the full copy).
     import shutil

@@ -108,7 +108,9 @@ def apply_dense_replicas(model: nn.Module, meshes: ParallelMeshes, *, dispatcher
     already holding ``E / ep`` are used as they are.
 
     :param dispatcher: a :data:`~polyaccel.moe.dispatchers.DISPATCHERS` name; default the
-        model's ``backend_config.dispatcher``.
+        model's ``backend_config.dispatcher``. ``"auto"`` here means ``allgather`` when
+        ``tokens_per_rank`` is given (no host sync, capturable in a CUDA graph, and fewer bytes
+        than the all-to-all while ep < top-k; measured on 2x H200), else the usual choice.
     :param tokens_per_rank: every rank's token count per micro-batch, when fixed (the trainer's
         ``micro_batch * seq_len``): lets the ``allgather`` dispatcher skip its per-call size
         exchange, so it never waits on the host and can be captured in a CUDA graph.
@@ -118,6 +120,8 @@ def apply_dense_replicas(model: nn.Module, meshes: ParallelMeshes, *, dispatcher
     check_expert_parallel(model, ep, meshes.moe.size())
     if dispatcher is None:
         dispatcher = getattr(getattr(model, "backend_config", None), "dispatcher", "auto")
+    if dispatcher == "auto" and tokens_per_rank is not None:
+        dispatcher = "allgather"
     rank = ep_mesh.get_local_rank()
     for experts in expert_modules(model):
         E = experts.num_experts
