@@ -262,3 +262,32 @@ def test_grads_overwritten_are_left_and_the_rest_zeroed():
     _assert_views(opt)
     ids = [i for g in opt.state_dict()["param_groups"] for i in g["params"]]
     assert ids == sorted(ids)
+
+
+def test_grad_scale_is_clipping_inside_the_step():
+    """``step(grad_scale=coef)`` == torch's clip_grad_norm_ then AdamW (fp32); step_scaled does
+    the same for a torch optimizer with one foreach multiply; no clipping leaves grads as they are."""
+    from polyaccel.moe.optim import clip_coefficient, step_scaled
+
+    ref, ref_opt, ours, opt = _pair()
+    torch_ref, torch_opt = copy.deepcopy(ref), None
+    torch_opt = torch.optim.AdamW(_groups(torch_ref), lr=1e-2, betas=(0.9, 0.99))
+    for seed in range(3):
+        for m in (ref, ours, torch_ref):
+            _backward(m, seed)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ours.parameters()])
+        coef = clip_coefficient(norm, 0.05)
+        assert coef is not None and 0 < float(coef) < 1  # this test really clips
+        step_scaled(opt, coef)
+        opt.zero_grad()
+        step_scaled(torch_opt, clip_coefficient(
+            torch.nn.utils.get_total_norm([p.grad for p in torch_ref.parameters()]), 0.05))
+        torch_opt.zero_grad()
+    for a, b, c in zip(ref.parameters(), ours.parameters(), torch_ref.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-7)
+    assert clip_coefficient(torch.tensor(3.0), None) is None and clip_coefficient(torch.tensor(3.0), 0) is None
+    assert float(clip_coefficient(torch.tensor(0.5), 1.0)) == 1.0  # never scales up

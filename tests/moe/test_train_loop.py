@@ -348,3 +348,20 @@ def test_fsdp_dp2_matches_single_process_and_resumes(tmp_path, layout):
     torch.testing.assert_close(torch.tensor([r["loss"] for r in resumed]), torch.tensor(fsdp[2:]),
                                rtol=1e-6, atol=1e-6)
     assert all(math.isfinite(x) for x in fsdp)
+
+
+def test_cuda_graph_under_expert_parallelism_needs_a_sync_free_dispatcher():
+    """The graph-capture check names the dispatcher that reads split sizes on the host."""
+    from polyaccel.moe.layers import Experts
+    from polyaccel.moe.train import _check_graphable_dispatch
+
+    class Dispatcher:
+        def __init__(self, name, sync_free):
+            self.name, self.sync_free = name, sync_free
+
+    model = torch.nn.ModuleList([Experts(4, 8, 6, "silu"), Experts(4, 8, 6, "silu")])
+    model[0].dispatcher = Dispatcher("allgather", True)
+    _check_graphable_dispatch(model)  # one process or sync-free dispatch: fine
+    model[1].dispatcher = Dispatcher("nccl_a2a", False)
+    with pytest.raises(ConfigError, match="'nccl_a2a' reads its split sizes on the host"):
+        _check_graphable_dispatch(model)
