@@ -348,6 +348,11 @@ def test_fsdp_dp2_matches_single_process_and_resumes(tmp_path, layout):
     torch.testing.assert_close(torch.tensor([r["loss"] for r in resumed]), torch.tensor(fsdp[2:]),
                                rtol=1e-6, atol=1e-6)
     assert all(math.isfinite(x) for x in fsdp)
+    if replicas:  # per-rank optimizer state: another layout cannot resume from it, and says so
+        other = _torchrun(2, *args, "--set", "train.max_steps=5", "--set", "parallel.ep=1",
+                          "--set", "parallel.dense=fsdp")
+        assert other.returncode != 0
+        assert "keeps its optimizer state per rank" in other.stderr + other.stdout, other.stderr[-2000:]
 
 
 def test_cuda_graph_under_expert_parallelism_needs_a_sync_free_dispatcher():

@@ -52,6 +52,10 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+class LayoutMismatch(ValueError):
+    """A checkpoint's optimizer state was written under another parallel layout."""
+
+
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
@@ -149,13 +153,13 @@ def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.opti
     if per_rank_optimizer:
         own = path / f"optimizer_rank{_rank()}.pt"
         if not own.is_file():
-            raise FileNotFoundError(
-                f"{own} is missing: this checkpoint was not written by {_world()} ranks with parallel.dense="
-                "replicate; resume with the layout that wrote it")
+            raise LayoutMismatch(
+                f"{own.name} is missing in {path}: this checkpoint was not written by {_world()} ranks with "
+                "parallel.dense=replicate; resume with the layout that wrote it")
         optimizer.load_state_dict(torch.load(own, map_location="cpu", weights_only=False))
     elif saved is None:
-        raise ValueError(f"{path} keeps its optimizer state per rank (parallel.dense=replicate); resume with "
-                         "that layout")
+        raise LayoutMismatch(f"{path} keeps its optimizer state per rank (written with parallel.dense=replicate); "
+                             "resume with that layout and world size")
     else:
         set_optimizer_state_dict(model, optimizer, saved, options=StateDictOptions(full_state_dict=True))
     rng = path / f"rng_rank{_rank()}.pt"

@@ -17,9 +17,10 @@ expert gradients over the ``ep_shard`` replicas of each block (nothing when ``ep
 the world size). Both then hold exactly the single-process gradient of the global batch, and
 every rank's optimizer makes the same dense update.
 
-Checkpoints. :meth:`GradientSync.full_state_dict` all-gathers the expert blocks into the whole
-``[E, ...]`` tensors (a collective), which rank 0 writes with ``save_pretrained`` as a
-standard Hugging Face checkpoint; the optimizer state is saved per rank.
+Checkpoints. :func:`polyaccel.moe.ep_checkpoint.save_pretrained` (or
+:meth:`GradientSync.full_state_dict`) all-gathers the expert blocks into the whole ``[E, ...]``
+tensors (a collective), which rank 0 writes as a standard Hugging Face checkpoint; the trainer
+saves the optimizer state per rank.
 """
 
 from __future__ import annotations
@@ -84,19 +85,11 @@ class GradientSync:
         return total
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict with every expert parameter all-gathered to its whole
-        ``[E, ...]`` tensor, on the CPU (a collective: every rank calls it)."""
-        gathered = {}
-        expert_names = {id(getattr(m, n)): (m, n) for m in expert_modules(self.model) for n in EXPERT_PARAMS}
-        for name, p in self.model.named_parameters():
-            if id(p) in expert_names and self.ep > 1:
-                full = p.new_empty((self.ep * p.shape[0], *p.shape[1:]))
-                dist.all_gather_into_tensor(full, p.detach().contiguous(), group=self.ep_group)
-                gathered[name] = full.cpu()
-        state = {}
-        for name, t in self.model.state_dict().items():
-            state[name] = gathered.get(name, t.detach().cpu() if t.device.type != "cpu" else t.detach())
-        return state
+        """The model's whole state dict on rank 0's CPU, expert blocks all-gathered
+        (:func:`polyaccel.moe.ep_checkpoint.full_state_dict`; a collective)."""
+        from polyaccel.moe.ep_checkpoint import full_state_dict
+
+        return full_state_dict(self.model)
 
 
 def apply_dense_replicas(model: nn.Module, meshes: ParallelMeshes, *, dispatcher: str | None = None,

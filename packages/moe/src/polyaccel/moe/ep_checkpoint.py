@@ -216,20 +216,46 @@ def load_expert_parallel(model_class: type, path: str | Path, config: Any, plan:
     return model
 
 
-def save_pretrained(model: nn.Module, save_directory: str | Path, **kwargs: Any) -> None:
-    """``save_pretrained`` for a model sharded by FSDP2 and/or expert parallelism: gathers the
-    full state dict to rank 0 (a collective: every rank calls it), which writes a standard
-    Hugging Face checkpoint with per-expert keys. Without a process group it is the model's
-    own ``save_pretrained``."""
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on the CPU of rank 0, whatever the layout (a collective:
+    every rank calls it; other ranks may get an empty or partial dict): FSDP2 shards and
+    DTensor experts through ``get_model_state_dict``; plain expert blocks (dense replicas,
+    :mod:`polyaccel.moe.dense_replicas`) all-gathered over their dispatcher's EP group into
+    the whole ``[E, ...]`` tensors. Without a process group: the model's own state dict."""
     if not dist.is_initialized():
-        model.save_pretrained(save_directory, **kwargs)
-        return
+        return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    for prefix, experts in model.named_modules():
+        if not isinstance(experts, Experts) or experts.dispatcher is None:
+            continue
+        group = experts.dispatcher.group
+        ep = dist.get_world_size(group)
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(experts, name)
+            if hasattr(p, "to_local") or p.shape[0] == experts.num_experts:
+                continue  # a DTensor (gathered above) or already whole
+            whole = p.new_empty((ep * p.shape[0], *p.shape[1:]))
+            dist.all_gather_into_tensor(whole, p.detach().contiguous(), group=group)
+            if dist.get_rank() == 0:
+                state[f"{prefix}.{name}" if prefix else name] = whole.cpu()
+    return state
+
+
+def save_pretrained(model: nn.Module, save_directory: str | Path, **kwargs: Any) -> None:
+    """``save_pretrained`` for a model sharded by FSDP2 and/or expert parallelism: gathers the
+    full state dict to rank 0 (:func:`full_state_dict`, a collective: every rank calls it),
+    which writes a standard Hugging Face checkpoint with per-expert keys. Without a process
+    group it is the model's own ``save_pretrained``."""
+    if not dist.is_initialized():
+        model.save_pretrained(save_directory, **kwargs)
+        return
+    state = full_state_dict(model)
     if dist.get_rank() == 0:
         model.save_pretrained(save_directory, state_dict=state, **kwargs)
     dist.barrier()
 
 
-__all__ = ["build_local_model", "checkpoint_files", "load_expert_parallel", "load_local_weights", "save_pretrained"]
+__all__ = ["build_local_model", "checkpoint_files", "full_state_dict", "load_expert_parallel", "load_local_weights",
+           "save_pretrained"]

@@ -345,7 +345,10 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t))
     step = 0
     if resume_from is not None:
-        state = ckpt.load_trainer_state(resume_from, model, optimizer, per_rank_optimizer=replicas)
+        try:
+            state = ckpt.load_trainer_state(resume_from, model, optimizer, per_rank_optimizer=replicas)
+        except (ckpt.LayoutMismatch, FileNotFoundError) as e:
+            raise ConfigError(f"checkpoint.resume: {e}") from e
         scheduler.load_state_dict(state["scheduler"])
         batches.load_state_dict(state["data"])
         step = state["step"]
