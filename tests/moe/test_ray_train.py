@@ -22,14 +22,16 @@ TINY = Path(__file__).resolve().parents[2] / "packages/moe/examples/tiny_synthet
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_two_ray_workers_match_one_process(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", [[], ["parallel.ep=2", "parallel.dense=replicate"]],
+                         ids=["fsdp", "ep2-dense-replicas"])
+def test_two_ray_workers_match_one_process(tmp_path, monkeypatch, layout):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     sets = ["train.max_steps=3", "log.progress_bar=false", "log.every_steps=1000"]
     single = finetune(load_config(TINY, [*sets, f"checkpoint.dir={tmp_path}/single/ck",
                                          f"output_dir={tmp_path}/single/out"]))
     cfg = load_config(TINY, [*sets, "train.micro_batch=1", f"checkpoint.dir={tmp_path}/ray/ck",
-                             f"output_dir={tmp_path}/ray/out"])
+                             f"output_dir={tmp_path}/ray/out", *layout])
     # In a fresh interpreter: Ray Data/Train keep process-global state across ray.init() calls,
     # so another test's cluster in this process must not leak into this one. address="local":
     # a cluster of our own, never one another process started on this machine.
