@@ -15,6 +15,13 @@ in the same invocation with ``--anchor PATH``. One JSON line per variant on stdo
   python tools/bench_moe.py --kernels          # per-op micro-benchmarks, ours vs torch
   python tools/bench_moe.py --sanity           # our loss vs HF's on identical weights
   python tools/bench_moe.py --variants hf --profile   # torch.profiler table per variant
+  python tools/bench_moe.py --gpus 2 --anchor .anchors/anchor_moe_hf_fsdp.py   # expert parallelism
+
+With ``--gpus N`` (N > 1) every configuration is an N-process torchrun on this host: the
+anchor is ``anchor_moe_hf_fsdp.py`` (Transformers + FSDP2, dp=N) and the variants are the
+:data:`EP_VARIANTS` settings of ``polyaccel-moe bench`` at EP=N x DP=N (tokens/s and peak
+memory per GPU). NVLink multicast is kept off (``NCCL_NVLS_ENABLE=0``,
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``) unless already set.
 
 Variants: ``hf`` is Transformers in this process (grouped_mm experts, sdpa; for profiling
 and as a check of the anchor); the others build ``polyaccel.moe.AutoModelForCausalLM``
@@ -68,6 +75,42 @@ micro-batch's forward + backward replayed as one CUDA graph
 ``wgrad_window``: its expert weight gradients computed once per that many micro-batches.
 ``grad_accumulation`` defaults to ``"fused"`` (expert weight gradients accumulated inside the
 grouped GEMM)."""
+
+
+_EP_FAST = ["parallel.dense=replicate", "model.backend.dispatcher=allgather", "model.backend.compile=true",
+            "train.cuda_graph=true"]
+EP_VARIANTS: dict[str, list[str]] = {
+    "ep-replicate-graph-w2": [*_EP_FAST, "train.wgrad_window=2"],
+    "ep-replicate-graph-w2-balanced": [*_EP_FAST, "train.wgrad_window=2", "model.backend.gate=balanced"],
+    "ep-replicate-graph-w4": [*_EP_FAST, "train.wgrad_window=4"],
+    "ep-replicate-eager": ["parallel.dense=replicate", "model.backend.dispatcher=allgather",
+                           "model.backend.compile=true"],
+    "ep-fsdp-a2a": ["model.backend.dispatcher=nccl_a2a"],
+}
+"""name -> ``--set`` overrides of ``polyaccel-moe bench --preset qwen3-30b-a3b-L8`` at EP=N x DP=N
+(N = ``--gpus``): dense replicas with the fixed-size all-gather dispatch and the graphed
+micro-step (the fast layout), eager, and FSDP2 with the all-to-all dispatcher."""
+_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def ep_command(variant: str, gpus: int, a) -> list[str]:  # noqa: ANN001
+    """The torchrun command line of EP variant ``variant`` on ``gpus`` GPUs."""
+    sets = [f"parallel.dp={gpus}", f"parallel.ep={gpus}", f"train.seq_len={a.seq}",
+            f"train.micro_batch={a.mbs}", f"train.grad_accum={a.accum}",
+            f"model.config.num_hidden_layers={a.layers}", *EP_VARIANTS[variant]]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+            "-m", "polyaccel.moe.cli", "bench", "--preset", "qwen3-30b-a3b-L8", "--steps", str(a.steps),
+            "--warmup", str(a.warmup), "--peak-tflops", str(a.peak_tflops), *[x for kv in sets for x in ("--set", kv)]]
+
+
+def ep_record(variant: str, rec: dict) -> dict:
+    """``polyaccel-moe bench``'s JSON line in this script's keys (per GPU)."""
+    if "tokens_per_s_per_device" not in rec:
+        return {"variant": variant, **rec}
+    return {"variant": variant, "gpus": rec["world_size"], "tokens_per_s": round(rec["tokens_per_s_per_device"], 1),
+            "step_s_median": round(rec["step_time_s"], 4), "peak_gib": round(rec["peak_memory_gib"], 2),
+            "mfu": round(rec["mfu"], 4), "loss": rec.get("final_loss"), "backend": rec.get("backend"),
+            "sets": EP_VARIANTS.get(variant)}
 
 
 def backend_kwargs(variant: str) -> dict:
@@ -397,25 +440,28 @@ def bench_adamw() -> list[dict]:
 
 def bench_adamw_full_size() -> list[dict]:
     """``ops.adamw_step_`` over one flat buffer of the whole workload's 5.607 B parameters (45 GB
-    of bf16 state), with and without zeroing the grads: in the training step it measured
-    3.3 TB/s, against ~4.1 over the 1.26 B of :func:`bench_adamw`."""
+    of bf16 state) and of one EP=2 rank's 3.2 B, with and without zeroing the grads. The state
+    is nonzero (random params, grads and moments): all-zero moments send the exact division and
+    square root down their slow path (3.36 TB/s instead of ~4.1 on 1.26 B)."""
     from triton.testing import do_bench
 
     from polyaccel.core import ops
 
     dev, bf = "cuda", torch.bfloat16
-    hyper = dict(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
-    big = 5_607_000_000
-    state = [torch.zeros(big, device=dev, dtype=bf) for _ in range(4)]
+    hyper = dict(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=3)
     rows = []
-    for zero in (True, False):
-        ms = do_bench(lambda z=zero, st=state: ops.adamw_step_(*st, **hyper, zero_grad=z), warmup=50, rep=250,
-                      return_mode="median")
-        rows.append({"kernel": f"adamw step bf16 one flat buffer {big / 1e9:.3f}B params, zero_grad={zero}",
-                     "ours_ms": round(ms, 3), "ours_gbps": round((16 if zero else 14) * big / (ms * 1e-3) / 1e9, 1)})
-        print(json.dumps(rows[-1]), flush=True)
-    state.clear()
-    torch.cuda.empty_cache()
+    for n in (5_607_000_000, 3_200_000_000):
+        state = [torch.randn(n, device=dev, dtype=bf).mul_(0.02), torch.randn(n, device=dev, dtype=bf).mul_(1e-3),
+                 torch.randn(n, device=dev, dtype=bf).mul_(1e-4), torch.rand(n, device=dev, dtype=bf).mul_(1e-6)]
+        for zero in (True, False):
+            ms = do_bench(lambda z=zero, st=state: ops.adamw_step_(*st, **hyper, zero_grad=z), warmup=20, rep=100,
+                          return_mode="median")
+            rows.append({"kernel": f"adamw step bf16 one flat buffer {n / 1e9:.3f}B params, zero_grad={zero}, "
+                                   "nonzero state", "ours_ms": round(ms, 3),
+                         "ours_gbps": round((16 if zero else 14) * n / (ms * 1e-3) / 1e9, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+        state.clear()
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -480,6 +526,42 @@ def run_subprocess(cmd: list[str], timeout: float) -> list[dict]:
     return recs
 
 
+def run_expert_parallel(a) -> None:  # noqa: ANN001
+    """``--gpus N``: the FSDP2 anchor and the EP variants, each an N-process torchrun."""
+    for k, v in _MULTICAST_OFF.items():
+        os.environ.setdefault(k, v)
+    variants = [v for v in a.variants.split(",") if v] if a.variants != p_default_variants() else list(EP_VARIANTS)[:2]
+    unknown = [v for v in variants if v not in EP_VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown --variants {unknown} with --gpus; known: {', '.join(EP_VARIANTS)}")
+    recs: list[dict] = []
+    if a.anchor:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.gpus}", a.anchor,
+               "--layers", str(a.layers), "--seq", str(a.seq), "--mbs", str(a.mbs), "--accum", str(a.accum),
+               "--steps", str(a.steps), "--warmup", str(a.warmup)]
+        for r in run_subprocess(cmd, a.timeout)[:1]:
+            if "tokens_per_s_per_gpu" in r:
+                r = {**r, "tokens_per_s": r["tokens_per_s_per_gpu"], "peak_gib": r["peak_gib_max_rank"],
+                     "mfu": round(r["tokens_per_s_per_gpu"] * flops_per_token(qwen3_config(a.layers), a.seq)
+                                  / (a.peak_tflops * 1e12), 4)}
+            recs.append(r)
+            print(json.dumps(r), flush=True)
+    for v in variants:
+        out = run_subprocess(ep_command(v, a.gpus, a), a.timeout)
+        r = ep_record(v, out[0] if out else {"error": "no output"})  # every rank prints; rank 0's is first
+        recs.append(r)
+        print(json.dumps(r), flush=True)
+    if a.out:
+        with open(a.out, "a") as f:
+            for r in recs:
+                f.write(json.dumps(r) + "\n")
+    print_table(recs)
+
+
+def p_default_variants() -> str:
+    return "learned-compile-flat-graph-w4,balanced-compile-flat-graph-w4"
+
+
 def print_table(recs: list[dict]) -> None:
     anchor = next((r for r in recs if r.get("anchor") and "tokens_per_s" in r), None)
     print("\n| config | tokens/s | vs HF anchor | step s | peak GiB | MFU |")
@@ -487,7 +569,7 @@ def print_table(recs: list[dict]) -> None:
     for r in recs:
         if "tokens_per_s" not in r:
             continue
-        name = "HF anchor (grouped_mm, sdpa)" if r.get("anchor") else r["variant"]
+        name = f"HF anchor ({r['anchor']})" if r.get("anchor") else r["variant"]
         ratio = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.2f}x" if anchor else "-"
         mfu = f"{r['mfu'] * 100:.1f}%" if "mfu" in r else "-"
         print(f"| {name} | {r['tokens_per_s']:,.0f} | {ratio} | {r['step_s_median']} | {r['peak_gib']} | {mfu} |")
@@ -501,7 +583,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--accum", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--variants", default="learned-compile-flat-graph-w4,balanced-compile-flat-graph-w4", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=p_default_variants(),
+                   help=f"comma list of {', '.join(VARIANTS)}; with --gpus: {', '.join(EP_VARIANTS)} "
+                        "(default the first two)")
     p.add_argument("--anchor", help="path of anchor_moe_hf.py to run first, same workload")
     p.add_argument("--kernels", nargs="?", const="wgrad,ops,adamw", default="",
                    help="per-op micro-benchmarks instead (comma list of wgrad, ops, adamw; default all)")
@@ -511,8 +595,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--peak-tflops", type=float, default=H200_DENSE_BF16_TFLOPS)
     p.add_argument("--timeout", type=float, default=420, help="seconds per variant process")
     p.add_argument("--out", help="append every JSON line to this file")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="N > 1: expert parallelism over N GPUs of this host (variants from EP_VARIANTS)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.gpus > 1:
+        run_expert_parallel(a)
+        return
     a.out_dir = os.path.dirname(os.path.abspath(a.out)) if a.out else os.getcwd()
 
     if a.one:  # child process: one variant
