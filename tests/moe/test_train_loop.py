@@ -370,3 +370,29 @@ def test_cuda_graph_under_expert_parallelism_needs_a_sync_free_dispatcher():
     model[1].dispatcher = Dispatcher("nccl_a2a", False)
     with pytest.raises(ConfigError, match="'nccl_a2a' reads its split sizes on the host"):
         _check_graphable_dispatch(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 NVIDIA GPUs")
+def test_gpu_ep2_dense_replicas_graphed_trains_like_one_gpu(tmp_path, monkeypatch):
+    """2 GPUs, EP=2 over dense replicas: the fixed-size all-gather dispatch (NCCL) captured in
+    each micro-step's CUDA graph, the weight-gradient window, FlatAdamW with clipping in its
+    pass. Per-step losses and final weights match one GPU on the same global batches (bf16)."""
+    for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+        monkeypatch.setenv(k, v)
+    common = ["train.device=cuda", "train.dtype=bf16", "train.max_steps=5", "checkpoint.every_steps=0",
+              "train.cuda_graph=true", "train.wgrad_window=2"]
+    single = finetune(_tiny(tmp_path / "single", *common))
+    sets = [*common, "train.micro_batch=1", f"checkpoint.dir={tmp_path / 'ck'}", f"output_dir={tmp_path / 'out'}",
+            f"log.metrics_jsonl={tmp_path / 'metrics.jsonl'}", "log.progress_bar=false",
+            "parallel.ep=2", "parallel.dense=replicate"]
+    run = _torchrun(2, "-m", "polyaccel.moe.cli", "finetune", str(TINY), *[a for s in sets for a in ("--set", s)],
+                    timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "metrics.jsonl")), torch.tensor(single.losses),
+                               rtol=2e-2, atol=2e-2)
+    ours, ref = _weights(tmp_path / "out"), _weights(tmp_path / "single/out")
+    assert ours.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(ours[k].float(), ref[k].float(), rtol=2e-2, atol=5e-3, msg=k)
