@@ -195,6 +195,40 @@ def test_moe_permute_unpermute_roundtrip(gen):
     assert rel_err(ops.moe_unpermute(ys, order, w), expected) < 1e-6
 
 
+def dropped_copies_case(gen, T=9, H=5, E=4, k=3, device="cpu"):
+    """Routing where some copies go to ids >= E (another rank's experts): (x, idx, w, kept)."""
+    x = rnd(gen, T, H).to(device)
+    idx = torch.stack([torch.randperm(2 * E, generator=gen)[:k] for _ in range(T)]).to(device)
+    w = torch.rand(T, k, generator=gen).to(device)
+    return x, idx, w, idx < E
+
+
+def test_moe_permute_drops_copies_outside_the_experts_and_unpermute_skips_them(gen):
+    """Ids >= E are dropped: sorted last, not counted, zero rows, no gradient; moe_unpermute
+    with num_valid never reads their rows (NaN there changes nothing) and gives their weights
+    a zero gradient."""
+    E = 4
+    x, idx, w, kept = dropped_copies_case(gen, E=E)
+    assert (~kept).any() and kept.any()
+    x.requires_grad_()
+    w.requires_grad_()
+    xs, order, counts = ops.moe_permute(x, idx, E)
+    n = int(counts.sum())
+    assert counts.tolist() == [int((idx == e).sum()) for e in range(E)] and n == int(kept.sum())
+    assert bool(kept.reshape(-1)[order[:n]].all()) and not kept.reshape(-1)[order[n:]].any()
+    assert not xs[n:].any()
+    rows = torch.arange(xs.shape[0])[:, None]
+    ys = torch.where(rows < n, 2 * xs, float("nan"))  # dropped rows: never computed
+    out = ops.moe_unpermute(ys, order, w, num_valid=counts.sum())
+    expected = 2 * x * (w * kept).sum(1, keepdim=True)
+    assert torch.isfinite(out).all() and rel_err(out, expected) < 1e-6
+    g = torch.randn(out.shape, generator=gen)
+    out.backward(g)
+    assert rel_err(x.grad, 2 * g * (w * kept).sum(1, keepdim=True)) < 1e-6
+    assert torch.isfinite(w.grad).all() and not w.grad[~kept].any()
+    assert rel_err(w.grad[kept], (2 * x.detach() * g).sum(1, keepdim=True).expand_as(w)[kept]) < 1e-6
+
+
 def test_linear_cross_entropy(gen):
     h, W = rnd(gen, 6, 8), rnd(gen, 11, 8)
     labels = torch.tensor([1, 2, -100, 10, 0, 3])
@@ -224,16 +258,6 @@ def test_add_scaled_reads_a_tensor_scale(gen):
     expected = (out.float() + 0.37 * x.float()).to(torch.bfloat16)
     assert ops.add_scaled_(out, x, torch.tensor(0.37)) is out
     torch.testing.assert_close(out, expected)
-
-
-def test_zero_rows_from_reads_a_tensor_count(gen):
-    x = rnd(gen, 7, 2, 3)
-    expected = x.clone()
-    expected[4:] = 0
-    assert ops.zero_rows_from_(x, torch.tensor(4)) is x
-    assert torch.equal(x, expected)
-    assert torch.equal(ops.zero_rows_from_(x.clone(), torch.tensor(9)), x)  # count past the end
-    assert not ops.zero_rows_from_(x.clone(), torch.tensor(0)).any()
 
 
 def _torch_adamw_step(p, g, m, v, step, **hp):

@@ -6,10 +6,9 @@
 | ``swiglu`` | Triton forward/backward (:mod:`.swiglu`) |
 | ``grouped_mm`` | ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper), bf16 |
 | ``grouped_mm_wgrad`` | Triton K-grouped GEMM over one or several micro-batches, accumulating into ``.grad`` (:mod:`.grouped_wgrad`) |
-| ``moe_permute`` / ``moe_unpermute`` | device sort + Triton gather-combine, no host sync (:mod:`.moe_permute`) |
+| ``moe_permute`` / ``moe_unpermute`` | device sort + Triton gather-combine that skips dropped copies, no host sync (:mod:`.moe_permute`) |
 | ``linear_cross_entropy`` / ``linear_cross_entropy_grads`` | chunked LM head + CE with in-forward gradients (:mod:`.cross_entropy`) |
 | ``add_scaled_`` | one Triton pass, the scale read from device memory (:mod:`.add_scaled`) |
-| ``zero_rows_from_`` | write-only Triton pass over the rows past a device-held count (:mod:`.zero_rows`) |
 | ``attention`` | ``F.scaled_dot_product_attention`` (flash / cuDNN / mem-efficient) (:mod:`.attention`) |
 | ``adamw_step_`` | one Triton pass over a flat buffer, fp32 math, optional grad zeroing (:mod:`.adamw`) |
 
@@ -29,7 +28,6 @@ from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
 from polyaccel.cuda.moe_permute import moe_permute, moe_unpermute
 from polyaccel.cuda.swiglu import swiglu
 from polyaccel.cuda.triton_rmsnorm import rms_norm
-from polyaccel.cuda.zero_rows import zero_rows_from_
 
 BACKEND = "cuda"
 
@@ -44,7 +42,6 @@ def register_all(registry) -> None:
         registry.register("linear_cross_entropy_grads", "cuda", linear_cross_entropy_grads,
                           impl="chunked+triton", backend=BACKEND)
         registry.register("add_scaled_", "cuda", add_scaled_, impl="triton", backend=BACKEND)
-        registry.register("zero_rows_from_", "cuda", zero_rows_from_, impl="triton", backend=BACKEND)
         registry.register("moe_unpermute", "cuda", moe_unpermute, impl="triton", backend=BACKEND)
         registry.register("adamw_step_", "cuda", adamw_step_, impl="triton", backend=BACKEND)
         registry.register("grouped_mm_wgrad", "cuda", grouped_mm_wgrad, impl="triton", backend=BACKEND)

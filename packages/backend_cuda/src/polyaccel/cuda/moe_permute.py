@@ -9,6 +9,11 @@ Both backwards are gathers too (no atomics, deterministic): the gradient of the 
 weight-1 unpermute, and the unpermute's backward writes each expert row's gradient and the
 k router-weight gradients of a token in one pass.
 
+Dropped copies (expert id >= ``num_experts``: routed to another rank's experts) sort last.
+The unpermute and both backwards skip rows past the valid count (``END``, read on the
+device): under expert parallelism with a fixed-size dispatch about half of the sorted rows
+are such copies; the permute still gathers them (their rows are unspecified by contract).
+
 Shapes: T tokens, k experts per token, H hidden, E experts. ``order`` [T*k] int64 maps a row
 of the sorted tensor to its flat (token * k + slot) index; ``inv`` is its inverse.
 """
@@ -28,23 +33,29 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def gather_combine(Y, INV, W, OUT, H, K, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
-        """OUT[t, h] = sum_j W[t, j] * Y[INV[t*K + j], h] (W = 1 without HAS_W)."""
+    def gather_combine(Y, INV, W, END, OUT, H, K, HAS_W: tl.constexpr, HAS_END: tl.constexpr,
+                       BLOCK_H: tl.constexpr):
+        """OUT[t, h] = sum_j W[t, j] * Y[INV[t*K + j], h] (W = 1 without HAS_W; rows >= END
+        count as zeros with HAS_END)."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         cmask = cols < H
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for j in tl.range(0, K):
             r = tl.load(INV + t * K + j)
-            y = tl.load(Y + r * H + cols, mask=cmask, other=0.0).to(tl.float32)
+            rmask = cmask
+            if HAS_END:  # (r broadcast over the columns: a vector mask)
+                rmask = rmask & ((cols * 0 + r) < tl.load(END))
+            y = tl.load(Y + r * H + cols, mask=rmask, other=0.0).to(tl.float32)
             if HAS_W:
                 y = y * tl.load(W + t * K + j).to(tl.float32)
             acc += y
         tl.store(OUT + t * H + cols, acc.to(OUT.dtype.element_ty), mask=cmask)
 
     @triton.jit
-    def combine_bwd(G, Y, INV, W, DY, DW, H, K, BLOCK_H: tl.constexpr):
-        """DY[INV[t*K+j]] = W[t, j] * G[t];  DW[t, j] = <G[t], Y[INV[t*K+j]]>."""
+    def combine_bwd(G, Y, INV, W, END, DY, DW, H, K, HAS_END: tl.constexpr, BLOCK_H: tl.constexpr):
+        """DY[INV[t*K+j]] = W[t, j] * G[t];  DW[t, j] = <G[t], Y[INV[t*K+j]]> (with HAS_END,
+        rows >= END are neither read nor written, and their DW is 0)."""
         t = tl.program_id(0).to(tl.int64)
         for j in tl.range(0, K):
             r = tl.load(INV + t * K + j)
@@ -52,11 +63,13 @@ def _kernels():
             dot = tl.zeros((BLOCK_H,), dtype=tl.float32)
             for h0 in tl.range(0, H, BLOCK_H):
                 cols = h0 + tl.arange(0, BLOCK_H)
-                cmask = cols < H
-                g = tl.load(G + t * H + cols, mask=cmask, other=0.0).to(tl.float32)
-                y = tl.load(Y + r * H + cols, mask=cmask, other=0.0).to(tl.float32)
+                rmask = cols < H
+                if HAS_END:
+                    rmask = rmask & ((cols * 0 + r) < tl.load(END))
+                g = tl.load(G + t * H + cols, mask=rmask, other=0.0).to(tl.float32)
+                y = tl.load(Y + r * H + cols, mask=rmask, other=0.0).to(tl.float32)
                 dot += g * y
-                tl.store(DY + r * H + cols, (w * g).to(DY.dtype.element_ty), mask=cmask)
+                tl.store(DY + r * H + cols, (w * g).to(DY.dtype.element_ty), mask=rmask)
             tl.store(DW + t * K + j, tl.sum(dot, axis=0).to(DW.dtype.element_ty))
 
     return gather_combine, combine_bwd
@@ -68,12 +81,21 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor | None, T: int, k: int
-             ) -> torch.Tensor:
-    """out[t] = sum_j w[t, j] * y[inv[t*k + j]] in fp32, returned in ``y.dtype``. [T, H]."""
+def _valid_rows(y: torch.Tensor, num_valid: torch.Tensor | None) -> torch.Tensor:
+    """``y`` with rows from ``num_valid`` on zeroed (the torch path's view of dropped copies)."""
+    if num_valid is None:
+        return y
+    rows = torch.arange(y.shape[0], device=y.device)
+    return torch.where((rows < num_valid)[:, None], y, y.new_zeros(()))
+
+
+def _combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor | None, T: int, k: int,
+             num_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * y[inv[t*k + j]] in fp32 over rows < ``num_valid``, returned in
+    ``y.dtype``. [T, H]."""
     H = y.shape[-1]
     if not use_triton(y):
-        g = y.index_select(0, inv).view(T, k, H).float()
+        g = _valid_rows(y, num_valid).index_select(0, inv).view(T, k, H).float()
         if weights is not None:
             g = g * weights.float().unsqueeze(-1)
         return g.sum(1).to(y.dtype)
@@ -82,8 +104,9 @@ def _combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor | None, T
         fwd, _ = _kernels()
         block_h = min(1024, 1 << max(4, (H - 1).bit_length()))
         w = weights.contiguous() if weights is not None else inv  # unused pointer without weights
-        fwd[(T, cdiv(H, block_h))](y.contiguous(), inv, w, out, H, k, HAS_W=weights is not None,
-                                   BLOCK_H=block_h, num_warps=4)
+        end = num_valid.reshape(1) if num_valid is not None else inv  # unused without HAS_END
+        fwd[(T, cdiv(H, block_h))](y.contiguous(), inv, w, end, out, H, k, HAS_W=weights is not None,
+                                   HAS_END=num_valid is not None, BLOCK_H=block_h, num_warps=4)
     return out
 
 
@@ -102,6 +125,7 @@ def moe_permute_op(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int
     ends = torch.searchsorted(expert_sorted, torch.arange(num_experts, device=flat.device,
                                                           dtype=expert_sorted.dtype), right=True)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    # Dropped copies (past ends[-1]) are gathered too: their rows are unspecified by contract.
     return x.index_select(0, order // k), order, counts
 
 
@@ -115,28 +139,29 @@ def _(x, topk_idx, num_experts):
 def _permute_setup(ctx, inputs, output):
     _, topk_idx, _ = inputs
     ctx.k = topk_idx.shape[-1]
-    ctx.save_for_backward(output[1])
+    ctx.save_for_backward(output[1], output[2].sum().reshape(1))
 
 
 def _permute_backward(ctx, grad_sorted, _grad_order, _grad_counts):
-    (order,) = ctx.saved_tensors
+    order, num_valid = ctx.saved_tensors
     T = order.numel() // ctx.k
-    return torch.ops.polyaccel_cuda.moe_combine(grad_sorted, order, None, T), None, None
+    return torch.ops.polyaccel_cuda.moe_combine(grad_sorted, order, None, T, num_valid), None, None
 
 
 moe_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
 
 
 @torch.library.custom_op(f"{_LIB}::moe_combine", mutates_args=())
-def moe_combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor | None, T: int
-                ) -> torch.Tensor:
-    """Unweighted (``weights`` None) or weighted sum of each token's k sorted rows: [T, H]."""
+def moe_combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor | None, T: int,
+                num_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Unweighted (``weights`` None) or weighted sum of each token's k sorted rows (rows from
+    ``num_valid`` on count as zeros): [T, H]."""
     k = order.numel() // T if T else 1
-    return _combine(y_sorted, _inverse(order), weights, T, k)
+    return _combine(y_sorted, _inverse(order), weights, T, k, num_valid)
 
 
 @moe_combine.register_fake
-def _(y_sorted, order, weights, T):
+def _(y_sorted, order, weights, T, num_valid=None):
     return y_sorted.new_empty(T, y_sorted.shape[-1])
 
 
@@ -146,28 +171,31 @@ def _(y_sorted, order, weights, T):
 
 
 @torch.library.custom_op(f"{_LIB}::moe_unpermute", mutates_args=())
-def moe_unpermute_op(y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor
-                     ) -> torch.Tensor:
-    """out[t] = sum_j topk_weights[t, j] * y_sorted[row of (t, j)], fp32 sum: [T, H]."""
+def moe_unpermute_op(y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
+                     num_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = sum_j topk_weights[t, j] * y_sorted[row of (t, j)], fp32 sum, rows from
+    ``num_valid`` on counting as zeros: [T, H]."""
     T, k = topk_weights.shape
-    return _combine(y_sorted, _inverse(order), topk_weights, T, k)
+    return _combine(y_sorted, _inverse(order), topk_weights, T, k, num_valid)
 
 
 @moe_unpermute_op.register_fake
-def _(y_sorted, order, topk_weights):
+def _(y_sorted, order, topk_weights, num_valid=None):
     return y_sorted.new_empty(topk_weights.shape[0], y_sorted.shape[-1])
 
 
 @torch.library.custom_op(f"{_LIB}::moe_unpermute_bwd", mutates_args=())
 def moe_unpermute_bwd(grad_out: torch.Tensor, y_sorted: torch.Tensor, order: torch.Tensor,
-                      topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad of ``y_sorted`` [T*k, H], grad of ``topk_weights`` [T, k])."""
+                      topk_weights: torch.Tensor, num_valid: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad of ``y_sorted`` [T*k, H] (unspecified in rows from ``num_valid`` on), grad of
+    ``topk_weights`` [T, k] (0 for those rows' copies))."""
     T, k = topk_weights.shape
     H = y_sorted.shape[-1]
     inv = _inverse(order)
     if not use_triton(y_sorted):
         g = grad_out.float()
-        y = y_sorted.index_select(0, inv).view(T, k, H).float()
+        y = _valid_rows(y_sorted, num_valid).index_select(0, inv).view(T, k, H).float()
         dw = (y * g.unsqueeze(1)).sum(-1).to(topk_weights.dtype)
         dy = (topk_weights.float().unsqueeze(-1) * g.unsqueeze(1)).view(T * k, H)
         return dy.index_select(0, order).to(y_sorted.dtype), dw
@@ -176,25 +204,28 @@ def moe_unpermute_bwd(grad_out: torch.Tensor, y_sorted: torch.Tensor, order: tor
     if T:
         _, bwd = _kernels()
         block_h = min(1024, 1 << max(4, (H - 1).bit_length()))
-        bwd[(T,)](grad_out.contiguous(), y_sorted.contiguous(), inv, topk_weights.contiguous(), dy, dw,
-                  H, k, BLOCK_H=block_h, num_warps=4)
+        end = num_valid.reshape(1) if num_valid is not None else inv  # unused without HAS_END
+        bwd[(T,)](grad_out.contiguous(), y_sorted.contiguous(), inv, topk_weights.contiguous(), end, dy, dw,
+                  H, k, HAS_END=num_valid is not None, BLOCK_H=block_h, num_warps=4)
     return dy, dw
 
 
 @moe_unpermute_bwd.register_fake
-def _(grad_out, y_sorted, order, topk_weights):
+def _(grad_out, y_sorted, order, topk_weights, num_valid=None):
     return torch.empty_like(y_sorted), torch.empty_like(topk_weights)
 
 
 def _unpermute_setup(ctx, inputs, output):
-    y_sorted, order, topk_weights = inputs
-    ctx.save_for_backward(y_sorted, order, topk_weights)
+    y_sorted, order, topk_weights, num_valid = inputs
+    ctx.has_valid = num_valid is not None
+    ctx.save_for_backward(y_sorted, order, topk_weights, *([num_valid] if num_valid is not None else []))
 
 
 def _unpermute_backward(ctx, grad_out):
-    y_sorted, order, topk_weights = ctx.saved_tensors
-    dy, dw = torch.ops.polyaccel_cuda.moe_unpermute_bwd(grad_out, y_sorted, order, topk_weights)
-    return dy, None, dw
+    y_sorted, order, topk_weights, *valid = ctx.saved_tensors
+    dy, dw = torch.ops.polyaccel_cuda.moe_unpermute_bwd(grad_out, y_sorted, order, topk_weights,
+                                                        valid[0] if valid else None)
+    return dy, None, dw, None
 
 
 moe_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
@@ -206,6 +237,7 @@ def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int
     return torch.ops.polyaccel_cuda.moe_permute(x, topk_idx, num_experts)
 
 
-def moe_unpermute(y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+def moe_unpermute(y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
+                  num_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Core ``moe_unpermute`` on CUDA (same contract, one fused gather-and-sum)."""
-    return torch.ops.polyaccel_cuda.moe_unpermute(y_sorted, order, topk_weights)
+    return torch.ops.polyaccel_cuda.moe_unpermute(y_sorted, order, topk_weights, num_valid)

@@ -191,24 +191,37 @@ def moe_permute(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int
     x [T, H], topk_idx [T, k] -> (x_sorted [T*k, H], order [T*k], counts [E]). ``order[i]``
     is the flat (token * k + slot) index of row i of ``x_sorted``; the sort is stable, so
     each expert sees its tokens in original order.
+
+    Copies whose expert id is ``>= num_experts`` are dropped (e.g. routed to experts on other
+    ranks): they sort last and are not counted; their rows of ``x_sorted`` (past
+    ``counts.sum()``) are zeros here and may hold anything on an accelerator, and no gradient
+    flows back from them.
     """
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     # scatter_add rather than bincount: no host sync, traceable without a graph break
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int64))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat.clamp(max=num_experts), torch.ones_like(flat, dtype=torch.int64))[:num_experts]
     x_sorted = x.index_select(0, order // topk_idx.shape[1])
+    rows = torch.arange(order.numel(), device=x.device)
+    x_sorted = torch.where((rows < counts.sum())[:, None], x_sorted, x_sorted.new_zeros(()))  # dropped copies
     return x_sorted, order, counts
 
 
 @registry.define
-def moe_unpermute(y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor
-                  ) -> torch.Tensor:
+def moe_unpermute(y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
+                  num_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`moe_permute` with the top-k combine: out[t] = sum_j w[t, j] * y[t, j].
 
     y_sorted [T*k, H], order [T*k], topk_weights [T, k] -> [T, H] in ``y_sorted.dtype``.
+    ``num_valid`` (a 0-dim tensor, read where it lives): rows of ``y_sorted`` from there on
+    (dropped copies, never computed) count as zeros and are not read; their gradient is
+    unspecified, and the weight gradient of their copies is zero.
     """
     T, k = topk_weights.shape
+    if num_valid is not None:
+        rows = torch.arange(y_sorted.shape[0], device=y_sorted.device)
+        y_sorted = torch.where((rows < num_valid)[:, None], y_sorted, y_sorted.new_zeros(()))
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted
     y = y.view(T, k, -1)
@@ -282,16 +295,6 @@ def add_scaled_(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> torc
     """``out += x * scale`` in place, ``scale`` a 0-dim tensor read where it lives (no host
     synchronization); fp32 math, one rounding to ``out``'s dtype. Returns ``out``."""
     return out.add_(x.float().mul_(scale.float()))
-
-
-@registry.define
-def zero_rows_from_(x: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-    """Zero rows ``end:`` of ``x`` (along dim 0) in place, ``end`` a 0-dim integer tensor read
-    where it lives (no host synchronization): the rows past a data-dependent count in a
-    fixed-size buffer (e.g. the discard rows of a grouped GEMM, never computed). Returns ``x``."""
-    rows = torch.arange(x.shape[0], device=x.device)
-    keep = (rows < end.to(x.device)).view(-1, *([1] * (x.dim() - 1)))
-    return x.masked_fill_(~keep, 0)
 
 
 @registry.define

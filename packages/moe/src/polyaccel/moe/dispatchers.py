@@ -105,40 +105,6 @@ class _ReduceScatterRows(torch.autograd.Function):
         return out, None
 
 
-class _ZeroGradRowsFrom(torch.autograd.Function):
-    """Identity forward; backward zeroes the gradient of rows ``>= end`` (a 0-dim device
-    tensor: no host sync). Rows past the last grouped-GEMM group are never computed, and
-    whatever the GEMMs' backward leaves in them must not reach the tokens' gradients."""
-
-    @staticmethod
-    def forward(ctx, x, end):  # noqa: ANN001
-        ctx.save_for_backward(end)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001
-        (end,) = ctx.saved_tensors
-        # In place: the gradient is the grouped GEMM's fresh data gradient, used nowhere else.
-        return ops.zero_rows_from_(grad, end), None
-
-
-class _ZeroRowsFrom(torch.autograd.Function):
-    """Zero rows ``>= end`` of a fresh grouped-GEMM output in place, and of its gradient:
-    those rows were never computed (their memory is whatever was there: select, don't
-    multiply by a zero weight, 0 * NaN is NaN)."""
-
-    @staticmethod
-    def forward(ctx, y, end):  # noqa: ANN001
-        ctx.save_for_backward(end)
-        ctx.mark_dirty(y)
-        return ops.zero_rows_from_(y, end)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001
-        (end,) = ctx.saved_tensors
-        return ops.zero_rows_from_(grad.clone() if grad._base is not None else grad, end), None
-
-
 def _reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:  # noqa: ANN001
     out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
     dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
@@ -300,17 +266,16 @@ class AllGatherDispatcher(TokenDispatcher):
         dist.all_gather_into_tensor(idx_all, idx.contiguous(), group=self.group)
         local = idx_all - self.ep_rank * E_local
         is_local = (local >= 0) & (local < E_local)
-        local = torch.where(is_local, local, E_local)  # discard group
-        x_sorted, order, counts = ops.moe_permute(x_all, local, E_local + 1)
-        valid_rows = counts[:E_local].sum()
-        x_sorted = _ZeroGradRowsFrom.apply(x_sorted, valid_rows)
+        # Copies for other ranks' experts get id E_local: moe_permute drops them (sorted last,
+        # not counted, no gradient) and the combine skips their rows, which are never computed.
+        local = torch.where(is_local, local, E_local)
+        x_sorted, order, counts = ops.moe_permute(x_all, local, E_local)
         rows = torch.div(order, idx.shape[1], rounding_mode="floor").to(torch.int32)
-        handle = _GatherHandle(order, w_all * is_local, valid_rows, T, padded, (x_all, rows))
-        return x_sorted, counts[:E_local], handle
+        handle = _GatherHandle(order, w_all * is_local, counts.sum(), T, padded, (x_all, rows))
+        return x_sorted, counts, handle
 
     def combine(self, y, handle):  # noqa: ANN001
-        y = _ZeroRowsFrom.apply(y, handle.valid_rows)  # the discard group: never computed
-        partial = ops.moe_unpermute(y, handle.order, handle.weights)  # [ep * T_pad, H]
+        partial = ops.moe_unpermute(y, handle.order, handle.weights, num_valid=handle.valid_rows)  # [ep*T_pad, H]
         return _ReduceScatterRows.apply(partial, self.group)[:handle.tokens]
 
 
@@ -596,13 +561,12 @@ class DeepEPDispatcher(TokenDispatcher):
         recv_x, recv_w, recv_idx, handle = _DeepEPDispatch.apply(x, w.float(), idx.long(), self)
         E_local = self.num_local_experts
         is_local = recv_idx >= 0
-        local = torch.where(is_local, recv_idx, E_local)
-        x_sorted, order, counts = ops.moe_permute(recv_x, local, E_local + 1)
-        return x_sorted, counts[:E_local], _DeepEPHandle(handle, order, recv_w * is_local, counts[:E_local].sum())
+        local = torch.where(is_local, recv_idx, E_local)  # dropped by moe_permute (see allgather)
+        x_sorted, order, counts = ops.moe_permute(recv_x, local, E_local)
+        return x_sorted, counts, _DeepEPHandle(handle, order, recv_w * is_local, counts.sum())
 
     def combine(self, y, handle):  # noqa: ANN001
-        y = _ZeroRowsFrom.apply(y, handle.valid_rows)  # the discard group: never computed
-        partial = ops.moe_unpermute(y, handle.order, handle.weights)
+        partial = ops.moe_unpermute(y, handle.order, handle.weights, num_valid=handle.valid_rows)
         return _DeepEPCombine.apply(partial, handle.handle, self)
 
 
