@@ -551,8 +551,13 @@ def run_expert_parallel(a) -> None:  # noqa: ANN001
         r = ep_record(v, out[0] if out else {"error": "no output"})  # every rank prints; rank 0's is first
         recs.append(r)
         print(json.dumps(r), flush=True)
-    if a.out:
-        with open(a.out, "a") as f:
+    finish(recs, a.out)
+
+
+def finish(recs: list[dict], out: str | None) -> None:
+    """Append the JSON lines to ``out`` (if given) and print the table."""
+    if out:
+        with open(out, "a") as f:
             for r in recs:
                 f.write(json.dumps(r) + "\n")
     print_table(recs)
@@ -648,11 +653,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in run_subprocess(cmd, a.timeout):
             recs.append(r)
             print(json.dumps(r), flush=True)
-    if a.out:
-        with open(a.out, "a") as f:
-            for r in recs:
-                f.write(json.dumps(r) + "\n")
-    print_table(recs)
+    finish(recs, a.out)
 
 
 if __name__ == "__main__":
