@@ -134,7 +134,9 @@ def _worker(rank: int, world: int, ep: int, port: int, out: Path, dispatcher: st
         losses.append(float(total))
     result["losses"] = losses
     if replicate:
-        result["state"] = sync.full_state_dict()
+        from polyaccel.moe.ep_checkpoint import full_state_dict
+
+        result["state"] = full_state_dict(model)
     torch.save(result, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 

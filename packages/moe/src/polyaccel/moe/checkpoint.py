@@ -91,22 +91,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    extra: dict[str, Any], keep_last: int = 0,
-                    model_state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+                    extra: dict[str, Any], keep_last: int = 0, per_rank_optimizer: bool = False) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank calls it) and prune old ones.
+    The weights are the whole model's, as a Hugging Face checkpoint, whatever the layout
+    (:func:`polyaccel.moe.ep_checkpoint.full_state_dict`).
 
     :param extra: JSON/pickle-able trainer state (scheduler, data position, config...).
-    :param model_state_dict: the full model state, when the caller gathered it
-        (:meth:`polyaccel.moe.dense_replicas.GradientSync.full_state_dict`); each rank then
-        saves its own optimizer state (``optimizer_rank{r}.pt``: with dense replicas the
-        ranks' optimizers hold different experts), and resuming needs the same layout.
+    :param per_rank_optimizer: each rank saves its own optimizer state
+        (``optimizer_rank{r}.pt``; dense replicas, whose ranks' optimizers hold different
+        experts); resuming then needs the same layout. Otherwise rank 0 saves the full state.
     :returns: the final checkpoint directory.
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from polyaccel.moe.ep_checkpoint import full_state_dict
 
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -115,12 +113,13 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    per_rank = model_state_dict is not None
-    model_sd = model_state_dict if per_rank else get_model_state_dict(model, options=opts)
-    optim_sd = None if per_rank else get_optimizer_state_dict(model, optimizer, options=opts)
-    if per_rank:
+    model_sd = full_state_dict(model)
+    optim_sd = None
+    if per_rank_optimizer:
         torch.save(_to_cpu(optimizer.state_dict()), tmp / f"optimizer_rank{rank}.pt")
+    else:
+        optim_sd = get_optimizer_state_dict(model, optimizer,
+                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
         model.save_pretrained(tmp, state_dict=model_sd)

@@ -17,10 +17,9 @@ expert gradients over the ``ep_shard`` replicas of each block (nothing when ``ep
 the world size). Both then hold exactly the single-process gradient of the global batch, and
 every rank's optimizer makes the same dense update.
 
-Checkpoints. :func:`polyaccel.moe.ep_checkpoint.save_pretrained` (or
-:meth:`GradientSync.full_state_dict`) all-gathers the expert blocks into the whole ``[E, ...]``
-tensors (a collective), which rank 0 writes as a standard Hugging Face checkpoint; the trainer
-saves the optimizer state per rank.
+Checkpoints. :func:`polyaccel.moe.ep_checkpoint.save_pretrained` (and ``full_state_dict``)
+all-gathers the expert blocks into the whole ``[E, ...]`` tensors (a collective), which rank 0
+writes as a standard Hugging Face checkpoint; the trainer saves the optimizer state per rank.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from polyaccel.moe.grouped_linear import mark_caller_syncs_grad
 
 
 class GradientSync:
-    """Gradient all-reduces, global gradient norm and full state dict of a model laid out by
+    """Gradient all-reduces and the global gradient norm of a model laid out by
     :func:`apply_dense_replicas`.
 
     :param model: the model (its experts already hold this rank's block).
@@ -83,13 +82,6 @@ class GradientSync:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_(dense + experts, coef)
         return total
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's whole state dict on rank 0's CPU, expert blocks all-gathered
-        (:func:`polyaccel.moe.ep_checkpoint.full_state_dict`; a collective)."""
-        from polyaccel.moe.ep_checkpoint import full_state_dict
-
-        return full_state_dict(self.model)
 
 
 def apply_dense_replicas(model: nn.Module, meshes: ParallelMeshes, *, dispatcher: str | None = None,

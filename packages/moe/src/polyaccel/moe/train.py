@@ -373,6 +373,7 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
             n_targets.clamp_(min=1)
             loss_sum = torch.zeros((), device=rt.device)
             n_mb = len(micro_batches)
+            aux_parts = n_mb if fsdp else n_mb * rt.world_size  # the router aux loss is averaged over these
             for m, mb in enumerate(micro_batches):
                 if micro_step is not None:
                     loss_sum += micro_step(input_ids=mb["input_ids"].to(rt.device, non_blocking=True),
@@ -385,7 +386,7 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                     with autocast:
                         out = model(input_ids=mb["input_ids"].to(rt.device), labels=mb["labels"].to(rt.device),
                                     num_items_in_batch=n_targets, use_cache=False)
-                    loss_part = _scaled_loss(out, model.config, loss_world, n_mb * rt.world_size // loss_world)
+                    loss_part = _scaled_loss(out, model.config, loss_world, aux_parts)
                     loss_part.backward()
                 loss_sum += loss_part.detach().float() / loss_world
             grouped_linear.flush_wgrad()
@@ -424,10 +425,9 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                     print(json.dumps(record), flush=True)
             every = cfg.checkpoint.every_steps
             if cfg.checkpoint.dir and ((every and step % every == 0) or step == t.max_steps):
-                last_saved = ckpt.save_checkpoint(
-                    cfg.checkpoint.dir, step, model, optimizer, _trainer_extra(cfg, scheduler, batches),
-                    keep_last=cfg.checkpoint.keep_last,
-                    model_state_dict=grad_sync.full_state_dict() if grad_sync is not None else None)
+                last_saved = ckpt.save_checkpoint(cfg.checkpoint.dir, step, model, optimizer,
+                                                  _trainer_extra(cfg, scheduler, batches),
+                                                  keep_last=cfg.checkpoint.keep_last, per_rank_optimizer=replicas)
     finally:
         if bar is not None:
             bar.close()
@@ -435,7 +435,7 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
             metrics_file.close()
 
     if cfg.output_dir and step == t.max_steps:
-        save_final(model, cfg, rt, state=grad_sync.full_state_dict() if grad_sync is not None else None)
+        save_final(model, cfg, rt)
     measured = times[1:] or times
     tok_s_dev = tokens_per_step / statistics.median(measured) / rt.world_size if measured else None
     return TrainResult(
@@ -503,14 +503,12 @@ def _trainer_extra(cfg: FinetuneConfig, scheduler, batches: Batches) -> dict[str
     return {"scheduler": scheduler.state_dict(), "data": batches.state_dict(), "config": cfg.to_dict()}
 
 
-def save_final(model: nn.Module, cfg: FinetuneConfig, rt: Runtime, state: dict[str, Any] | None = None) -> None:
+def save_final(model: nn.Module, cfg: FinetuneConfig, rt: Runtime) -> None:
     """``save_pretrained`` the trained model (and the tokenizer, if there is one) to
-    ``cfg.output_dir``; collective under FSDP (rank 0 writes). ``state``: the full state dict
-    when the caller gathered it (dense replicas)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    ``cfg.output_dir``; collective when distributed (rank 0 writes)."""
+    from polyaccel.moe.ep_checkpoint import full_state_dict
 
-    if state is None:
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = full_state_dict(model)
     if rt.rank == 0:
         model.save_pretrained(cfg.output_dir, state_dict=state)
         tok_dir = cfg.data.tokenizer or cfg.model.path
