@@ -188,6 +188,13 @@ def test_gpu_rms_norm(shape, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_swiglu(dtype):
     check_against_reference(swiglu, ops.swiglu.reference, [torch.randn(3000, 2 * 768, device="cuda")], dtype)
+    # num_valid: rows past it (dropped copies) are skipped; rows below it are unchanged.
+    gu = torch.randn(3000, 2 * 768, device="cuda").to(dtype).requires_grad_()
+    out = swiglu(gu, torch.tensor(1700, device="cuda"))
+    g = torch.randn_like(out)
+    (dgu,) = torch.autograd.grad(out, gu, g)
+    out64, (dgu64,) = fp64_grads(ops.swiglu.reference, [gu], g)
+    assert rel_err(out[:1700], out64[:1700]) < TOL[dtype] and rel_err(dgu[:1700], dgu64[:1700]) < TOL[dtype]
 
 
 @gpu

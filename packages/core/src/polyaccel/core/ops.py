@@ -60,8 +60,12 @@ def ffn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Te
 
 
 @registry.define
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` where ``gate_up[..., :I]`` is gate and ``gate_up[..., I:]`` is up."""
+def swiglu(gate_up: torch.Tensor, num_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` where ``gate_up[..., :I]`` is gate and ``gate_up[..., I:]`` is up.
+
+    ``num_valid`` (a 0-dim tensor, 2-D ``gate_up``): rows from there on are dropped copies
+    (:func:`moe_permute`); their output and gradient are unspecified, so a backend may skip
+    them. This reference computes every row."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

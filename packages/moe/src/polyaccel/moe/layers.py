@@ -347,10 +347,11 @@ class Experts(nn.Module):
         self.fuse_wgrad = False  # BackendConfig(grad_accumulation="fused"): polyaccel.moe.grouped_linear
         self.dispatcher: Any = None  # set by expert parallelism
 
-    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """act(gate) * up for [..., 2I] -> [..., I]."""
+    def gated(self, gate_up: torch.Tensor, num_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """act(gate) * up for [..., 2I] -> [..., I]; rows from ``num_valid`` on may be skipped
+        (dropped copies of an expert-parallel dispatch, see ``ops.swiglu``)."""
         if self.act in ("silu", "swish"):
-            return ops.swiglu(gate_up)
+            return ops.swiglu(gate_up, num_valid)
         gate, up = gate_up.chunk(2, dim=-1)
         return ops.activation_fn(self.act)(gate) * up
 
@@ -376,13 +377,15 @@ class Experts(nn.Module):
         """Dispatch copies to the experts' ranks, run the local experts, combine back."""
         x_local, counts, handle = self.dispatcher.dispatch(x, idx, w)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        valid = getattr(handle, "valid_rows", None)  # fixed-size dispatch: rows past it are dropped copies
+        valid = valid if isinstance(valid, torch.Tensor) else None
         if self.fuse_wgrad and not hasattr(self.gate_up_proj, "to_local"):
             # Plain local parameters (polyaccel.moe.dense_replicas): fused weight gradients.
             h = self.gated(grouped_linear(x_local, self.gate_up_proj, offsets,
-                                          gathered_from=getattr(handle, "gathered_from", None)))
+                                          gathered_from=getattr(handle, "gathered_from", None)), valid)
             y = grouped_linear(h, self.down_proj, offsets)
         else:
-            h = self.gated(ops.grouped_mm(x_local, _local(self.gate_up_proj), offsets))
+            h = self.gated(ops.grouped_mm(x_local, _local(self.gate_up_proj), offsets), valid)
             y = ops.grouped_mm(h, _local(self.down_proj), offsets)
         return self.dispatcher.combine(y, handle)
 
