@@ -68,6 +68,8 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
     (["data.jsonl=missing.jsonl"], "missing.jsonl does not exist"),
     (["train.seq_len=1000"], "train.seq_len=1000 exceeds the model's max_position_embeddings=256"),
     (["parallel.ep=2"], "ep=2 must divide the number of ranks"),
+    (["parallel.dense=replicate", "parallel.dp_replicate=2"], "parallel.dp_replicate is an FSDP (HSDP) setting"),
+    (["parallel.dense=shard"], "parallel.dense"),
     (["data.synthetic.vocab=1000"], "data.synthetic.vocab=1000 exceeds the model's vocab_size=128"),
     (["model.backend.expert=eager"], "unknown config key 'model.backend.expert' (did you mean 'experts'?)"),
 ])

@@ -149,6 +149,9 @@ def validate(cfg: FinetuneConfig, model_config: Any) -> None:
         raise ConfigError("checkpoint.every_steps and checkpoint.keep_last must be >= 0")
     if cfg.model.backend and cfg.model.implementation != "polyaccel":
         raise ConfigError("model.backend applies to implementation: polyaccel only")
+    if cfg.parallel.dense == "replicate" and cfg.parallel.dp_replicate > 1:
+        raise ConfigError("parallel.dp_replicate is an FSDP (HSDP) setting; with parallel.dense=replicate every rank "
+                          "already holds the whole dense model: leave dp_replicate at 1")
 
 
 def auto_model_class(implementation: str) -> tuple[type, type | None]:
