@@ -30,8 +30,9 @@ what they keep in graph memory that the next ones read.
 Requirements: a CUDA device; every call with the same batch shapes and keys (a call with
 other shapes runs eagerly, with a one-time warning); no host synchronization in the
 model's forward or backward (polyaccel MoE models have none on one device; a padded
-``attention_mask`` stays a mask under capture). Not for FSDP2 / expert parallelism, whose
-collectives and hooks run on the host.
+``attention_mask`` stays a mask under capture). Not for FSDP2, whose collectives and hooks
+run on the host; expert parallelism over dense replicas (:mod:`polyaccel.moe.dense_replicas`)
+works with a dispatcher that never waits on the host (its NCCL calls are captured).
 """
 
 from __future__ import annotations
