@@ -73,7 +73,16 @@ def _worker(rank: int, world: int, ep: int, port: int, out: Path, dispatcher: st
         sync = apply_dense_replicas(model, meshes, dispatcher=dispatcher,
                                     tokens_per_rank=PER_RANK * SEQ if dispatcher == "allgather" else None)
         scale = 1  # each rank's share of the global loss; GradientSync sums the gradients
-        sync_grads, clip = sync.all_reduce, sync.grad_norm
+        sync_grads = sync.all_reduce
+
+        def clip(max_norm):
+            from polyaccel.moe.optim import clip_coefficient
+
+            norm = sync.grad_norm()
+            coef = clip_coefficient(norm, max_norm)
+            if coef is not None:
+                torch._foreach_mul_([p.grad for p in model.parameters()], coef)
+            return norm
 
         def full_grads():
             ep_group = meshes.moe["ep"].get_group()

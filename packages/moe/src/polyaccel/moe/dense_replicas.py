@@ -65,23 +65,15 @@ class GradientSync:
             for span in _adjacent_spans(_grads(self.expert_params)):
                 dist.all_reduce(span, group=self.shard_group)
 
-    def grad_norm(self, max_norm: float | None = None, norm_type: float = 2.0) -> torch.Tensor:
+    def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the (synchronized) gradients: the dense part once, each expert
-        block once; scales every gradient by ``min(1, max_norm / norm)`` when ``max_norm``
-        is given. Stays on the device (no host sync)."""
-        if norm_type != 2.0:
-            raise ValueError("dense-replica gradient clipping supports the L2 norm only")
-        dense, experts = _grads(self.dense_params), _grads(self.expert_params)
-        device = (dense or experts)[0].device
-        sq_dense = _sum_sq(dense, device)
-        sq_experts = _sum_sq(experts, device)
+        block once. Stays on the device (no host sync); clip with
+        :func:`polyaccel.moe.optim.clip_coefficient` and ``step_scaled``."""
+        sq_dense = _norm(_grads(self.dense_params)).square()
+        sq_experts = _norm(_grads(self.expert_params)).square()
         if self.ep > 1:
             dist.all_reduce(sq_experts, group=self.ep_group)
-        total = (sq_dense + sq_experts).sqrt()
-        if max_norm:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_(dense + experts, coef)
-        return total
+        return (sq_dense + sq_experts).sqrt()
 
 
 def apply_dense_replicas(model: nn.Module, meshes: ParallelMeshes, *, dispatcher: str | None = None,
@@ -163,11 +155,11 @@ def _view(first: torch.Tensor, numel: int) -> torch.Tensor:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,))
 
 
-def _sum_sq(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of ``tensors`` together, fp32, on their device (0 for none)."""
     if not tensors:
-        return torch.zeros((), device=device, dtype=torch.float32)
-    norms = torch._foreach_norm(tensors)
-    return torch.stack([n.float() for n in norms]).pow(2).sum()
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(tensors).float()
 
 
 __all__ = ["GradientSync", "apply_dense_replicas"]

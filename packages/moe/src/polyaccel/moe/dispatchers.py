@@ -214,8 +214,8 @@ class AllToAllDispatcher(TokenDispatcher):
 @dataclasses.dataclass(slots=True)
 class _GatherHandle:
     order: torch.Tensor    # [ep*T*k] flat index of each sorted row
-    weights: torch.Tensor  # [ep*T, k], zero for copies routed to other ranks' experts
-    valid_rows: int | torch.Tensor  # rows of x_local that belong to local experts
+    weights: torch.Tensor  # [ep*T, k]; the combine skips copies routed to other ranks' experts
+    valid_rows: torch.Tensor  # rows of x_local that belong to local experts (the rest: dropped copies)
     tokens: int            # T per rank
     padded: int            # T padded to the group's largest T
     gathered_from: tuple[torch.Tensor, torch.Tensor]  # (x_all, row of each copy): x_local's source
@@ -225,7 +225,7 @@ class AllGatherDispatcher(TokenDispatcher):
     """Every rank sees every token of its EP group and computes its own experts' part.
 
     Tokens, routing and weights are all-gathered ([ep * T, ...]); copies routed to other
-    ranks' experts go to a discard group past the local ones; the weighted partial outputs
+    ranks' experts are dropped (``moe_permute``: sorted last, never computed); the weighted partial outputs
     [ep * T, H] are reduce-scattered, summing each token's experts across ranks. Ranks may
     hold different T (padded to the largest; one small all-gather of sizes per call, read on
     the host) unless ``tokens_per_rank`` fixes T for every rank and call: then nothing waits
@@ -271,7 +271,7 @@ class AllGatherDispatcher(TokenDispatcher):
         local = torch.where(is_local, local, E_local)
         x_sorted, order, counts = ops.moe_permute(x_all, local, E_local)
         rows = torch.div(order, idx.shape[1], rounding_mode="floor").to(torch.int32)
-        handle = _GatherHandle(order, w_all * is_local, counts.sum(), T, padded, (x_all, rows))
+        handle = _GatherHandle(order, w_all, counts.sum(), T, padded, (x_all, rows))
         return x_sorted, counts, handle
 
     def combine(self, y, handle):  # noqa: ANN001
@@ -536,7 +536,7 @@ class _DeepEPCombine(torch.autograd.Function):
 class _DeepEPHandle:
     handle: Any
     order: torch.Tensor
-    weights: torch.Tensor  # [R_tokens, k] received weights, zero for other ranks' experts
+    weights: torch.Tensor  # [R_tokens, k] received weights; the combine skips other ranks' experts
     valid_rows: torch.Tensor  # rows of x_local that belong to local experts
 
 
@@ -563,7 +563,7 @@ class DeepEPDispatcher(TokenDispatcher):
         is_local = recv_idx >= 0
         local = torch.where(is_local, recv_idx, E_local)  # dropped by moe_permute (see allgather)
         x_sorted, order, counts = ops.moe_permute(recv_x, local, E_local)
-        return x_sorted, counts, _DeepEPHandle(handle, order, recv_w * is_local, counts.sum())
+        return x_sorted, counts, _DeepEPHandle(handle, order, recv_w, counts.sum())
 
     def combine(self, y, handle):  # noqa: ANN001
         partial = ops.moe_unpermute(y, handle.order, handle.weights, num_valid=handle.valid_rows)

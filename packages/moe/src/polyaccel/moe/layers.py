@@ -378,7 +378,6 @@ class Experts(nn.Module):
         x_local, counts, handle = self.dispatcher.dispatch(x, idx, w)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         valid = getattr(handle, "valid_rows", None)  # fixed-size dispatch: rows past it are dropped copies
-        valid = valid if isinstance(valid, torch.Tensor) else None
         if self.fuse_wgrad and not hasattr(self.gate_up_proj, "to_local"):
             # Plain local parameters (polyaccel.moe.dense_replicas): fused weight gradients.
             h = self.gated(grouped_linear(x_local, self.gate_up_proj, offsets,
