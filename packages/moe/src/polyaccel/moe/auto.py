@@ -22,7 +22,7 @@ import torch
 import transformers
 from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
 
-from polyaccel.moe.config import BackendConfig
+from polyaccel.moe.config import BackendConfig, compiles_layers
 from polyaccel.moe.models import MODEL_TYPES, causal_lm_class
 
 logger = logging.getLogger("polyaccel.moe")
@@ -217,7 +217,7 @@ def _apply_to_fallback(model: PreTrainedModel, backend: BackendConfig) -> PreTra
     """Apply what can be applied to a plain Transformers model; log the rest."""
     from polyaccel.core import select_backend
 
-    select_backend(backend.backend)
+    hardware = select_backend(backend.backend).name
     applied, skipped = ["attn=sdpa"], []
     setter = getattr(model, "set_experts_implementation", None)
     if setter is not None and _has_experts(model):
@@ -226,7 +226,7 @@ def _apply_to_fallback(model: PreTrainedModel, backend: BackendConfig) -> PreTra
             applied.append(f"experts={backend.experts}")
         except Exception as e:  # Transformers refuses implementations a model cannot use
             skipped.append(f"experts={backend.experts} ({e})")
-    if backend.compile:
+    if compiles_layers(backend, hardware):
         model.compile()
         applied.append("compile")
     for name, default in (("gate", "learned"), ("rms_norm", "torch"), ("linear", "torch")):

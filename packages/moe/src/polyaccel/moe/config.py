@@ -55,7 +55,9 @@ class BackendConfig:
             ``"allgather"`` (all-gather tokens, reduce-scatter outputs; a baseline),
             ``"symm_mem"`` (NVSHMEM ``all_to_all_vdev_2d``, no host sync; CUDA only),
             ``"deepep"`` (DeepEP / UCCL-EP ``deep_ep.Buffer``; needs ``deep_ep``).
-        compile: ``torch.compile`` each decoder layer.
+        compile: ``torch.compile`` each decoder layer: ``"auto"`` (the default) does on the
+            CUDA backend and not elsewhere (CPU compilation costs more than it saves in
+            short runs); ``True`` / ``False`` force it.
         backend: the polyaccel hardware backend (``"auto"``, ``"cpu"``, ``"cuda"``, ...);
             selecting it registers its kernels for the core ops the model calls.
     """
@@ -70,7 +72,7 @@ class BackendConfig:
     loss_chunk_size: int = 1024
     grad_accumulation: str = "fused"
     dispatcher: str = "auto"
-    compile: bool = False
+    compile: bool | str = "auto"
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -88,14 +90,20 @@ class BackendConfig:
             raise ValueError("BackendConfig.gate_noise only applies to gate='balanced'")
         if not isinstance(self.loss_chunk_size, int) or self.loss_chunk_size < 1:
             raise ValueError(f"BackendConfig.loss_chunk_size={self.loss_chunk_size!r} must be a positive int")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"BackendConfig.compile={self.compile!r} must be a bool")
+        if not isinstance(self.compile, bool) and self.compile != "auto":
+            raise ValueError(f"BackendConfig.compile={self.compile!r} must be 'auto', True or False")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"BackendConfig.backend={self.backend!r} must be a backend name such as 'auto'")
         if self.dispatcher == "deepep":
             require_deep_ep()
         if "te" in (self.attn, self.linear):
             require_transformer_engine(f"BackendConfig(attn={self.attn!r}, linear={self.linear!r})")
+
+
+def compiles_layers(backend: BackendConfig, hardware: str) -> bool:
+    """Whether ``backend`` compiles the decoder layers on the polyaccel hardware backend
+    named ``hardware`` (``"cuda"``, ``"cpu"``...): ``compile="auto"`` means on CUDA only."""
+    return backend.compile is True or (backend.compile == "auto" and hardware == "cuda")
 
 
 def require_deep_ep() -> None:

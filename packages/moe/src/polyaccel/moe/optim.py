@@ -121,6 +121,7 @@ class FlatAdamW(torch.optim.Optimizer):
                              f"weight_decay={weight_decay}")
         self._flats: list[list[_Flat]] = []
         self._overwritten = frozenset(id(p) for p in grads_overwritten)
+        self._next_scale: torch.Tensor | None = None
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_UNSUPPORTED,
                         foreach=None, fused=None, decoupled_weight_decay=True)  # torch AdamW's keys
         super().__init__(params, defaults)
@@ -163,6 +164,8 @@ class FlatAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if grad_scale is None:
+            grad_scale, self._next_scale = self._next_scale, None
         for group, flats in zip(self.param_groups, self._flats, strict=True):
             for flat in flats:
                 self._step_flat(group, flat, grad_scale)
@@ -197,6 +200,12 @@ class FlatAdamW(torch.optim.Optimizer):
                     ops.adamw_step_(*flat.views(p), step=int(s) + 1, **hyper)
                     s += 1
         flat.zeroed_version = flat.grad._version
+
+    def scale_next_step(self, grad_scale: torch.Tensor | None) -> None:
+        """Multiply the gradients by ``grad_scale`` in the next :meth:`step` (when that call is
+        given none itself): for callers that cannot pass it, e.g. a Trainer that clips before
+        calling ``optimizer.step()``."""
+        self._next_scale = grad_scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Make every ``p.grad`` its flat view again, holding zeros.

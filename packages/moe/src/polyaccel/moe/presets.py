@@ -55,3 +55,25 @@ def qwen3_30b_a3b(num_hidden_layers: int = 48, **overrides: Any) -> transformers
                   rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
     fields.update(overrides)
     return transformers.Qwen3MoeConfig(**fields)
+
+
+def olmoe_1b_7b(num_hidden_layers: int = 16, **overrides: Any) -> transformers.OlmoeConfig:
+    """OLMoE-1B-7B's shapes (hidden 2048, 64 experts top-8 without top-k renormalisation, expert
+    FFN 1024, 16 heads, vocab 50304); all 16 layers by default."""
+    fields = dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=num_hidden_layers,
+                  num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+                  norm_topk_prob=False, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, pad_token_id=1, bos_token_id=None, eos_token_id=50279)
+    fields.update(overrides)
+    return transformers.OlmoeConfig(**fields)
+
+
+def mixtral_8x7b(num_hidden_layers: int = 32, **overrides: Any) -> transformers.MixtralConfig:
+    """Mixtral-8x7B's shapes (hidden 4096, 8 experts top-2, expert FFN 14336, 32 q / 8 kv heads,
+    vocab 32000); ``num_hidden_layers=4`` is the benchmark workload."""
+    fields = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=num_hidden_layers,
+                  num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                  max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
+                  tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    fields.update(overrides)
+    return transformers.MixtralConfig(**fields)

@@ -33,7 +33,7 @@ from torch import nn
 
 from polyaccel.core.parallel import ParallelPlan
 from polyaccel.moe import checkpoint as ckpt
-from polyaccel.moe import grouped_linear
+from polyaccel.moe import fast_path, grouped_linear
 from polyaccel.moe.data import IGNORE_INDEX, Batches, build_dataset
 from polyaccel.moe.flops import mfu, peak_flops, train_flops_per_token
 from polyaccel.moe.optim import clip_coefficient, step_scaled
@@ -67,13 +67,14 @@ class TrainResult:
     world_size: int
     output_dir: str | None
     last_checkpoint: str | None
+    fast_path: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """JSON-able headline numbers."""
         return {k: getattr(self, k) for k in ("start_step", "steps", "tokens_per_step",
                                               "tokens_per_s_per_device", "flops_per_token", "mfu",
                                               "peak_memory_gib", "world_size", "output_dir",
-                                              "last_checkpoint")} | {
+                                              "last_checkpoint", "fast_path")} | {
             "final_loss": self.losses[-1] if self.losses else None}
 
 
@@ -140,7 +141,7 @@ def validate(cfg: FinetuneConfig, model_config: Any) -> None:
     """Shape checks that need the model's config; raises :class:`ConfigError`."""
     t = cfg.train
     for name in ("seq_len", "micro_batch", "grad_accum", "max_steps", "wgrad_window"):
-        if getattr(t, name) < 1:
+        if getattr(t, name) != "auto" and getattr(t, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
     max_pos = getattr(model_config, "max_position_embeddings", None)
     if max_pos is not None and t.seq_len > max_pos:
@@ -287,13 +288,9 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
     if t.optimizer == "flat_adamw" and fsdp:
         raise ConfigError("train.optimizer=flat_adamw does not run under FSDP2 (it shards the parameters as "
                           "DTensors); use train.optimizer=adamw or auto, or parallel.dense=replicate")
-    for unmet, why in ((rt.device.type != "cuda", "it needs a CUDA device"),
-                       (fsdp, "it does not run under FSDP2 (its collectives and hooks run on the host); "
-                              "use parallel.dense=replicate"),
-                       (t.optimizer == "adamw",
-                        "it needs train.optimizer=flat_adamw or auto (gradients must stay the same tensors)"),
-                       (t.activation_checkpointing, "activation checkpointing saves RNG state on the host")):
-        if t.cuda_graph and unmet:
+    if t.cuda_graph is True:
+        for why in fast_path.graph_blockers(device=rt.device, fsdp=fsdp, optimizer=t.optimizer,
+                                            activation_checkpointing=t.activation_checkpointing):
             raise ConfigError(f"train.cuda_graph=true: {why}")
     try:
         plan = ParallelPlan(dp=cfg.parallel.dp or rt.world_size, ep=cfg.parallel.ep,
@@ -301,6 +298,14 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
         plan.validate(rt.world_size, num_experts)
     except ValueError as e:
         raise ConfigError(f"parallel: {e}") from e
+
+    fused_accumulation = backend_config(cfg.model) is None or backend_config(cfg.model).grad_accumulation == "fused"
+    fast = fast_path.plan(model_config=model_config, device=rt.device, cuda_graph=t.cuda_graph,
+                          wgrad_window=t.wgrad_window, fsdp=fsdp, optimizer=t.optimizer,
+                          activation_checkpointing=t.activation_checkpointing,
+                          fused_grad_accumulation=fused_accumulation and cfg.model.implementation == "polyaccel",
+                          tokens_per_micro_batch=t.micro_batch * t.seq_len, grad_accum=t.grad_accum)
+    t = dataclasses.replace(t, cuda_graph=fast.cuda_graph, wgrad_window=fast.wgrad_window)
 
     source = build_dataset(cfg.data, seq_len=t.seq_len, vocab_size=model_config.vocab_size, seed=t.seed,
                            tokenizer_path=cfg.model.path)
@@ -446,7 +451,15 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
         tokens_per_s_per_device=tok_s_dev, flops_per_token=flops_tok, peak_flops=peak,
         mfu=mfu(tok_s_dev, flops_tok, peak) if tok_s_dev else None, peak_memory_gib=_peak_memory_gib(rt.device),
         world_size=rt.world_size, output_dir=cfg.output_dir,
-        last_checkpoint=str(last_saved or resume_from) if (last_saved or resume_from) else None)
+        last_checkpoint=str(last_saved or resume_from) if (last_saved or resume_from) else None,
+        fast_path=_fast_path_summary(model, optimizer, t))
+
+
+def _fast_path_summary(model: nn.Module, optimizer: torch.optim.Optimizer, t: TrainConfig) -> dict[str, Any]:
+    """Which parts of the fast path this run took (see :mod:`polyaccel.moe.fast_path`)."""
+    layers = getattr(getattr(model, "model", None), "layers", [])
+    return {"compiled_layers": any(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers),
+            "optimizer": type(optimizer).__name__, "cuda_graph": bool(t.cuda_graph), "wgrad_window": t.wgrad_window}
 
 
 def _graphed_micro_step(model: nn.Module, t: TrainConfig, autocast: Any, world_size: int) -> Any:
@@ -568,5 +581,5 @@ def benchmark(cfg: FinetuneConfig, *, steps: int = 10, warmup: int = 3) -> dict[
         "grad_accum": cfg.train.grad_accum, "dtype": cfg.train.dtype, "steps": steps, "warmup": warmup,
         "step_time_s": step_s, "tokens_per_s_per_device": tok_s, "flops_per_token": result.flops_per_token,
         "mfu": mfu(tok_s, result.flops_per_token, result.peak_flops), "peak_memory_gib": result.peak_memory_gib,
-        "final_loss": result.losses[-1] if result.losses else None,
+        "final_loss": result.losses[-1] if result.losses else None, "fast_path": result.fast_path,
     }

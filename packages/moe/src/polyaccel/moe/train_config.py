@@ -111,15 +111,19 @@ class TrainConfig:
     flatten).
 
     ``cuda_graph``: replay each micro-batch's forward + backward as one CUDA graph
-    (:class:`polyaccel.moe.graphed_step.GraphedMicroStep`); CUDA, ``flat_adamw``, no activation
-    checkpointing, one process or ``parallel.dense: replicate`` with a dispatcher that never
-    waits on the host (``allgather``). Micro-batches of another shape (a short last batch) run
-    eagerly.
+    (:class:`polyaccel.moe.graphed_step.GraphedMicroStep`). ``auto`` (the default) turns it on
+    where it applies (CUDA, FlatAdamW, no activation checkpointing, one process or
+    ``parallel.dense: replicate`` with a dispatcher that never waits on the host) and logs once
+    why not elsewhere; ``true`` makes an unmet requirement an error. Micro-batches of another
+    shape (a short last batch) run eagerly.
 
     ``wgrad_window``: compute the expert weight gradients once per this many micro-batches, in
     one kernel over all their token rows (:func:`polyaccel.moe.grouped_linear.wgrad_window`;
-    one process, ``backend.grad_accumulation: fused``): fewer passes over ``.grad``, for the
-    memory of ``wgrad_window - 1`` micro-batches' expert activations.
+    CUDA, no FSDP2, ``backend.grad_accumulation: fused``): fewer passes over ``.grad``, for the
+    memory of ``wgrad_window - 1`` micro-batches' expert activations. ``auto`` (the default)
+    takes the largest window up to ``grad_accum`` whose kept activations fit in
+    :data:`polyaccel.moe.fast_path.WINDOW_MEMORY_SHARE` of the device's memory (1 where it does
+    not apply).
     """
 
     seq_len: int = 2048
@@ -137,8 +141,8 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     seed: int = 0
     activation_checkpointing: bool = False
-    cuda_graph: bool = False
-    wgrad_window: int = 1
+    cuda_graph: bool | Literal["auto"] = "auto"
+    wgrad_window: int | Literal["auto"] = "auto"
     dtype: Literal["bf16", "fp32"] = "bf16"
     fp32_master: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -241,9 +245,40 @@ def qwen3_30b_a3b_l8() -> FinetuneConfig:
     )
 
 
+def _benchmark_preset(name: str, shape: Any) -> FinetuneConfig:
+    """A benchmark workload on ``shape`` (a Transformers config): random init, seq 4096,
+    micro-batch 1, 4 micro-batches per step, bf16, synthetic tokens."""
+    fields = shape.to_diff_dict()
+    fields.pop("transformers_version", None)
+    fields["model_type"] = shape.model_type
+    return FinetuneConfig(
+        model=ModelConfig(preset=name, config=fields),
+        data=DataConfig(synthetic=SyntheticConfig()),
+        train=TrainConfig(seq_len=4096, micro_batch=1, grad_accum=4, max_steps=20, lr=1e-5,
+                          dtype="bf16", weight_decay=0.0),
+        log=LogConfig(every_steps=1),
+    )
+
+
+def olmoe_1b_7b() -> FinetuneConfig:
+    """OLMoE-1B-7B's shapes, all 16 layers (6.9B parameters), as the reference workload."""
+    from polyaccel.moe.presets import olmoe_1b_7b as shape
+
+    return _benchmark_preset("olmoe-1b-7b", shape())
+
+
+def mixtral_8x7b_l4() -> FinetuneConfig:
+    """Mixtral-8x7B's shapes with 4 layers (6.1B parameters), as the reference workload."""
+    from polyaccel.moe.presets import mixtral_8x7b as shape
+
+    return _benchmark_preset("mixtral-8x7b-L4", shape(num_hidden_layers=4))
+
+
 PRESETS: dict[str, Callable[[], FinetuneConfig]] = {
     "qwen3-moe-tiny": qwen3_moe_tiny,
     "qwen3-30b-a3b-L8": qwen3_30b_a3b_l8,
+    "olmoe-1b-7b": olmoe_1b_7b,
+    "mixtral-8x7b-L4": mixtral_8x7b_l4,
 }
 
 

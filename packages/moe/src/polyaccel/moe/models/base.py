@@ -22,7 +22,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
 from polyaccel.moe import fused_embedding
-from polyaccel.moe.config import BackendConfig, require_transformer_engine
+from polyaccel.moe.config import BackendConfig, compiles_layers, require_transformer_engine
 from polyaccel.moe.layers import (
     AttentionContext,
     Experts,
@@ -213,7 +213,7 @@ class MoeForCausalLM(MoePreTrainedModel, GenerationMixin):
         """
         from polyaccel.core import select_backend
 
-        select_backend(backend.backend)
+        hardware = select_backend(backend.backend).name
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.impl = backend.rms_norm
@@ -228,7 +228,7 @@ class MoeForCausalLM(MoePreTrainedModel, GenerationMixin):
             self._use_te_linear()
         if backend.attn == "te":
             self._use_te_attention()
-        if backend.compile:
+        if compiles_layers(backend, hardware):
             for layer in self.model.layers:
                 layer.compile()
         self.backend_config = backend

@@ -1,0 +1,163 @@
+"""``polyaccel.moe.Trainer``: ``transformers.Trainer`` on polyaccel's fast training path.
+
+A drop-in subclass (TRL's ``SFTTrainer`` takes the same change through
+:func:`fast_trainer_class`). It changes three things, each only where it applies and each
+logged once where it does not:
+
+- the optimizer: for ``optim="adamw_torch"`` / ``"adamw_torch_fused"`` (Transformers'
+  defaults), :class:`~polyaccel.moe.optim.FlatAdamW`, the same AdamW math over one flat
+  buffer per group, with Trainer's weight-decay groups and hyperparameters;
+- gradient clipping: the norm is measured on the device and the clipping factor is applied
+  inside FlatAdamW's pass (no host sync, no extra pass over the gradients);
+- the micro-step: on one CUDA device with a polyaccel model, each micro-batch's forward and
+  backward replay as one CUDA graph (:class:`~polyaccel.moe.graphed_step.GraphedMicroStep`)
+  with the expert weight-gradient window :mod:`polyaccel.moe.fast_path` picks.
+
+Losses are Trainer's (``num_items_in_batch`` normalisation included); checkpoints and resume
+are Trainer's own (FlatAdamW's ``state_dict`` has torch AdamW's format).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from polyaccel.moe import fast_path
+from polyaccel.moe.optim import FlatAdamW, clip_coefficient
+
+_ADAMW = ("adamw_torch", "adamw_torch_fused")
+
+
+class _KeepFlatGrads(transformers.TrainerCallback):
+    """Trainer sets gradients to ``None`` after each step (``model.zero_grad()``); FlatAdamW
+    and the replayed graphs need them to stay their flat views, so give them back."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        opt = self.trainer.flat_optimizer()
+        if opt is not None:
+            opt.zero_grad()
+
+
+class FastPathMixin:
+    """The fast-path overrides of :class:`Trainer`, for any ``transformers.Trainer`` subclass."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._micro_step: Any = None
+        self._micro_index = 0
+        self._graph_checked = False
+        self.add_callback(_KeepFlatGrads(self))
+
+    # ---- optimizer ---------------------------------------------------------------------------
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """FlatAdamW for Trainer's AdamW settings when every trainable param is a plain tensor."""
+        opt_model = self.model if model is None else model
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
+            trainable = [p for p in opt_model.parameters() if p.requires_grad]
+            optim = str(getattr(self.args.optim, "value", self.args.optim))
+            if optim not in _ADAMW:
+                fast_path.say_once(f"FlatAdamW off: Trainer optim={optim!r} is not AdamW")
+            elif not trainable or any(type(p.data) is not torch.Tensor for p in trainable):
+                fast_path.say_once("FlatAdamW off: parameters are sharded (DTensor) or none is trainable")
+            else:
+                self.optimizer_cls_and_kwargs = (FlatAdamW, {
+                    "lr": self.args.learning_rate, "betas": (self.args.adam_beta1, self.args.adam_beta2),
+                    "eps": self.args.adam_epsilon})
+        return super().create_optimizer(model)
+
+    def flat_optimizer(self) -> FlatAdamW | None:
+        """The FlatAdamW under Trainer's (possibly wrapped) optimizer, if that is what runs."""
+        opt = getattr(self, "optimizer", None)
+        opt = getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer
+        return opt if isinstance(opt, FlatAdamW) else None
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        """The gradient norm, measured on the device; clipping rides on FlatAdamW's pass."""
+        opt = self.flat_optimizer()
+        if opt is None or self.accelerator.num_processes > 1:
+            return super()._clip_grad_norm(model)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        opt.scale_next_step(clip_coefficient(norm, self.args.max_grad_norm))
+        return norm
+
+    # ---- micro-step --------------------------------------------------------------------------
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """Trainer's micro-step, replayed as a CUDA graph where :meth:`_graphed_step` applies."""
+        step = self._graphed_step(model, inputs)
+        n = max(1, int(getattr(self, "current_gradient_accumulation_steps", 1) or 1))
+        i = self._micro_index % n
+        self._micro_index = 0 if i == n - 1 else i + 1
+        if step is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        batch = {k: v for k, v in self._prepare_inputs(inputs).items() if torch.is_tensor(v)}
+        if num_items_in_batch is not None:
+            batch["num_items_in_batch"] = torch.as_tensor(num_items_in_batch, device=self.args.device)
+        return step(micro_batch=(i, n), **batch)
+
+    def _graphed_step(self, model: nn.Module, inputs: dict[str, Any]) -> Any:
+        """The :class:`GraphedMicroStep` of this run, or None (then why is logged once)."""
+        if self._graph_checked:
+            return self._micro_step
+        self._graph_checked = True
+        from polyaccel.moe.models.base import MoeForCausalLM
+
+        device = next(model.parameters()).device
+        config = getattr(model, "config", None)
+        why = fast_path.graph_blockers(
+            device=device, fsdp=False, optimizer="flat_adamw" if self.flat_optimizer() else "adamw",
+            activation_checkpointing=bool(self.args.gradient_checkpointing),
+            peft=not isinstance(model, MoeForCausalLM) and hasattr(model, "peft_config"))
+        for unmet, reason in ((not isinstance(model, MoeForCausalLM), "the model is not a polyaccel MoE model"),
+                              (self.accelerator.num_processes > 1 or self.args.n_gpu > 1,
+                               "several processes or GPUs (DDP/FSDP) run the step"),
+                              (self.label_smoother is not None or self.compute_loss_func is not None,
+                               "a custom loss (label smoothing or compute_loss_func) is set")):
+            if unmet:
+                why.append(reason)
+        if why:
+            if device.type == "cuda":
+                fast_path.say_once("Trainer: CUDA graph per micro-step off: " + "; ".join(why))
+            return None
+        from polyaccel.moe.graphed_step import GraphedMicroStep
+
+        plan = fast_path.plan(
+            model_config=config, device=device, cuda_graph=True, wgrad_window="auto", fsdp=False,
+            optimizer="flat_adamw", activation_checkpointing=False,
+            fused_grad_accumulation=model.backend_config.grad_accumulation == "fused",
+            tokens_per_micro_batch=int(inputs["input_ids"].numel()) if "input_ids" in inputs else 0,
+            grad_accum=self.args.gradient_accumulation_steps)
+        self._micro_step = GraphedMicroStep(model, warmup=2, wgrad_window=plan.wgrad_window,
+                                            loss_fn=functools.partial(self._graph_loss, model))
+        return self._micro_step
+
+    def _graph_loss(self, model: nn.Module, **batch: torch.Tensor) -> torch.Tensor:
+        """Trainer's loss of one micro-batch (what ``compute_loss`` + ``training_step`` back-propagate)."""
+        n_items = batch.get("num_items_in_batch")
+        with self.compute_loss_context_manager():
+            loss = model(**batch, use_cache=False).loss
+        if n_items is None:
+            loss = loss / self.current_gradient_accumulation_steps
+        return loss
+
+
+class Trainer(FastPathMixin, transformers.Trainer):
+    """``transformers.Trainer`` that takes polyaccel's fast path where it applies (module docstring)."""
+
+
+@functools.cache
+def fast_trainer_class(base: type) -> type:
+    """``base`` (a ``transformers.Trainer`` subclass such as TRL's ``SFTTrainer``) with the
+    fast-path overrides: ``fast_trainer_class(SFTTrainer)(model=model, ...)``."""
+    if not issubclass(base, transformers.Trainer):
+        raise TypeError(f"{base.__name__} is not a transformers.Trainer subclass")
+    return type(f"Fast{base.__name__}", (FastPathMixin, base), {"__doc__": Trainer.__doc__})
