@@ -34,14 +34,17 @@ typedef struct { int n; char names[16][256]; tensor_t *t[16]; } tset_t;
 static int initialized = 0;
 static int exec_count[64];
 static int live_tensors = 0;
+static int last_nc_count = 0;
 
 int nrt_init(int framework, const char *fw, const char *fal) { initialized = 1; return 0; }
 void nrt_close(void) { initialized = 0; }
 int fake_exec_count(int core) { return __atomic_load_n(&exec_count[core], __ATOMIC_SEQ_CST); }
 int fake_live_tensors(void) { return live_tensors; }
+int fake_last_nc_count(void) { return last_nc_count; }
 
 int nrt_load(const void *neff, size_t size, int32_t start_nc, int32_t nc_count, model_t **model) {
     if (!initialized) return 13;
+    last_nc_count = nc_count;
     if (size < 4 || memcmp(neff, "FAKE", 4) != 0) return 10;
     if (start_nc > 7) return 9;
     char buf[64] = {0};
@@ -127,6 +130,7 @@ def fake_libnrt(tmp_path_factory):
 
 def test_load_bind_execute_and_free(fake_libnrt):
     model = runtime.NeuronModel(b"FAKE 6 0", core=3, lib=fake_libnrt)
+    assert fake_libnrt.lib.fake_last_nc_count() == nrt.VNC_COUNT_AUTO == -1  # nrt.h: deprecated, always -1
     assert [(i.name, i.dtype, i.shape) for i in model.inputs] == [("input0", np.dtype(np.float32), (6,))]
     assert [i.name for i in model.outputs] == ["output0"]
     before = fake_libnrt.lib.fake_exec_count(3)

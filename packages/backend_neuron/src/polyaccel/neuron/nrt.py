@@ -24,7 +24,7 @@ STATUS_NAMES: dict[int, str] = {
     0: "NRT_SUCCESS", 1: "NRT_FAILURE", 2: "NRT_INVALID", 3: "NRT_INVALID_HANDLE",
     4: "NRT_RESOURCE", 5: "NRT_TIMEOUT", 6: "NRT_HW_ERROR", 7: "NRT_QUEUE_FULL",
     9: "NRT_LOAD_NOT_ENOUGH_NC", 10: "NRT_UNSUPPORTED_NEFF_VERSION", 13: "NRT_UNINITIALIZED",
-    14: "NRT_CLOSED", 1002: "NRT_EXEC_BAD_INPUT", 1003: "NRT_EXEC_COMPLETED_WITH_NUM_ERR",
+    14: "NRT_CLOSED", 1100: "NRT_COLL_PENDING", 1002: "NRT_EXEC_BAD_INPUT", 1003: "NRT_EXEC_COMPLETED_WITH_NUM_ERR",
     1004: "NRT_EXEC_COMPLETED_WITH_ERR", 1005: "NRT_EXEC_NC_BUSY", 1006: "NRT_EXEC_OOB",
     **{c: f"NRT_EXEC_HW_ERR_{c - 1200}" for c in range(1200, 1207)},
 }
@@ -41,6 +41,8 @@ FRAMEWORK_NONE = 1
 PLACEMENT_DEVICE = 0
 USAGE_INPUT, USAGE_OUTPUT = 0, 1
 TENSOR_NAME_MAX = 256
+VNC_COUNT_AUTO = -1
+"""``nrt_load``'s ``vnc_count``: nrt.h (runtime API 2.0) marks it deprecated, "always use -1"."""
 
 
 class NrtError(RuntimeError):
@@ -138,11 +140,12 @@ class Libnrt:
                 self.lib.nrt_close()
                 self.initialized = False
 
-    def load(self, neff: bytes, start_core: int = -1, core_count: int = -1) -> ctypes.c_void_p:
-        """Load a NEFF onto ``start_core`` (-1: any); returns the model handle."""
+    def load(self, neff: bytes, start_core: int = -1) -> ctypes.c_void_p:
+        """Load a NEFF onto ``start_core`` (-1: the first free one); returns the model handle.
+        ``vnc_count`` is always :data:`VNC_COUNT_AUTO`, as the published ``nrt.h`` asks."""
         model = ctypes.c_void_p()
         buf = ctypes.create_string_buffer(neff, len(neff))
-        self.check("nrt_load", self.lib.nrt_load(buf, len(neff), start_core, core_count, ctypes.byref(model)))
+        self.check("nrt_load", self.lib.nrt_load(buf, len(neff), start_core, VNC_COUNT_AUTO, ctypes.byref(model)))
         return model
 
     def tensor_info(self, model: ctypes.c_void_p) -> list[TensorInfo]:

@@ -46,7 +46,7 @@ class NeuronModel:
         self.core = core
         self.lib.init()
         data = neff if isinstance(neff, bytes) else Path(neff).read_bytes()
-        self._model = self.lib.load(data, core, 1)
+        self._model = self.lib.load(data, core)
         self._tensors: list[ctypes.c_void_p] = []
         self._sets: list[ctypes.c_void_p] = []
         self.infos = self.lib.tensor_info(self._model)
