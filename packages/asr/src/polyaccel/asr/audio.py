@@ -59,11 +59,11 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000, *,
         raw = RawFormat()
     try:
         if raw is not None:
-            data, rate = sf.read(path, dtype="float32", always_2d=True, samplerate=raw.sample_rate,
+            data, rate = sf.read(os.fsencode(path), dtype="float32", always_2d=True, samplerate=raw.sample_rate,
                                  channels=raw.channels, subtype=raw.subtype, endian=raw.endian,
                                  format="RAW")
         else:
-            data, rate = sf.read(path, dtype="float32", always_2d=True)
+            data, rate = sf.read(os.fsencode(path), dtype="float32", always_2d=True)  # bytes: any file name
     except sf.LibsndfileError as e:
         raise AudioError(_describe_decode_error(path, str(e))) from None
     except RuntimeError as e:  # older soundfile raises plain RuntimeError
@@ -81,7 +81,7 @@ def _check_complete(path: Path, frames_read: int, rate: int) -> None:
     declared = _wav_declared_frames(path)
     if declared is None:
         try:
-            declared = sf.info(path).frames
+            declared = sf.info(os.fsencode(path)).frames
         except Exception:
             declared = 0
     if declared > frames_read and frames_read >= 0:
