@@ -3,20 +3,30 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[[], Any])
+log = logging.getLogger(__name__)
 
 TRITON_HINT = "Triton (pip install triton; it ships with CUDA builds of PyTorch on Linux)"
 
 
+def _not_installed(e: ModuleNotFoundError, module: str) -> bool:
+    """Whether ``e`` says ``module`` itself is absent (not a module an installed one imports)."""
+    return e.name == module
+
+
 def require_triton() -> Any:
-    """Import and return ``triton``, or raise naming what to install."""
+    """Import and return ``triton``; not installed: raise naming what to install. An installed
+    Triton that fails to import raises its own error."""
     try:
         import triton
-    except ImportError as e:  # pragma: no cover - depends on the machine
+    except ModuleNotFoundError as e:
+        if not _not_installed(e, "triton"):
+            raise
         raise ImportError(f"polyaccel's CUDA kernels need {TRITON_HINT}") from e
     return triton
 
@@ -39,10 +49,15 @@ def cdiv(a: int, b: int) -> int:
 
 @functools.cache
 def has_triton() -> bool:
-    """Whether Triton can be imported here."""
+    """Whether Triton is installed. Not installed: False, with one logged warning (the CUDA
+    ops then run core's torch references). Any other import failure raises."""
     try:
         import triton  # noqa: F401
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if not _not_installed(e, "triton"):
+            raise
+        log.warning("Triton is not installed: the cuda backend's ops run core's torch references; "
+                    "install %s", TRITON_HINT)
         return False
     return True
 
@@ -50,7 +65,7 @@ def has_triton() -> bool:
 def use_triton(t: Any) -> bool:
     """Run the Triton kernel for tensor ``t``: on CUDA, or anywhere under ``TRITON_INTERPRET=1``
     (Triton's CPU interpreter, which lets the kernels be checked on a machine with no GPU).
-    Without Triton the ops fall back to torch math."""
+    Without Triton installed the ops fall back to torch math (:func:`has_triton` warns once)."""
     return (t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and has_triton()
 
 

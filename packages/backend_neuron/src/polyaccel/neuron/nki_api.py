@@ -5,14 +5,15 @@ declared with :func:`kernel`. ``kernel_fn.build(impl)`` rebinds those three name
 implementation and applies that implementation's ``jit``, so the same source runs through
 the real compiler/simulator or through our interpreter (tests parametrize over
 :func:`available`). ``POLYACCEL_NKI=sim|nki`` picks the default; otherwise the real SDK is
-used when it imports.
+used when it is installed (an installed one that fails to import is an error, not a fallback).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
-import importlib.util
+import logging
 import os
 import types
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import numpy as np
 
 from polyaccel.neuron import sim
 
+log = logging.getLogger(__name__)
 IMPL_ENV = "POLYACCEL_NKI"
 NKI_INSTALL_HINT = ("the Neuron SDK's NKI: pip install nki neuronx-cc "
                     "--extra-index-url https://pip.repos.neuron.amazonaws.com")
@@ -44,15 +46,23 @@ class Impl:
 SIM = Impl("sim", sim, sim.language, sim.isa)
 
 
+@functools.cache
 def real_nki_importable() -> bool:
-    """True when the Neuron SDK's ``nki`` package (not a PyPI placeholder) imports."""
-    if importlib.util.find_spec("nki") is None:
-        return False
+    """Whether the Neuron SDK's ``nki`` is installed. Not installed: False, with one logged
+    warning (kernels then run on :mod:`polyaccel.neuron.sim`). An installed ``nki`` that fails
+    to import raises its error; one without ``jit``/``simulate`` (not the SDK's) raises too."""
     try:
         mod = importlib.import_module("nki")
-        return hasattr(mod, "jit") and hasattr(mod, "simulate")
-    except Exception:  # noqa: BLE001 - a broken or placeholder install counts as absent
+    except ModuleNotFoundError as e:
+        if e.name != "nki":
+            raise
+        log.warning("the Neuron SDK's NKI is not installed: NKI kernels run on polyaccel's NumPy "
+                    "interpreter; install %s", NKI_INSTALL_HINT)
         return False
+    if not (hasattr(mod, "jit") and hasattr(mod, "simulate")):
+        raise ImportError(f"the installed 'nki' ({getattr(mod, '__file__', None)}) is not the Neuron SDK's "
+                          f"NKI (no nki.jit / nki.simulate); uninstall it or install {NKI_INSTALL_HINT}")
+    return True
 
 
 def get(name: str | None = None) -> Impl:
