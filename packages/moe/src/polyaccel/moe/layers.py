@@ -23,6 +23,7 @@ from torch import nn
 
 from polyaccel.core import ops
 from polyaccel.moe.grouped_linear import fusable, grouped_linear
+from polyaccel.moe.lora import LoraFactors, dense_lora, grouped_lora, merged_weight, unwrap_peft
 
 # ---------------------------------------------------------------------------------------------
 # Norms
@@ -248,11 +249,13 @@ class TopKRouter(nn.Module):
         self.mode = "learned"
         self.noise = 0.0
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """``weight``: use this instead of ``self.weight`` (a LoRA-adapted router, see lora.py)."""
         if self.mode == "balanced":
             w, idx = balanced_routing(x, self.top_k, self.num_experts, self.noise)
             return None, w, idx
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight if weight is None else weight)
         probs = torch.softmax(logits.float(), dim=-1)
         w, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -278,12 +281,13 @@ class SigmoidGroupRouter(TopKRouter):
         self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         if self.mode == "balanced":
             w, idx = balanced_routing(x, self.top_k, self.num_experts, self.noise)
             return None, w, idx
         T, E, G = x.shape[0], self.num_experts, self.n_group
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), (self.weight if weight is None else weight).float())
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         group_scores = choice.view(T, G, E // G).topk(2, dim=-1).values.sum(-1)
@@ -355,14 +359,23 @@ class Experts(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return ops.activation_fn(self.act)(gate) * up
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [T, H], idx [T, k], w [T, k] -> sum_j w[t, j] * expert_{idx[t, j]}(x[t]), [T, H]."""
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                lora: dict[str, list[LoraFactors]] | None = None) -> torch.Tensor:
+        """x [T, H], idx [T, k], w [T, k] -> sum_j w[t, j] * expert_{idx[t, j]}(x[t]), [T, H].
+
+        ``lora``: LoRA factors per parameter name (``gate_up_proj``, ``down_proj``; from
+        :func:`polyaccel.moe.lora.unwrap_peft`), added per expert without forming ``W + B·A``.
+        """
         if self.dispatcher is not None:
+            if lora:
+                raise NotImplementedError("LoRA on experts under expert parallelism is not supported")
             return self._forward_expert_parallel(x, idx, w)
         if self.impl == "eager":
-            return self._forward_eager(x, idx, w)
+            return self._forward_eager(x, idx, w, lora)
         x_sorted, order, counts = ops.moe_permute(x, idx, self.num_experts)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        if lora:
+            return ops.moe_unpermute(self._forward_lora(x, x_sorted, order, idx, offsets, lora), order, w)
         if self.fuse_wgrad:
             rows = torch.div(order, idx.shape[1], rounding_mode="floor").to(torch.int32)
             h = self.gated(grouped_linear(x_sorted, self.gate_up_proj, offsets, gathered_from=(x, rows)))
@@ -388,14 +401,34 @@ class Experts(nn.Module):
             y = ops.grouped_mm(h, _local(self.down_proj), offsets)
         return self.dispatcher.combine(y, handle)
 
-    def _forward_eager(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _forward_lora(self, x: torch.Tensor, x_sorted: torch.Tensor, order: torch.Tensor, idx: torch.Tensor,
+                      offsets: torch.Tensor, lora: dict[str, list[LoraFactors]]) -> torch.Tensor:
+        """Sorted expert outputs [T*k, H] with LoRA deltas added after each grouped GEMM."""
+        rows = torch.div(order, idx.shape[1], rounding_mode="floor")
+        h = ops.grouped_mm(x_sorted, self.gate_up_proj, offsets)
+        for f in lora.get("gate_up_proj", ()):
+            h = h + grouped_lora(x_sorted, offsets, f, gathered_from=(x, rows))
+        h = self.gated(h)
+        y = ops.grouped_mm(h, self.down_proj, offsets)
+        for f in lora.get("down_proj", ()):
+            y = y + grouped_lora(h, offsets, f)
+        return y
+
+    def _forward_eager(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                       lora: dict[str, list[LoraFactors]] | None = None) -> torch.Tensor:
+        lora = lora or {}
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in range(self.num_experts):
             tok, slot = torch.nonzero(idx == e, as_tuple=True)
             if tok.numel() == 0:
                 continue
-            h = self.gated(F.linear(x[tok], self.gate_up_proj[e]))
+            h = F.linear(x[tok], self.gate_up_proj[e])
+            for f in lora.get("gate_up_proj", ()):
+                h = h + dense_lora(x[tok], LoraFactors(f.A[e], f.B[e], f.scale))
+            h = self.gated(h)
             y = F.linear(h, self.down_proj[e])
+            for f in lora.get("down_proj", ()):
+                y = y + dense_lora(h, LoraFactors(f.A[e], f.B[e], f.scale))
             out.index_add_(0, tok, y.float() * w[tok, slot, None].float())
         return out.to(x.dtype)
 
@@ -429,23 +462,28 @@ class SparseMoeBlock(nn.Module):
         if self.training and self.jitter_noise > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         x = x.reshape(-1, H)
-        logits, w, idx = self.gate(x)
-        return call_experts(self.experts, x, idx, w).view(B, S, H), logits
+        gate, gate_lora = unwrap_peft(self.gate)  # PEFT-wrapped router / experts: see polyaccel.moe.lora
+        weight = merged_weight(gate.weight, gate_lora["weight"]) if gate_lora else None
+        logits, w, idx = gate(x, weight) if weight is not None else gate(x)
+        experts, lora = unwrap_peft(self.experts, x.dtype)
+        return call_experts(experts, x, idx, w, lora).view(B, S, H), logits
 
 
 @torch.compiler.disable
-def _call_eagerly(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return experts(x, idx, w)
+def _call_eagerly(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                  lora: dict[str, list[LoraFactors]] | None = None) -> torch.Tensor:
+    return experts(x, idx, w, lora) if lora else experts(x, idx, w)
 
 
-def call_experts(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def call_experts(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                 lora: dict[str, list[LoraFactors]] | None = None) -> torch.Tensor:
     """``experts(x, idx, w)``; outside ``torch.compile`` under expert parallelism (there the
     experts are their own FSDP2 unit on another mesh, whose unshard hooks must run eagerly: a
     compiled decoder layer would otherwise trace the sharded DTensor weights) and with fused
     weight-gradient accumulation (its backward writes ``.grad``, which a graph cannot)."""
     if getattr(experts, "dispatcher", None) is not None or getattr(experts, "fuse_wgrad", False):
-        return _call_eagerly(experts, x, idx, w)
-    return experts(x, idx, w)
+        return _call_eagerly(experts, x, idx, w, lora)
+    return experts(x, idx, w, lora) if lora else experts(x, idx, w)
 
 
 class DenseMLP(nn.Module):

@@ -1,0 +1,372 @@
+"""LoRA for polyaccel's MoE models: PEFT's adapters, computed inside our grouped expert path.
+
+The adapters are PEFT's own modules (``peft.get_peft_model`` with ``target_modules`` for the
+attention projections and ``target_parameters`` for the fused experts and the router), so
+``save_pretrained``, ``PeftModel.from_pretrained``, ``merge_and_unload`` and the Trainer work
+unchanged and adapter files interchange with plain PEFT on plain Transformers.
+
+What differs is how a PEFT-wrapped expert parameter is computed. PEFT's ``ParamWrapper``
+forms ``W + B·A`` for all experts of a layer on every forward (a parametrization, which also
+breaks ``torch.compile``). Our MoE block instead looks through the wrappers
+(:func:`unwrap_peft`) and hands the factors to :class:`~polyaccel.moe.layers.Experts`, which
+adds ``scale * (x·A_e)·B_e`` per expert with two grouped GEMMs over the same sorted token rows
+and group offsets as the base GEMM (:func:`grouped_lora`). The frozen base weight gets no
+weight-gradient GEMM at all.
+
+PEFT's layout of a 3-D parameter ``[E, out, in]`` adapter (read from ``peft.tuners.lora.layer``):
+``lora_A.weight [E * r, in]`` with row ``e * r + j``, ``lora_B.weight [out, r * E]`` with
+column ``j * E + e``; the delta of expert ``e`` is ``scaling * B_e @ A_e``.
+
+Shape legend: N sorted token copies, E experts, r rank, K input width, O output width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from polyaccel.core import ops
+
+#: PEFT ``target_parameters`` for our models' (and Transformers v5's) fused experts and router
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+ROUTER_PARAMETERS = ("mlp.gate.weight",)
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoraFactors:
+    """One adapter on one weight: delta = ``scale * B @ A`` (per group for 3-D factors).
+
+    A [E, r, K] and B [E, O, r] for expert weights [E, O, K]; A [r, K], B [O, r] for a 2-D
+    weight [O, K]. Views of PEFT's parameters (differentiable), in the compute dtype.
+    """
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: float
+
+
+# ---------------------------------------------------------------------------------------------
+# Looking through PEFT's wrappers
+# ---------------------------------------------------------------------------------------------
+
+
+def is_peft_param_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is PEFT's LoRA ``ParamWrapper`` (duck-typed: no PEFT import)."""
+    return hasattr(module, "parameter_name") and hasattr(module, "lora_A") and hasattr(module, "base_layer")
+
+
+def unwrap_peft(module: nn.Module, dtype: torch.dtype | None = None
+                ) -> tuple[nn.Module, dict[str, list[LoraFactors]]]:
+    """``(base module, {parameter name: factors of the active, unmerged adapters})``.
+
+    ``module`` may be a chain of PEFT ``ParamWrapper``s (one per targeted parameter) around
+    our module, or the module itself (no factors). Factors are cast to ``dtype`` when given.
+    """
+    factors: dict[str, list[LoraFactors]] = {}
+    while is_peft_param_wrapper(module):
+        if not module.disable_adapters and not module.merged:
+            for name in _active(module):
+                if name in module.lora_A:
+                    factors.setdefault(module.parameter_name, []).append(_factors(module, name, dtype))
+        module = module.base_layer
+    return module, factors
+
+
+def _active(wrapper: nn.Module) -> list[str]:
+    active = wrapper.active_adapters
+    return [active] if isinstance(active, str) else list(active)
+
+
+def _factors(wrapper: nn.Module, adapter: str, dtype: torch.dtype | None) -> LoraFactors:
+    a = wrapper.lora_A[adapter].weight
+    b = wrapper.lora_B[adapter].weight
+    if dtype is not None:
+        a, b = a.to(dtype), b.to(dtype)
+    E, r = wrapper.num_experts, wrapper.r[adapter]
+    if E > 1:
+        if not wrapper._did_swap_in_out_features:
+            raise NotImplementedError("LoRA on expert weights stored [E, in, out] (is_transposed) is not supported")
+        a = a.view(E, r, a.shape[-1])
+        b = b.view(b.shape[0], r, E).permute(2, 0, 1).contiguous()
+    return LoraFactors(a, b, float(wrapper.scaling[adapter]))
+
+
+def merged_weight(weight: torch.Tensor, factors: Sequence[LoraFactors]) -> torch.Tensor:
+    """``weight + sum scale * B @ A`` for a small 2-D weight (the router's [E, H])."""
+    for f in factors:
+        weight = weight + f.scale * (f.B @ f.A).to(weight.dtype)
+    return weight
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped LoRA: scale * (x·A_e)·B_e per expert, never forming W + B·A
+# ---------------------------------------------------------------------------------------------
+
+
+class _GroupedLora(torch.autograd.Function):
+    """delta [N, O] = scale * grouped_mm(grouped_mm(x, A), B) with a hand-written backward
+    that keeps x in its small gathered form (``source[rows]``) when given."""
+
+    @staticmethod
+    def forward(ctx, x, A, B, offsets, scale, source, rows):  # noqa: ANN001, ANN205
+        xa = ops.grouped_mm(x, A, offsets)  # [N, r]
+        if source is not None:
+            ctx.save_for_backward(source, rows, xa, A, B, offsets)
+        else:
+            ctx.save_for_backward(x, None, xa, A, B, offsets)
+        ctx.scale = scale
+        return ops.grouped_mm(xa, B, offsets) * scale
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        x, rows, xa, A, B, offsets = ctx.saved_tensors
+        s = ctx.scale
+        dy = dy.contiguous()
+        g = ops.grouped_mm(dy, B.transpose(1, 2), offsets) * s  # d(x·A) [N, r]
+        dx = ops.grouped_mm(g, A.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
+        dA = dB = None
+        if ctx.needs_input_grad[1]:
+            x_rows = x if rows is None else x.index_select(0, rows)
+            dA = ops.grouped_mm_wgrad(g, x_rows.to(g.dtype), offsets)
+        if ctx.needs_input_grad[2]:
+            dB = ops.grouped_mm_wgrad(dy, xa, offsets) * s
+        return dx, dA, dB, None, None, None, None
+
+
+def grouped_lora(x: torch.Tensor, offsets: torch.Tensor, f: LoraFactors,
+                 gathered_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The LoRA delta of a grouped linear: rows of group ``e`` times ``scale * A_e.T @ B_e.T``.
+
+    x [N, K] sorted by group, ``offsets`` int32 [E] (the base GEMM's), factors A [E, r, K],
+    B [E, O, r] -> [N, O]. ``gathered_from=(source, rows)``: ``x`` is ``source[rows]``; the
+    backward then keeps the [T, K] source instead of the [N, K] copies.
+    """
+    source, rows = gathered_from if gathered_from is not None else (None, None)
+    if source is not None:
+        source = source.detach()
+    return _GroupedLora.apply(x, f.A, f.B, offsets, f.scale, source, rows)
+
+
+def dense_lora(x: torch.Tensor, f: LoraFactors) -> torch.Tensor:
+    """``scale * (x @ A.T) @ B.T`` for 2-D factors (one expert of the eager path)."""
+    return torch.nn.functional.linear(torch.nn.functional.linear(x, f.A), f.B) * f.scale
+
+
+# ---------------------------------------------------------------------------------------------
+# Setting up a model
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class LoraSettings:
+    """What gets an adapter (the finetune CLI's ``lora:`` section).
+
+    Attributes:
+        r, alpha: rank and scale (``alpha / r`` multiplies ``B @ A``).
+        dropout: dropout on the adapters' input; PEFT's parameter adapters (experts, router)
+            have none, so it needs ``experts: false`` and ``router: false``.
+        target_modules: linear modules by name suffix (default: the attention projections).
+        experts: adapters on the fused experts (``mlp.experts.gate_up_proj`` / ``down_proj``).
+        router: an adapter on the router weight (``mlp.gate.weight``).
+        recompute: ``"none"`` or ``"selective"``: checkpoint each decoder layer but keep the
+            outputs of the large GEMMs and attention, recomputing only the cheap parts
+            (:func:`selective_recompute_policy`).
+    """
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(ATTENTION_MODULES))
+    experts: bool = True
+    router: bool = False
+    recompute: str = "none"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"lora.r={self.r!r} must be a positive integer")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout={self.dropout!r} must be in [0, 1)")
+        if self.dropout and (self.experts or self.router):
+            raise ValueError("lora.dropout needs lora.experts: false and lora.router: false (PEFT's adapters on "
+                             "parameters have no dropout)")
+        if self.recompute not in ("none", "selective"):
+            raise ValueError(f"lora.recompute={self.recompute!r} must be 'none' or 'selective'")
+        if not (self.target_modules or self.experts or self.router):
+            raise ValueError("lora: nothing to adapt (target_modules empty, experts and router false)")
+
+    def peft_config(self) -> Any:
+        """The equivalent ``peft.LoraConfig`` (task type causal LM)."""
+        peft = require_peft()
+        params = [*(EXPERT_PARAMETERS if self.experts else ()), *(ROUTER_PARAMETERS if self.router else ())]
+        return peft.LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                               target_modules=list(self.target_modules) or None,
+                               target_parameters=params or None, task_type="CAUSAL_LM")
+
+
+def require_peft() -> Any:
+    """The ``peft`` module, or an ImportError saying what to install."""
+    try:
+        import peft
+    except ImportError as e:
+        raise ImportError("LoRA needs PEFT: pip install 'peft>=0.18'") from e
+    return peft
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Wrap ``model`` with PEFT adapters as ``settings`` say; returns the ``PeftModel``.
+
+    The base weights are frozen (no gradients, no optimizer state); adapters are kept in fp32
+    (PEFT's ``autocast_adapter_dtype``) and cast to the compute dtype in the expert path.
+    """
+    peft = require_peft()
+    model = peft.get_peft_model(model, settings.peft_config())
+    if settings.recompute == "selective":
+        enable_selective_recompute(model)
+    return model
+
+
+def load_adapter(model: nn.Module, path: str, *, trainable: bool = True, settings: LoraSettings | None = None
+                 ) -> nn.Module:
+    """Load a PEFT adapter directory (ours or plain PEFT's) onto ``model``; returns the ``PeftModel``."""
+    peft = require_peft()
+    model = peft.PeftModel.from_pretrained(model, path, is_trainable=trainable)
+    if settings is not None and settings.recompute == "selective":
+        enable_selective_recompute(model)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Selective recomputation
+# ---------------------------------------------------------------------------------------------
+
+#: ops whose outputs selective recomputation keeps (when their reduction dim is large)
+_GEMM_OPS = ("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm")
+_ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+                  "_efficient_attention_forward", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _op_name(op: Any) -> str:
+    return getattr(getattr(op, "overloadpacket", op), "__name__", str(op))
+
+
+def selective_recompute_policy(cheap_k: int) -> Callable[..., Any]:
+    """A checkpoint policy: keep attention outputs and GEMM outputs whose reduction dim is
+    above ``cheap_k`` (the LoRA rank); recompute everything else in the backward: norms,
+    RoPE, SwiGLU, casts, routing, token gathers and the rank-r ``·B`` LoRA GEMMs."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        name = _op_name(op)
+        if name in _ATTENTION_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        if name in _GEMM_OPS and (args[1] if name == "addmm" else args[0]).shape[-1] > cheap_k:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _selective_context(cheap_k: int) -> Any:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(selective_recompute_policy(cheap_k))
+
+
+def enable_selective_recompute(model: nn.Module) -> None:
+    """Checkpoint every decoder layer (non-reentrant) with :func:`selective_recompute_policy`
+    at the model's largest LoRA rank."""
+    ranks = [r for m in model.modules() if isinstance(getattr(m, "r", None), dict) for r in m.r.values()]
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+        "use_reentrant": False, "context_fn": functools.partial(_selective_context, max(ranks, default=16))})
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory estimate
+# ---------------------------------------------------------------------------------------------
+
+
+def lora_param_count(config: Any, settings: LoraSettings) -> int:
+    """Adapter parameters of a Qwen3-MoE-like ``config`` under ``settings``."""
+    H, L, r = config.hidden_size, config.num_hidden_layers, settings.r
+    D = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    widths = {"q_proj": (H, config.num_attention_heads * D), "k_proj": (H, config.num_key_value_heads * D),
+              "v_proj": (H, config.num_key_value_heads * D), "o_proj": (config.num_attention_heads * D, H)}
+    per_layer = sum(r * (i + o) for name, (i, o) in widths.items() if name in settings.target_modules)
+    E, I = getattr(config, "num_experts", 0) or 0, getattr(config, "moe_intermediate_size", 0) or 0
+    if settings.experts:
+        per_layer += r * E * (H + 2 * I) + r * E * (I + H)
+    if settings.router:
+        per_layer += r * (H + E)
+    return L * per_layer
+
+
+def estimate_lora_memory(config: Any, seq_len: int, settings: LoraSettings, *, micro_batch: int = 1,
+                         weight_bytes: int = 2, adapter_bytes: int = 4, loss_chunk: int = 1024) -> dict[str, float]:
+    """Peak training memory in GiB of LoRA on a Qwen3-MoE-like model, one micro-batch live.
+
+    Parts: frozen weights (``weight_bytes`` each, no fp32 copy), adapters with their
+    gradients and AdamW state (``adapter_bytes`` each, two fp32 moments), saved activations of
+    every layer (with ``settings.recompute``), one layer's full activations being recomputed /
+    back-propagated, and the fused loss's chunk of fp32 logits. Activations are bf16 except
+    where noted; the per-layer terms follow the code paths of ``layers.py`` and this module.
+    """
+    H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    D = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    NH, NKV = config.num_attention_heads, config.num_key_value_heads
+    E, k, I = config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
+    T, r, b = micro_batch * seq_len, settings.r, 2
+    n_params = sum(p for p in _base_param_counts(config))
+    adapters = lora_param_count(config, settings)
+    attn_lora = any(m in settings.target_modules for m in ATTENTION_MODULES)
+    # GEMM and attention outputs (kept under selective recomputation)
+    gemm = T * (NH * D + 2 * NKV * D + H) * b + T * NH * D * b + T * E * b  # q k v o, sdpa out, router
+    gemm += T * k * (2 * I + H) * b  # expert GEMMs
+    gemm += (T * 4 * r * 4 if attn_lora else 0) + (T * k * 2 * r * b if settings.experts else 0)  # x·A
+    # what eager autograd saves besides: norm inputs in fp32, RoPE'd q/k, gathered copies,
+    # SwiGLU output, fp32 input copies of PEFT's attention adapters, LoRA ·B outputs
+    cheap = 2 * T * H * (4 + b) + T * NH * D * (4 + 2 * b) + T * NKV * D * (4 + 2 * b)
+    cheap += T * k * (H + I) * b + T * E * 4 * 2
+    if attn_lora:
+        cheap += T * (3 * H + NH * D) * 4
+    if settings.experts:
+        cheap += T * k * (2 * I + H) * b
+    full_layer = gemm + cheap
+    saved_layer = T * H * b + gemm if settings.recompute == "selective" else full_layer
+    gib = 2**30
+    parts = {
+        "weights": n_params * weight_bytes / gib,
+        "adapters_grads_adam": adapters * adapter_bytes * 4 / gib,
+        "adapter_casts": adapters * b / gib,  # compute-dtype copies of the factors, kept for backward
+        "activations": L * saved_layer / gib,
+        "layer_in_backward": full_layer / gib,
+        "loss_chunk": min(T, loss_chunk) * V * 4 * 2 / gib,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _base_param_counts(config: Any) -> list[int]:
+    H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    D = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    NH, NKV = config.num_attention_heads, config.num_key_value_heads
+    E, I = config.num_experts, config.moe_intermediate_size
+    attn = H * NH * D * 2 + H * NKV * D * 2 + 2 * D + 2 * H
+    moe = E * 3 * H * I + E * H
+    head = V * H * (1 if getattr(config, "tie_word_embeddings", False) else 2) + H
+    return [L * (attn + moe), head]
+
+
+__all__ = [
+    "LoraFactors", "LoraSettings", "apply_lora", "dense_lora", "estimate_lora_memory", "grouped_lora",
+    "is_peft_param_wrapper", "load_adapter", "lora_param_count", "merged_weight", "selective_recompute_policy",
+    "unwrap_peft",
+]
