@@ -66,9 +66,15 @@ def test_cached_step_equals_full_recompute(model):
         state = model.new_decoder_state(enc, mask, model.max_decode_len)
         steps = torch.stack([model.decode_step(ids[:, t], torch.full((B,), t), state) for t in range(T)], 1)
     torch.testing.assert_close(steps, full, rtol=1e-5, atol=1e-5)
-    # the cache was written at positions 0..T-1 only
-    assert state.self_k[:, :, :, T:].abs().max() == 0 and state.self_k[:, :, :, :T].abs().min() >= 0
+    # the cache was written at positions 0..T-1 only, and holds the keys: layer 0's are
+    # k_proj(LN(embed(token) + embed(position))), computed here without the cache
+    assert state.self_k[:, :, :, T:].abs().max() == 0
     assert (state.self_k[:, :, :, :T].abs().sum(-1) > 0).all()
+    dec, layer0 = model.decoder, model.decoder.layers[0]
+    with torch.inference_mode():
+        x = dec.embed_tokens(ids) + dec.embed_positions(torch.arange(T))
+        k0, _ = layer0.self_attn.key_value(layer0.self_attn_layer_norm(x))
+    torch.testing.assert_close(state.self_k[0, :, :, :T], k0, rtol=1e-5, atol=1e-5)
 
 
 def test_rows_at_different_positions_are_independent(model):
