@@ -241,6 +241,39 @@ def load_adapter(model: nn.Module, path: str, *, trainable: bool = True, setting
     return model
 
 
+def settings_from(section: Any) -> LoraSettings:
+    """:class:`LoraSettings` from the finetune config's ``lora:`` section (same field names)."""
+    fields = {f.name: getattr(section, f.name) for f in dataclasses.fields(LoraSettings)}
+    modules = fields["target_modules"]
+    if isinstance(modules, str) or not all(isinstance(m, str) for m in modules or ()):
+        raise ValueError(f"lora.target_modules must be a list of module names, got {modules!r}")
+    fields["target_modules"] = list(modules or ())
+    return LoraSettings(**fields)
+
+
+def finetune_setup(model: nn.Module, section: Any, train: Any, resume_from: Any, *, world_size: int = 1,
+                   ep: int = 1) -> tuple[nn.Module, Any]:
+    """The finetune loop's LoRA step: adapters on ``model`` (new, or the checkpoint's when
+    resuming) and the train settings that apply to them (no CUDA graphs, no weight-gradient
+    windows: the base weights have no gradients). Raises ``ConfigError`` on what cannot run."""
+    from polyaccel.moe.train_config import ConfigError
+
+    try:
+        settings = settings_from(section)
+        require_peft()
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"lora: {e}") from e
+    if ep > 1:
+        raise ConfigError("lora: expert parallelism (parallel.ep > 1) with LoRA is not supported")
+    if train.cuda_graph is True:
+        raise ConfigError("lora: train.cuda_graph=true is not supported with LoRA (set it to auto or false)")
+    if resume_from is not None:
+        model = load_adapter(model, str(resume_from), trainable=True, settings=settings)
+    else:
+        model = apply_lora(model, settings)
+    return model, dataclasses.replace(train, cuda_graph=False, wgrad_window=1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Selective recomputation
 # ---------------------------------------------------------------------------------------------
@@ -366,7 +399,7 @@ def _base_param_counts(config: Any) -> list[int]:
 
 
 __all__ = [
-    "LoraFactors", "LoraSettings", "apply_lora", "dense_lora", "estimate_lora_memory", "grouped_lora",
+    "LoraFactors", "LoraSettings", "apply_lora", "dense_lora", "estimate_lora_memory", "finetune_setup", "grouped_lora",
     "is_peft_param_wrapper", "load_adapter", "lora_param_count", "merged_weight", "selective_recompute_policy",
     "unwrap_peft",
 ]

@@ -323,11 +323,16 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
     compute_dtype = _DTYPES[t.dtype]
     param_dtype = torch.float32 if t.fp32_master else compute_dtype
     torch.manual_seed(t.seed)  # identical random init on every rank (FSDP2 does not broadcast)
-    model = build_model(cfg.model, model_config, dtype=param_dtype, device=rt.device, weights=resume_from)
+    model = build_model(cfg.model, model_config, dtype=param_dtype, device=rt.device,
+                        weights=resume_from if cfg.lora is None else None)
     model.train()
     if t.activation_checkpointing:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora is not None:  # PEFT adapters on the frozen model (a checkpoint holds only the adapters)
+        from polyaccel.moe.lora import finetune_setup
+
+        model, t = finetune_setup(model, cfg.lora, t, resume_from, world_size=rt.world_size, ep=cfg.parallel.ep)
     sharded = rt.world_size > 1
     grad_sync = None
     if fsdp:

@@ -195,6 +195,26 @@ class LogConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LoraConfig:
+    """LoRA adapters instead of full fine-tuning (:mod:`polyaccel.moe.lora`; needs ``peft``).
+
+    The base weights are frozen; PEFT's adapters are trained, checkpointed and written to
+    ``output_dir`` (a PEFT adapter directory). ``target_modules``: linear modules by name
+    (default q/k/v/o); ``experts`` / ``router``: adapters on the fused experts / router
+    weight; ``dropout`` only without those two; ``recompute: selective`` checkpoints each
+    layer keeping the GEMM and attention outputs.
+    """
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: Any = ("q_proj", "k_proj", "v_proj", "o_proj")
+    experts: bool = True
+    router: bool = False
+    recompute: Literal["none", "selective"] = "none"
+
+
+@dataclass(kw_only=True, slots=True)
 class FinetuneConfig:
     """A whole fine-tuning run; ``output_dir`` receives the final ``save_pretrained``."""
 
@@ -204,6 +224,7 @@ class FinetuneConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    lora: LoraConfig | None = None
     output_dir: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
