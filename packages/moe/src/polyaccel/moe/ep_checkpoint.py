@@ -63,6 +63,47 @@ def checkpoint_files(path: str | Path) -> list[Path]:
                             "loading reads local safetensors checkpoints only")
 
 
+def unreadable_file(path: str | Path) -> str | None:
+    """Why a safetensors file (or the index) of checkpoint ``path`` cannot be read, naming
+    it; None when every file opens."""
+    try:
+        files = checkpoint_files(path)
+    except (OSError, ValueError, KeyError) as e:
+        return f"{Path(path) / 'model.safetensors.index.json'} cannot be read ({type(e).__name__}: {e})"
+    for file in files:
+        try:
+            with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
+                f.keys()
+        except Exception as e:  # SafetensorError, OSError: damaged, truncated, missing
+            return f"{file} cannot be read, damaged or truncated ({type(e).__name__}: {e})"
+    return None
+
+
+def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes in checkpoint ``path`` (read from the headers only) under the model's
+    names: per-expert keys folded into the fused ``gate_up_proj [E, 2I, H]`` and
+    ``down_proj [E, H, I]`` shapes."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    per_expert: dict[str, dict[str, tuple[int, ...]]] = defaultdict(dict)
+    count: dict[str, int] = defaultdict(int)
+    for file in checkpoint_files(path):
+        with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                shape = tuple(f.get_slice(key).get_shape())
+                if m := _PER_EXPERT.match(key):
+                    block = _rename(m["prefix"]) + ".mlp.experts"
+                    per_expert[block].setdefault(_PROJ[m["proj"]], shape)
+                    count[block] = max(count[block], int(m["e"]) + 1)
+                else:
+                    shapes[_rename(key)] = shape
+    for block, proj in per_expert.items():
+        if "gate" in proj and "up" in proj:
+            shapes[f"{block}.gate_up_proj"] = (count[block], proj["gate"][0] + proj["up"][0], proj["gate"][1])
+        if "down" in proj:
+            shapes[f"{block}.down_proj"] = (count[block], *proj["down"])
+    return shapes
+
+
 def build_local_model(model_class: type, config: Any, ep: int, ep_rank: int, *, dtype: torch.dtype,
                       device: torch.device) -> nn.Module:
     """``model_class`` for ``config`` with uninitialised weights on ``device``, each ``Experts``
@@ -94,10 +135,16 @@ def load_local_weights(model: nn.Module, path: str | Path) -> dict[str, int]:
     """
     own = dict(model.state_dict(keep_vars=True))
     experts = {name.removesuffix(".experts"): m for name, m in model.named_modules() if isinstance(m, Experts)}
+    for block in experts.values():  # a whole model (not from build_local_model) holds every expert
+        if not hasattr(block, "expert_offset"):
+            block.expert_offset = 0
     tied = _tied_keys(model)
     loaded: set[str] = set()
     seen: dict[tuple[str, str], set[int]] = defaultdict(set)  # (MoE block, projection) -> local experts read
     read = {"expert": 0, "other": 0}
+    bad = unreadable_file(path)
+    if bad is not None:
+        raise ValueError(bad)
     for file in checkpoint_files(path):
         with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
@@ -257,5 +304,5 @@ def save_pretrained(model: nn.Module, save_directory: str | Path, **kwargs: Any)
     dist.barrier()
 
 
-__all__ = ["build_local_model", "checkpoint_files", "full_state_dict", "load_expert_parallel", "load_local_weights",
-           "save_pretrained"]
+__all__ = ["build_local_model", "checkpoint_files", "checkpoint_shapes", "full_state_dict", "load_expert_parallel",
+           "load_local_weights", "save_pretrained", "unreadable_file"]

@@ -88,6 +88,18 @@ class FastPathMixin:
         opt.scale_next_step(clip_coefficient(norm, self.args.max_grad_norm))
         return norm
 
+    # ---- checkpoints -------------------------------------------------------------------------
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """Resume our model from the plain Hugging Face checkpoint its ``save_pretrained`` wrote
+        (per-expert keys), in place (the parameters stay FlatAdamW's views)."""
+        from polyaccel.moe.ep_checkpoint import load_local_weights
+        from polyaccel.moe.models.base import MoeForCausalLM
+
+        model = self.model if model is None else model
+        if not isinstance(model, MoeForCausalLM):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_local_weights(model, resume_from_checkpoint)
+
     # ---- micro-step --------------------------------------------------------------------------
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:

@@ -1,0 +1,234 @@
+"""The fast path on by default: what ``"auto"`` resolves to and why, the Trainer integration
+(same training as ``transformers.Trainer``, checkpoints and resume, TRL), and on a GPU that
+the defaults take the fast path and train like the plain model."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from polyaccel.moe import AutoModelForCausalLM, BackendConfig, FlatAdamW
+from polyaccel.moe import fast_path
+from polyaccel.moe.config import compiles_layers
+from polyaccel.moe.presets import mixtral_8x7b, olmoe_1b_7b, qwen3_30b_a3b, tiny
+from polyaccel.moe.train import finetune
+from polyaccel.moe.train_config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "packages/moe/examples/tiny_synthetic_cpu.yaml"
+
+
+# --------------------------------------------------------------------------------------------
+# What "auto" resolves to
+# --------------------------------------------------------------------------------------------
+
+def test_compile_auto_means_cuda_only():
+    assert BackendConfig().compile == "auto"
+    auto, on, off = BackendConfig(), BackendConfig(compile=True), BackendConfig(compile=False)
+    assert compiles_layers(auto, "cuda") and not compiles_layers(auto, "cpu")
+    assert compiles_layers(on, "cpu") and not compiles_layers(off, "cuda")
+    with pytest.raises(ValueError, match="'auto', True or False"):
+        BackendConfig(compile="yes")
+
+
+def test_auto_window_fits_the_memory_share():
+    """The window keeps at most WINDOW_MEMORY_SHARE of the device: the 8-layer Qwen3 shape
+    (2.3 GB per deferred micro-batch) gets all 4 micro-batches on an H200, OLMoE's 16
+    layers (5.4 GB each) two, and a small device none."""
+    h200 = 141 * 10**9
+    per = fast_path.kept_bytes_per_micro_batch(qwen3_30b_a3b(8), 4096)
+    assert per == 2 * 8 * (3 * 768 + 2048) * 4096 * 8
+    assert fast_path.auto_window(qwen3_30b_a3b(8), tokens_per_micro_batch=4096, grad_accum=4, device_bytes=h200) == 4
+    assert fast_path.auto_window(olmoe_1b_7b(), tokens_per_micro_batch=4096, grad_accum=4, device_bytes=h200) == 2
+    assert fast_path.auto_window(mixtral_8x7b(4), tokens_per_micro_batch=4096, grad_accum=4, device_bytes=h200) == 3
+    assert fast_path.auto_window(qwen3_30b_a3b(8), tokens_per_micro_batch=4096, grad_accum=4,
+                                 device_bytes=16 * 10**9) == 1
+    assert fast_path.auto_window(qwen3_30b_a3b(8), tokens_per_micro_batch=4096, grad_accum=1, device_bytes=h200) == 1
+
+
+def test_moe_layer_count_skips_dense_layers():
+    assert fast_path.moe_layer_count(tiny("qwen3_moe")) == 2  # 3 layers, mlp_only_layers=[1]
+    assert fast_path.moe_layer_count(tiny("deepseek_v3")) == 2  # first_k_dense_replace=1
+
+
+def test_plan_says_why_once(caplog):
+    fast_path._SAID.clear()
+    kwargs = dict(model_config=tiny("qwen3_moe"), device=torch.device("cuda", 0), cuda_graph="auto",
+                  wgrad_window=1, fsdp=True, optimizer="auto", activation_checkpointing=True,
+                  fused_grad_accumulation=True, tokens_per_micro_batch=64, grad_accum=2)
+    with caplog.at_level(logging.WARNING, logger="polyaccel.moe.fast_path"):
+        first = fast_path.plan(**kwargs)
+        again = fast_path.plan(**kwargs)
+    assert not first.cuda_graph and first.wgrad_window == 1 and first == again
+    assert "FSDP2" in first.reasons[0] and "activation checkpointing" in first.reasons[0]
+    assert sum("CUDA graph per micro-batch off" in r.message for r in caplog.records) == 1
+    cpu = fast_path.plan(**{**kwargs, "device": torch.device("cpu"), "fsdp": False, "wgrad_window": "auto"})
+    assert cpu == fast_path.FastPath(cuda_graph=False, wgrad_window=1, reasons=())
+    explicit = fast_path.plan(**{**kwargs, "cuda_graph": False, "wgrad_window": 3})
+    assert (explicit.cuda_graph, explicit.wgrad_window) == (False, 3)
+
+
+def test_cpu_defaults_report_what_ran(tmp_path):
+    cfg = load_config(TINY, [f"checkpoint.dir={tmp_path / 'ck'}", f"output_dir={tmp_path / 'out'}",
+                             "log.progress_bar=false", "train.max_steps=2"])
+    assert cfg.train.cuda_graph == "auto" and cfg.train.wgrad_window == "auto"
+    result = finetune(cfg)
+    assert result.fast_path == {"compiled_layers": False, "optimizer": "FlatAdamW", "cuda_graph": False,
+                                "wgrad_window": 1}
+    assert result.summary()["fast_path"] == result.fast_path
+
+
+# --------------------------------------------------------------------------------------------
+# Trainer
+# --------------------------------------------------------------------------------------------
+
+def _model(seed: int = 0):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny("qwen3_moe"), backend=BackendConfig(backend="cpu"),
+                                            dtype=torch.float32)
+
+
+def _data(n: int = 24, seq: int = 16):
+    g = torch.Generator().manual_seed(3)
+    return [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 97, (n, seq), generator=g)]
+
+
+def _args(out: Path, **kw):
+    base = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+                learning_rate=3e-3, weight_decay=0.1, max_grad_norm=0.05, logging_steps=1, report_to=[],
+                save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, optim="adamw_torch",
+                lr_scheduler_type="linear", warmup_steps=1)
+    return transformers.TrainingArguments(**{**base, **kw})
+
+
+def _train(trainer_cls, args, model=None):
+    model = model if model is not None else _model()
+    trainer = trainer_cls(model=model, args=args, train_dataset=_data())
+    trainer.train()
+    return trainer, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _relative_gap(a: dict, b: dict, start: dict) -> float:
+    """||a - b|| over how far b moved from start: 0 when a trains exactly like b, 1 when a stayed put."""
+    num = sum(float((a[k] - b[k]).double().pow(2).sum()) for k in b)
+    den = sum(float((b[k] - start[k]).double().pow(2).sum()) for k in b)
+    return (num / den) ** 0.5
+
+
+def test_trainer_trains_like_transformers_trainer(tmp_path):
+    """polyaccel.moe.Trainer (FlatAdamW, clipping inside its pass) gives Transformers'
+    Trainer's losses, grad norms and weights (clipping active: max_grad_norm below the norm)."""
+    from polyaccel.moe import Trainer
+
+    start = _model().state_dict()
+    ours, w_ours = _train(Trainer, _args(tmp_path / "ours"))
+    ref, w_ref = _train(transformers.Trainer, _args(tmp_path / "ref"))
+    assert isinstance(ours.flat_optimizer(), FlatAdamW) and ref.optimizer.optimizer.__class__ is torch.optim.AdamW
+    hist = lambda t, k: [h[k] for h in t.state.log_history if k in h]  # noqa: E731
+    assert min(hist(ref, "grad_norm")) > 0.05  # clipping did something
+    torch.testing.assert_close(hist(ours, "loss"), hist(ref, "loss"), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hist(ours, "grad_norm"), hist(ref, "grad_norm"), rtol=1e-4, atol=1e-5)
+    assert _relative_gap(w_ours, w_ref, start) < 1e-4
+    # Negative control: a run that does not train is far from the reference by this measure.
+    _, w_still = _train(Trainer, _args(tmp_path / "still", learning_rate=0.0))
+    assert _relative_gap(w_still, w_ref, start) > 0.5
+
+
+def test_trainer_checkpoint_resume_matches_straight_run(tmp_path):
+    from polyaccel.moe import Trainer
+
+    _, straight = _train(Trainer, _args(tmp_path / "a"))
+    args = _args(tmp_path / "b", save_strategy="steps", save_steps=2)
+    first = Trainer(model=_model(), args=args, train_dataset=_data())
+    first.train()
+    ckpt = tmp_path / "b" / "checkpoint-2"
+    assert (ckpt / "optimizer.pt").is_file()
+    resumed_model = _model(seed=1)  # other init: everything must come from the checkpoint
+    resumed = Trainer(model=resumed_model, args=args, train_dataset=_data())
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    final = resumed_model.state_dict()
+    for k in straight:
+        torch.testing.assert_close(final[k], straight[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_trainer_keeps_other_optimizers(tmp_path):
+    from polyaccel.moe import Trainer
+
+    trainer, _ = _train(Trainer, _args(tmp_path, optim="sgd", max_steps=1))
+    assert trainer.flat_optimizer() is None and isinstance(trainer.optimizer.optimizer, torch.optim.SGD)
+
+
+def _word_tokenizer():
+    """A 97-word offline tokenizer matching the tiny models' vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(97)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2", unk_token="t0")
+
+
+def test_fast_trainer_class_wraps_sft_trainer(tmp_path):
+    trl = pytest.importorskip("trl")
+    from polyaccel.moe import fast_trainer_class
+
+    cls = fast_trainer_class(trl.SFTTrainer)
+    assert cls is fast_trainer_class(trl.SFTTrainer) and issubclass(cls, trl.SFTTrainer)
+    with pytest.raises(TypeError, match="not a transformers.Trainer"):
+        fast_trainer_class(object)
+    from datasets import Dataset
+
+    data = Dataset.from_list([{"input_ids": d["input_ids"].tolist()} for d in _data()])
+    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                         max_steps=3, learning_rate=3e-3, logging_steps=1, report_to=[], save_strategy="no",
+                         use_cpu=True, disable_tqdm=True, optim="adamw_torch", dataset_kwargs={"skip_prepare_dataset": True})
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    trainer = cls(model=model, args=args, train_dataset=data, processing_class=_word_tokenizer())
+    trainer.train()
+    assert isinstance(trainer.flat_optimizer(), FlatAdamW)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the defaults take the fast path and train like the plain model
+# --------------------------------------------------------------------------------------------
+
+def _final_weights(d: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update({k: v.double() for k, v in load_file(f).items()})
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_gpu_defaults_take_the_fast_path_and_train_like_plain(tmp_path):
+    """On CUDA, the example config with no speed flags compiles its layers and runs FlatAdamW,
+    a CUDA graph per micro-batch and a weight-gradient window; after 6 steps its weights equal
+    the plain configuration's (eager layers, torch AdamW, no graph, no window). Negative
+    control: the same measure puts an lr=0 run far away."""
+    common = ["train.device=cuda", "train.dtype=fp32", "train.max_steps=6", "train.grad_accum=4",
+              "train.micro_batch=1", "checkpoint.dir=null", "log.progress_bar=false", "train.grad_clip=0.5"]
+
+    def run(name: str, *extra: str):
+        cfg = load_config(TINY, [*common, f"output_dir={tmp_path / name}", *extra])
+        return finetune(cfg), _final_weights(tmp_path / name)
+
+    fast, w_fast = run("fast")
+    assert fast.fast_path == {"compiled_layers": True, "optimizer": "FlatAdamW", "cuda_graph": True,
+                              "wgrad_window": 4}
+    plain, w_plain = run("plain", "model.backend.compile=false", "train.optimizer=adamw",
+                         "train.cuda_graph=false", "train.wgrad_window=1")
+    assert plain.fast_path["cuda_graph"] is False and plain.fast_path["compiled_layers"] is False
+    _, w_start = run("start", "train.lr=0")
+    torch.testing.assert_close(torch.tensor(fast.losses), torch.tensor(plain.losses), rtol=1e-4, atol=1e-4)
+    assert _relative_gap(w_fast, w_plain, w_start) < 0.02
+    assert _relative_gap(w_start, w_plain, w_start) > 0.5  # negative control: lr=0

@@ -1,0 +1,260 @@
+"""MoE fine-tuning as users run it: every entry point beside its free peers, per shape, one run.
+
+For each shape (a ``polyaccel-moe`` preset: ``qwen3-30b-a3b-L8``, ``olmoe-1b-7b``,
+``mixtral-8x7b-L4``, ...) and each entry point, one process (a clean allocator and peak
+counter) trains ``--warmup + --steps`` optimizer steps of ``--accum`` micro-batches of
+``1 x --seq`` random tokens, bf16, learned router, lr 1e-5, and reports the median step:
+
+- ``hf``: Transformers' own model (grouped_mm experts, sdpa), ``torch.optim.AdamW(fused=True)``,
+  the plain loop ``model(input_ids=ids, labels=ids).loss.backward()`` x accum, then ``step()``;
+- ``hf-compile``: the same after ``model = torch.compile(model)`` (the strongest free peer);
+- ``hf-trainer-compile``: Transformers' model under ``transformers.Trainer(torch_compile=True)``;
+- ``loop-adamw``: our model with its default ``BackendConfig``, the same plain loop unchanged;
+- ``loop``: the same plain loop with the documented one-line change (``FlatAdamW`` in place
+  of ``torch.optim.AdamW``);
+- ``trainer``: our model under ``polyaccel.moe.Trainer`` (batch 1, ``--accum`` accumulation steps);
+- ``cli``: ``polyaccel-moe bench --preset SHAPE`` with no speed flags.
+
+One JSON line per row on stdout (and ``--out``), then a table with tokens/s, peak GiB, MFU
+against the measured dense bf16 rate (790 TFLOP/s) and the H200 spec (989), and the ratio to
+``hf-compile``.
+
+  python tools/bench_moe_users.py --shapes qwen3-30b-a3b-L8 --out moe_users.jsonl
+  python tools/bench_moe_users.py --shapes olmoe-1b-7b,mixtral-8x7b-L4 --entries hf,hf-compile,cli,trainer,loop
+  python tools/bench_moe_users.py --shapes qwen3-moe-tiny --device cpu --seq 64 --steps 2 --warmup 1  # dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ENTRIES = ("hf", "hf-compile", "hf-trainer-compile", "loop-adamw", "loop", "trainer", "cli")
+DENSE_TFLOPS, SPEC_TFLOPS = 790.0, 989.0
+_MARK = "BENCH_ROW "
+
+
+def shape_config(shape: str, layers: int | None):
+    """The Transformers config of preset ``shape`` (``layers`` overrides its depth)."""
+    from polyaccel.moe.train import resolve_model_config
+    from polyaccel.moe.train_config import preset
+
+    cfg = preset(shape).model
+    if layers:
+        cfg.config["num_hidden_layers"] = layers
+    return resolve_model_config(cfg)
+
+
+def build(entry: str, config, device: str):
+    """The model ``entry`` trains, on ``device`` in bf16, in train mode."""
+    import torch
+
+    torch.manual_seed(0)
+    if entry.startswith("hf"):
+        import transformers
+
+        config._attn_implementation = "sdpa"
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        if hasattr(model, "set_experts_implementation"):
+            model.set_experts_implementation("grouped_mm")
+    else:
+        from polyaccel.moe import AutoModelForCausalLM
+
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.to(device).train()
+
+
+def plain_loop(entry: str, config, a) -> tuple[list[float], float]:
+    """Step times and last loss of the plain user loop of ``entry``."""
+    import torch
+
+    model = build(entry, config, a.device)
+    if entry == "loop":
+        from polyaccel.moe import FlatAdamW
+
+        opt = FlatAdamW(model.parameters(), lr=1e-5)  # the documented one-line change
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=a.device == "cuda")
+    if entry == "hf-compile":
+        model = torch.compile(model)
+    ids = torch.randint(0, config.vocab_size, (1, a.seq), device=a.device)
+    times, loss = [], None
+    for _ in range(a.warmup + a.steps):
+        _sync(a.device)
+        t0 = time.perf_counter()
+        for _ in range(a.accum):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        _sync(a.device)
+        times.append(time.perf_counter() - t0)
+    return times[a.warmup:], float(loss)
+
+
+def trainer_run(entry: str, config, a) -> tuple[list[float], float]:
+    """Step times and last logged loss of ``entry`` under a Trainer (ours or Transformers')."""
+    import torch
+    import transformers
+
+    model = build(entry, config, a.device)
+    data = [{"input_ids": ids, "labels": ids}
+            for ids in torch.randint(0, config.vocab_size, ((a.warmup + a.steps) * a.accum, a.seq))]
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(a.out_dir, f"trainer_{entry}"), per_device_train_batch_size=1,
+        gradient_accumulation_steps=a.accum, max_steps=a.warmup + a.steps, learning_rate=1e-5,
+        optim="adamw_torch_fused" if a.device == "cuda" else "adamw_torch", bf16=a.device == "cuda",
+        logging_steps=1, save_strategy="no", report_to=[], torch_compile=entry == "hf-trainer-compile",
+        use_cpu=a.device == "cpu", dataloader_pin_memory=False, disable_tqdm=True)
+    if entry == "trainer":
+        from polyaccel.moe import Trainer
+    else:
+        Trainer = transformers.Trainer  # noqa: N806
+    timer = _StepTimer(a.device)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer])
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return timer.times[a.warmup:], float(losses[-1]) if losses else float("nan")
+
+
+class _StepTimerBase:
+    def __init__(self, device: str) -> None:
+        self.device, self.times, self.t0 = device, [], None
+
+    def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+        _sync(self.device)
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+        _sync(self.device)
+        self.times.append(time.perf_counter() - self.t0)
+
+
+def _StepTimer(device: str):  # noqa: N802
+    """A TrainerCallback timing each optimizer step (the device synchronised at both ends)."""
+    import transformers
+
+    cls = type("StepTimer", (_StepTimerBase, transformers.TrainerCallback), {})
+    return cls(device)
+
+
+def cli_run(shape: str, a) -> dict:
+    """``polyaccel-moe bench --preset shape`` with no speed flags; its JSON record."""
+    cmd = [sys.executable, "-m", "polyaccel.moe.cli", "bench", "--preset", shape, "--steps", str(a.steps),
+           "--warmup", str(a.warmup), "--set", f"train.seq_len={a.seq}", "--set", f"train.grad_accum={a.accum}",
+           "--set", f"train.device={a.device}"]
+    if a.layers:
+        cmd += ["--set", f"model.config.num_hidden_layers={a.layers}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"polyaccel-moe bench failed ({out.returncode}): {out.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_one(shape: str, entry: str, a) -> dict:
+    """Measure one (shape, entry) in this process; its JSON record."""
+    import torch
+
+    from polyaccel.moe.flops import train_flops_per_token
+
+    config = shape_config(shape, a.layers)
+    tokens = a.seq * a.accum
+    t_start = time.perf_counter()
+    fast = None
+    if entry == "cli":
+        rec = cli_run(shape, a)
+        step_s, loss, peak, fast = rec["step_time_s"], rec["final_loss"], rec["peak_memory_gib"], rec.get("fast_path")
+    else:
+        times, loss = (trainer_run if "trainer" in entry else plain_loop)(entry, config, a)
+        step_s = statistics.median(times)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
+    fpt = train_flops_per_token(config, a.seq)
+    tok_s = tokens / step_s
+    return {"shape": shape, "entry": entry, "layers": config.num_hidden_layers, "seq": a.seq, "accum": a.accum,
+            "tokens_per_s": round(tok_s, 1), "step_s_median": round(step_s, 4),
+            "peak_gib": None if peak is None else round(peak, 2),
+            "mfu_dense": round(tok_s * fpt / (DENSE_TFLOPS * 1e12), 4),
+            "mfu_spec": round(tok_s * fpt / (SPEC_TFLOPS * 1e12), 4),
+            "loss": None if loss is None else round(loss, 4), "fast_path": fast,
+            "wall_s": round(time.perf_counter() - t_start, 1), "torch": torch.__version__}
+
+
+def table(rows: list[dict]) -> str:
+    """Rows grouped by shape, with each entry's ratio to hf-compile and to hf."""
+    out = [f"{'shape':<20} {'entry':<20} {'tok/s':>9} {'GiB':>7} {'MFU790':>7} {'x hf-compile':>12} {'x hf':>6}"]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = [r for r in rows if r["shape"] == shape]
+        ref = {r["entry"]: r.get("tokens_per_s") for r in mine}
+        for r in mine:
+            if "error" in r:
+                out.append(f"{shape:<20} {r['entry']:<20} error: {r['error'][:80]}")
+                continue
+            ratio = lambda peer: f"{r['tokens_per_s'] / ref[peer]:.2f}" if ref.get(peer) else "-"  # noqa: E731
+            out.append(f"{shape:<20} {r['entry']:<20} {r['tokens_per_s']:>9,.0f} {r['peak_gib'] or 0:>7.2f} "
+                       f"{r['mfu_dense']:>7.1%} {ratio('hf-compile'):>12} {ratio('hf'):>6}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--shapes", default="qwen3-30b-a3b-L8", help="comma-separated polyaccel-moe presets")
+    p.add_argument("--entries", default=",".join(ENTRIES), help=f"comma-separated, of {', '.join(ENTRIES)}")
+    p.add_argument("--layers", type=int, help="override the presets' depth")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--accum", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5, help="measured optimizer steps")
+    p.add_argument("--warmup", type=int, default=3, help="steps before measuring (compile, graph capture)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--timeout", type=float, default=900, help="seconds per row")
+    p.add_argument("--out", help="also append the JSON lines here")
+    p.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp"), help="Trainer output folders")
+    p.add_argument("--one", nargs=2, metavar=("SHAPE", "ENTRY"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.one:
+        print(_MARK + json.dumps(run_one(*a.one, a)), flush=True)
+        return 0
+    entries = a.entries.split(",")
+    bad = [e for e in entries if e not in ENTRIES]
+    if bad:
+        p.error(f"unknown entries {bad}; choose from {', '.join(ENTRIES)}")
+    rows = []
+    passthrough = [f"--seq={a.seq}", f"--accum={a.accum}", f"--steps={a.steps}", f"--warmup={a.warmup}",
+                   f"--device={a.device}", f"--out-dir={a.out_dir}"] + ([f"--layers={a.layers}"] if a.layers else [])
+    for shape in a.shapes.split(","):
+        for entry in entries:
+            cmd = [sys.executable, __file__, "--one", shape, entry, *passthrough]
+            try:
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, check=False)
+                found = [ln[len(_MARK):] for ln in out.stdout.splitlines() if ln.startswith(_MARK)]
+                rec = json.loads(found[-1]) if found else {"shape": shape, "entry": entry,
+                                                           "error": (out.stderr or out.stdout)[-2000:]}
+            except subprocess.TimeoutExpired:
+                rec = {"shape": shape, "entry": entry, "error": f"timed out after {a.timeout:.0f} s"}
+            rows.append(rec)
+            line = json.dumps(rec)
+            print(line, flush=True)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(line + "\n")
+    print(table(rows), flush=True)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
