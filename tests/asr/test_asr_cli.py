@@ -122,7 +122,7 @@ def test_per_file_errors_do_not_fail_the_job(fake: None, tmp_path: Path, capsys:
     (tmp_path / "d" / "broken.wav").write_text("not audio")
     out = tmp_path / "out.jsonl"
     rc = cli.main(["transcribe", str(tmp_path / "d"), str(tmp_path / "missing.flac"), "-o", str(out)])
-    assert rc == 0
+    assert rc == 1, "some files failed: the job runs to the end and says so"
     recs = _lines(out)
     assert [Path(r["path"]).name for r in recs] == ["broken.wav", "clip00.wav", "clip01.wav", "clip02.wav",
                                                     "missing.flac"]
@@ -134,6 +134,7 @@ def test_per_file_errors_do_not_fail_the_job(fake: None, tmp_path: Path, capsys:
     assert all(k in recs[0] for k in ("path", "text", "duration_s", "error", "model", "rtfx"))
     err = capsys.readouterr().err
     assert "3 ok, 2 failed, 0 skipped" in err and "feature extraction included" in err
+    assert "2 files failed; rerun the same command to retry them" in err
     assert wavs
 
 
@@ -178,7 +179,7 @@ def test_failed_files_are_retried_and_overwrite_starts_afresh(fake: None, tmp_pa
     late = tmp_path / "late.wav"
     out = tmp_path / "out.jsonl"
     args = ["transcribe", *wavs, str(late), "-o", str(out), "-q"]
-    assert cli.main(args) == 0
+    assert cli.main(args) == 1
     assert [r["error"] for r in _lines(out)] == [None, None, "missing file"]
     sf.write(late, np.zeros(SR, np.float32), SR)  # the missing file shows up
     assert cli.main(args) == 0
@@ -217,7 +218,7 @@ def test_manifest_with_refs_gives_wer(one_thread: None, tmp_path: Path, capsys: 
     manifest.write_text("".join(json.dumps({"audio_filepath": str(c), "text": refs[c.stem]}) + "\n"
                                 for c in picked) + json.dumps({"audio_filepath": "gone.wav", "text": "x"}) + "\n")
     out = tmp_path / "out.jsonl"
-    assert cli.main(["transcribe", str(manifest), "-o", str(out), "--backend", "cpu", "-q"]) == 0
+    assert cli.main(["transcribe", str(manifest), "-o", str(out), "--backend", "cpu", "-q"]) == 1  # gone.wav
     recs = _lines(out)
     assert [r["error"] for r in recs] == [None, None, "missing file"]
     assert all(0.0 <= r["wer"] <= 0.3 for r in recs[:2])

@@ -68,13 +68,13 @@ def test_ray_job_on_a_local_cluster_matches_in_process(one_thread: None, tmp_pat
     clips = _two_clips()
     inputs = [clips[0], str(tmp_path / "missing.wav"), clips[1]]
     local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
-    assert cli.main(["transcribe", *inputs, "-o", str(local), "--backend", "cpu", "-q"]) == 0
+    assert cli.main(["transcribe", *inputs, "-o", str(local), "--backend", "cpu", "-q"]) == 1  # missing.wav
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         # Half done already: the Ray job must resume like the local path.
         remote.write_text(json.dumps(_records(local)[0]) + "\n")
-        assert cli.main(["transcribe", *inputs, "-o", str(remote), "--ray", "--backend", "cpu", "-q"]) == 0
+        assert cli.main(["transcribe", *inputs, "-o", str(remote), "--ray", "--backend", "cpu", "-q"]) == 1
     finally:
         ray.shutdown()
     want = [(r["path"], r["text"], r["error"], r["duration_s"]) for r in _records(local)]
@@ -118,8 +118,9 @@ def test_ray_job_submit_end_to_end(tmp_path: Path, free_port) -> None:
              str(BIN / "polyaccel-asr"), "transcribe", "--ray", clip, str(tmp_path / "nope.wav"),
              "-o", str(out), "-q"],
             env=env, capture_output=True, text=True, timeout=180)
-        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-        assert "succeeded" in job.stdout + job.stderr
+        # nope.wav fails, so the entrypoint exits 1 and Ray reports the job as failed
+        assert job.returncode == 1, job.stdout[-3000:] + job.stderr[-3000:]
+        assert "1 ok, 1 failed, 0 skipped" in job.stdout + job.stderr
     finally:
         head.send_signal(signal.SIGTERM)
         try:

@@ -1,14 +1,18 @@
 """``polyaccel-asr``: transcribe, score, benchmark, compile and convert from the command line.
 
-Exit status is 2 for usage errors (bad arguments, unknown model or backend, no inputs) and 0
-otherwise: files that fail are reported in the output (``"error"``) and in the summary, they
-do not fail the job.
+Exit status: 0 when every input has a transcript; 2 for usage errors (bad arguments, unknown
+model or backend, no inputs, an output that may not be written), with nothing written. Under
+``transcribe``: 1 when some files failed (their lines say why) or the run stopped early, 3 when
+nothing was transcribed (every file failed).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -34,12 +38,52 @@ with one line per input: {"path", "text", "duration_s", "error", "windows", "mod
 Lines are written in input order as results arrive. Rerunning with the same -o resumes: files
 already transcribed without error are skipped, failed ones are retried, a torn last line is
 repaired. Audio longer than the model's window (30 s for Whisper) is cut into overlapping
-windows and stitched back.
+windows and stitched back. Nothing is written before the model has loaded; an existing -o that
+is not a results file, or that is one of the inputs, is refused. One run at a time per -o.
+
+exit status: 0 every input transcribed (now or by an earlier run), 1 some files failed (or the
+run stopped early), 2 usage error (nothing written), 3 nothing transcribed (every file failed).
 """
+
+
+EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_NOTHING_DONE = 0, 1, 2, 3
 
 
 class UsageError(Exception):
     """A mistake in how the command was called (exit status 2)."""
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _output_name(text: str) -> str:
+    """An argparse type: a non-empty output file name that is not named like audio."""
+    from polyaccel.asr.audio import AUDIO_EXTENSIONS
+
+    if not text or text.endswith(os.sep):
+        raise argparse.ArgumentTypeError(f"expected a file name, got {text!r}")
+    if os.path.splitext(text)[1].lower() in AUDIO_EXTENSIONS:
+        raise argparse.ArgumentTypeError(f"{text!r} is named like an audio file; results are JSONL")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,26 +97,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model directory (Hugging Face or CTranslate2) or known name "
                              "(whisper-tiny.en, whisper-base; default: %(default)s)")
         sp.add_argument("--backend", default="auto", help="auto, cpu, cuda or neuron (default: %(default)s)")
-        sp.add_argument("--replicas", type=int, default=None,
+        sp.add_argument("--replicas", type=_positive_int, default=None,
                         help="model replicas (default: one per device of the backend)")
-        sp.add_argument("--batch-size", type=int, default=8, help="items per replica batch (default: %(default)s)")
+        sp.add_argument("--batch-size", type=_positive_int, default=8, help="items per replica batch (default: %(default)s)")
         sp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="model dtype (default: the backend's)")
 
     t = sub.add_parser("transcribe", help="transcribe files to JSONL", description=TRANSCRIBE_HELP,
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("inputs", nargs="+", metavar="INPUT", help="audio files, directories or manifest .jsonl files")
-    t.add_argument("-o", "--output", required=True, help="results JSONL (appended to when resuming)")
+    t.add_argument("-o", "--output", required=True, type=_output_name,
+                   help="results JSONL (appended to when resuming; any other existing file is refused)")
     model_args(t)
     t.add_argument("--refs", help="reference texts: JSONL {path|id, text} or Sphinx '<s> text </s> (id)' lines")
-    t.add_argument("--overwrite", action="store_true", help="start the output afresh instead of resuming")
-    t.add_argument("--overlap", type=float, default=3.0, help="seconds of overlap between long-audio windows")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start the results file afresh instead of resuming (replaced when the first result "
+                        "arrives)")
+    t.add_argument("--overlap", type=_seconds, default=3.0, help="seconds of overlap between long-audio windows")
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     t.add_argument("--ray", action="store_true", help="run as a Ray Data job (an actor per device)")
     t.add_argument("--address", default=None,
                    help="Ray cluster address (default: RAY_ADDRESS, the job's cluster under `ray job submit`, "
                         "else a local in-process cluster)")
-    t.add_argument("--num-actors", type=int, default=None, help="Ray actors (default: one per device/node)")
+    t.add_argument("--num-actors", type=_positive_int, default=None, help="Ray actors (default: one per device/node)")
 
     w = sub.add_parser("wer", help="word error rate of a results file against references")
     w.add_argument("--refs", required=True, help="JSONL {path|id, text} or Sphinx transcription file")
@@ -83,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("inputs", nargs="+", metavar="INPUT", help="audio files, directories or manifests")
     model_args(b)
     b.add_argument("--batch-sizes", default="1,4,8", help="comma-separated (default: %(default)s)")
-    b.add_argument("--repeat", type=int, default=1, help="use the inputs this many times (fills large batches)")
+    b.add_argument("--repeat", type=_positive_int, default=1, help="use the inputs this many times (fills large batches)")
 
     c = sub.add_parser("compile", help="compile every shape bucket ahead of time")
     model_args(c)
@@ -116,53 +163,195 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
-    """Transcribe inputs into args.output, resuming if it exists; print a summary."""
-    from polyaccel.asr.manifest import ResultsWriter, attach_refs, load_results, read_refs
+    """Transcribe inputs into args.output, resuming if it exists; print a summary; return the
+    exit status (see the module docstring)."""
+    from polyaccel.asr.manifest import attach_refs, read_refs
+    from polyaccel.asr.results_file import completed, path_key, record_path
 
     items = _gather(args.inputs)
     if args.refs:
         attach_refs(items, _read_refs(args.refs, read_refs))
-    writer = ResultsWriter(args.output, resume=not args.overwrite)
-    todo = [it for it in items if it.path not in writer.done]
-    skipped = len(items) - len(todo)
-    if skipped and not args.quiet:
-        print(f"resuming {args.output}: {skipped} of {len(items)} already done", file=sys.stderr)
-    ok = failed = 0
-    audio_s = 0.0
-    start = time.perf_counter()
-    bar = None
+    out = _check_output(args, items)
+    with _locked(out, args.output):
+        previous = _previous_results(out, args.output)
+        done = set() if args.overwrite else {path_key(record_path(r)) for r in completed(previous)}
+        todo = [it for it in items if path_key(it.path) not in done]
+        skipped = len(items) - len(todo)
+        if skipped and not args.quiet:
+            print(f"resuming {args.output}: {skipped} of {len(items)} already done", file=sys.stderr)
+        start = time.perf_counter()
+        counts = _run(todo, args, out)
+    return _report(args, counts, skipped, time.perf_counter() - start)
+
+
+def _check_output(args: argparse.Namespace, items: list[Any]) -> str:
+    """The real path of -o, after refusing a directory, a device or FIFO, or one of the inputs
+    (audio, manifests, references); nothing is created here."""
+    from polyaccel.asr.results_file import output_problem
+
+    protected = [it.path for it in items] + [s for s in args.inputs if os.path.isfile(s)]
+    protected += [args.refs] if args.refs else []
+    problem = output_problem(args.output, protected)
+    if problem:
+        raise UsageError(f"-o {args.output}: {problem}")
+    return os.path.realpath(args.output)
+
+
+class _locked:
+    """Hold the run's lock on ``out`` (creating missing parent folders for its lock file, and
+    removing them again if the run wrote nothing)."""
+
+    def __init__(self, out: str, shown: str):
+        self.out, self.shown, self.lock, self.made = out, shown, None, []
+
+    def __enter__(self) -> None:
+        from polyaccel.asr.results_file import OutputBusy, OutputLock
+
+        self.made = _make_parents(os.path.dirname(self.out), self.shown)
+        self.lock = OutputLock(self.out)
+        try:
+            self.lock.acquire()
+        except OutputBusy as e:
+            self._cleanup()
+            raise UsageError(f"another run ({e}) is writing {self.shown}; wait for it or use another -o") from None
+        except OSError as e:
+            self._cleanup()
+            raise UsageError(f"-o {self.shown}: cannot write next to it ({e.strerror}: {self.lock.path})") from None
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        for d in reversed(self.made):  # innermost first; a folder now holding the output stays
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+
+
+def _make_parents(folder: str, shown: str) -> list[str]:
+    """Create ``folder`` and missing parents; return those created, outermost first."""
+    missing = []
+    while folder and not os.path.lexists(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    if folder and not os.path.isdir(folder):
+        raise UsageError(f"-o {shown}: {folder} is not a directory")
+    made = []
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except OSError as e:
+            for m in reversed(made):
+                os.rmdir(m)
+            raise UsageError(f"-o {shown}: cannot create {d} ({e.strerror})") from None
+        made.append(d)
+    return made
+
+
+def _previous_results(out: str, shown: str) -> list[dict[str, Any]]:
+    """The records already in ``out`` (none if it does not exist). A file that is not ours is
+    refused, --overwrite or not; an output we could not write to is refused too."""
+    from polyaccel.asr.results_file import NotResultsFile, scan_results
+
+    if not os.path.exists(out):
+        return []
     try:
-        records = _results(todo, args)
-        bar = _progress(len(todo), args.quiet)
-        for rec in records:
+        os.close(os.open(out, os.O_WRONLY | os.O_CLOEXEC))  # opening for writing changes nothing
+        return scan_results(out).records
+    except NotResultsFile as e:
+        raise UsageError(f"-o {shown} exists and is not a polyaccel-asr results file ({e}); "
+                         f"refusing to touch it: choose another -o or remove it") from None
+    except OSError as e:
+        raise UsageError(f"-o {shown}: {e.strerror}") from None
+
+
+@dataclasses.dataclass(slots=True)
+class _Counts:
+    ok: int = 0
+    failed: int = 0
+    audio_s: float = 0.0
+    stopped: str | None = None  # why the run ended early (a write error)
+
+
+def _run(todo: list[Any], args: argparse.Namespace, out: str) -> _Counts:
+    """Transcribe ``todo`` and write its records to ``out``. The writer (which repairs, or with
+    --overwrite truncates, the file) opens only when the first record is in hand, so a model or
+    backend that fails to load leaves the file as it was."""
+    from polyaccel.asr.results_file import ResultsWriter
+
+    c = _Counts()
+    writer = bar = None
+    start = time.perf_counter()
+    try:
+        for item, rec in zip(todo, _results(todo, args)):
+            rec = _finish(rec, item)
+            if writer is None:
+                writer = ResultsWriter(out, resume=not args.overwrite)
+                bar = _progress(len(todo), args.quiet)
             writer.write(rec)
             if rec.get("error"):
-                failed += 1
+                c.failed += 1
             else:
-                ok += 1
-                audio_s += rec.get("duration_s") or 0.0
+                c.ok += 1
+                c.audio_s += rec.get("duration_s") or 0.0
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix_str(f"{audio_s / max(time.perf_counter() - start, 1e-9):.1f} audio-s/s")
+                bar.set_postfix_str(f"{c.audio_s / max(time.perf_counter() - start, 1e-9):.1f} audio-s/s")
+    except OSError as e:
+        c.stopped = f"cannot write {args.output}: {e.strerror or e}"
     finally:
-        writer.close()
         if bar is not None:
             bar.close()
-    wall = time.perf_counter() - start
-    summary = (f"{ok} ok, {failed} failed, {skipped} skipped; {audio_s:.1f} s of audio in {wall:.1f} s: "
-               f"RTFx {audio_s / wall if wall > 0 else 0:.1f} (end to end, feature extraction included)")
-    print(summary, file=sys.stderr)
-    for rec in load_results(args.output) if failed and not args.quiet else []:
+        if writer is not None:
+            writer.close()
+    return c
+
+
+def _finish(rec: dict[str, Any], item: Any) -> dict[str, Any]:
+    """The record as written: the input's own path (exact, whatever came back from Ray) and a
+    clearer reason for a broken symlink."""
+    rec["path"] = item.path
+    if rec.get("error") == "missing file" and os.path.islink(item.path):
+        rec["error"] = f"broken symbolic link (to {os.readlink(item.path)})"
+    return rec
+
+
+def _report(args: argparse.Namespace, c: _Counts, skipped: int, wall: float) -> int:
+    """Print the summary (and failed files, and WER with references); return the exit status."""
+    from polyaccel.asr.results_file import load_results
+
+    print(f"{c.ok} ok, {c.failed} failed, {skipped} skipped; {c.audio_s:.1f} s of audio in {wall:.1f} s: "
+          f"RTFx {c.audio_s / wall if wall > 0 else 0:.1f} (end to end, feature extraction included)",
+          file=sys.stderr)
+    records = load_results(args.output)
+    for rec in records if c.failed and not args.quiet else []:
         if rec.get("error"):
             print(f"  failed: {rec['path']}: {rec['error']}", file=sys.stderr)
-    with_refs = [r for r in load_results(args.output) if r.get("ref") is not None and not r.get("error")]
+    with_refs = [r for r in records if r.get("ref") is not None and not r.get("error")]
     if with_refs:
         from polyaccel.asr.wer import wer_counts
 
-        c = wer_counts([r["ref"] for r in with_refs], [r["text"] for r in with_refs])
-        print(f"WER {100 * c.wer:.2f}% over {len(with_refs)} files ({c.ref_words} reference words)",
+        wc = wer_counts([r["ref"] for r in with_refs], [r["text"] for r in with_refs])
+        print(f"WER {100 * wc.wer:.2f}% over {len(with_refs)} files ({wc.ref_words} reference words)",
               file=sys.stderr)
-    return 0
+    if c.stopped:
+        print(f"stopped early: {c.stopped}; rerun the same command to resume", file=sys.stderr)
+        return EXIT_SOME_FAILED
+    if c.failed and not c.ok and not skipped:
+        print(f"nothing was transcribed: {_files(c.failed)} failed, none done before", file=sys.stderr)
+        return EXIT_NOTHING_DONE
+    if c.failed:
+        print(f"{_files(c.failed)} failed; rerun the same command to retry them", file=sys.stderr)
+        return EXIT_SOME_FAILED
+    if not c.ok and not args.quiet:
+        print(f"nothing to do: all {_files(skipped)} are already in {args.output}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _files(n: int) -> str:
+    return f"{n} file" if n == 1 else f"{n} files"
 
 
 def _results(todo: list[Any], args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -209,12 +398,15 @@ def _transcriber(args: argparse.Namespace, batch_size: int | None = None) -> Any
                                            batch_size=batch_size or args.batch_size, dtype=_dtype(args.dtype),
                                            overlap_s=getattr(args, "overlap", 3.0))
     except (BackendUnavailable, KeyError, ValueError, FileNotFoundError, ModuleNotFoundError) as e:
-        raise UsageError(str(e).strip("'\"")) from None
+        raise UsageError(e.args[0] if isinstance(e, KeyError) and e.args else str(e)) from None
 
 
 def _gather(specs: Sequence[str]) -> list[Any]:
     from polyaccel.asr.manifest import expand_inputs
 
+    for spec in specs:
+        if spec.endswith(("/", os.sep)) and not os.path.isdir(spec):
+            raise UsageError(f"no such directory: {spec}")
     try:
         items = expand_inputs(specs)
     except (ValueError, json.JSONDecodeError) as e:
@@ -292,6 +484,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
     except ValueError:
         raise UsageError(f"--batch-sizes must be integers, got {args.batch_sizes!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise UsageError(f"--batch-sizes must be integers >= 1, got {args.batch_sizes!r}")
     audio = []
     for it in _gather(args.inputs):
         try:

@@ -6,9 +6,8 @@ manifests (JSONL lines ``{"audio_filepath" | "path": ..., "text"?: ...}``). Refe
 from the manifest's ``text`` or a separate file (JSONL ``{"path" | "id", "text"}`` or the
 Sphinx ``transcription`` format ``<s> text </s> (id)``).
 
-The results file has one JSON object per input, written and flushed as results arrive. On a
-rerun it is repaired (a half-written last line from a crash is dropped), lines for files that
-failed are dropped so they are retried, and files already transcribed are skipped.
+The results file (reading, repairing, appending, locking) lives in
+:mod:`polyaccel.asr.results_file`; ``ResultsWriter`` and ``load_results`` are re-exported here.
 """
 
 from __future__ import annotations
@@ -19,9 +18,12 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import IO, Any
 
 from polyaccel.asr.audio import AUDIO_EXTENSIONS
+from polyaccel.asr.results_file import ResultsWriter, load_results, path_key
+
+__all__ = ["InputItem", "ResultsWriter", "attach_refs", "expand_inputs", "load_results", "read_manifest",
+           "read_refs"]
 
 MANIFEST_EXTENSIONS = frozenset({".jsonl", ".json", ".manifest"})
 
@@ -42,10 +44,11 @@ class InputItem:
 def expand_inputs(specs: Iterable[str | os.PathLike]) -> list[InputItem]:
     """Turn command-line inputs into items, in a stable order.
 
-    A directory yields its audio files (recursive, sorted); a ``.jsonl`` file is read as a
-    manifest (relative paths resolved against the manifest's folder); anything else is taken
-    as an audio path, even if missing, so the job reports it as a per-file error. Duplicate
-    paths are kept once.
+    A directory yields its audio files (recursive, sorted), broken symlinks with an audio
+    extension included so that the job reports them; a ``.jsonl`` file is read as a manifest
+    (relative paths resolved against the manifest's folder); anything else is taken as an
+    audio path, even if missing, so the job reports it as a per-file error. A file named twice
+    (by any spelling: relative, absolute, through a symlinked folder) is kept once.
     """
     items: list[InputItem] = []
     seen: set[str] = set()
@@ -53,16 +56,21 @@ def expand_inputs(specs: Iterable[str | os.PathLike]) -> list[InputItem]:
         p = Path(spec)
         if p.is_dir():
             found = [InputItem(str(f)) for f in sorted(p.rglob("*"))
-                     if f.is_file() and f.suffix.lower() in AUDIO_EXTENSIONS]
+                     if f.suffix.lower() in AUDIO_EXTENSIONS and (f.is_file() or _is_broken_link(f))]
         elif p.suffix.lower() in MANIFEST_EXTENSIONS and p.is_file():
             found = read_manifest(p)
         else:
             found = [InputItem(str(p))]
         for it in found:
-            if it.path not in seen:
-                seen.add(it.path)
+            key = path_key(it.path)
+            if key not in seen:
+                seen.add(key)
                 items.append(it)
     return items
+
+
+def _is_broken_link(p: Path) -> bool:
+    return p.is_symlink() and not p.exists()
 
 
 def read_manifest(path: str | os.PathLike) -> list[InputItem]:
@@ -117,72 +125,3 @@ def attach_refs(items: Sequence[InputItem], refs: dict[str, str]) -> None:
         ref = refs.get(it.path, refs.get(it.id))
         if ref is not None:
             it.ref = ref
-
-
-# ---- results file ----------------------------------------------------------------------------
-
-
-def load_results(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All well-formed result records in a JSONL results file (broken lines skipped)."""
-    out = []
-    p = Path(path)
-    if not p.exists():
-        return out
-    with open(p, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and "path" in rec:
-                out.append(rec)
-    return out
-
-
-class ResultsWriter:
-    """Appends one JSON line per result to ``path`` and flushes it, so a crash loses at most
-    the line being written.
-
-    Opening with ``resume=True`` (the default) repairs an existing file: it keeps only
-    well-formed records without an error (one per path), drops the rest (a torn last line,
-    failed files, duplicates), and :attr:`done` holds the paths that need no new run.
-    ``resume=False`` starts the file afresh.
-    """
-
-    def __init__(self, path: str | os.PathLike, resume: bool = True):
-        self.path = Path(path)
-        self.done: set[str] = set()
-        if resume and self.path.exists():
-            kept = []
-            for rec in load_results(self.path):
-                if not rec.get("error") and rec["path"] not in self.done:
-                    self.done.add(rec["path"])
-                    kept.append(rec)
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(_dumps(r) for r in kept)
-            os.replace(tmp, self.path)
-        elif self.path.parent and not self.path.parent.exists():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f: IO[str] | None = open(self.path, "a" if resume else "w", encoding="utf-8")
-
-    def write(self, record: dict[str, Any]) -> None:
-        """Append ``record`` as one line and flush it to the OS."""
-        assert self._f is not None, "writer is closed"
-        self._f.write(_dumps(record))
-        self._f.flush()
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-
-    def __enter__(self) -> ResultsWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _dumps(record: dict[str, Any]) -> str:
-    return json.dumps(record, ensure_ascii=False) + "\n"

@@ -74,15 +74,16 @@ class TranscribeActor:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         from polyaccel.asr.wer import wer
 
-        items = [InputItem(str(p), str(r) if r else None) for p, r in zip(batch["read_path"], batch["ref"])]
+        # Paths travel as bytes: a file name that is not valid UTF-8 cannot be an Arrow string.
+        items = [InputItem(os.fsdecode(p), str(r) if r else None) for p, r in zip(batch["read_path"], batch["ref"])]
         records = []
         for shown, r in zip(batch["path"], self.transcriber.transcribe(items)):
             extra: dict[str, Any] = {"model": self.model, "rtfx": round(self.transcriber.last_metrics.rtfx, 2),
                                      "actor": os.getpid()}
             if r.ref is not None and r.ok:
                 extra["wer"] = round(wer([r.ref], [r.text]), 4)
-            r.path = str(shown)
-            records.append(json.dumps(r.to_record(**extra), ensure_ascii=False))
+            r.path = os.fsdecode(shown)
+            records.append(json.dumps(r.to_record(**extra)))  # ASCII: lone surrogates become \u escapes
         return {"idx": np.asarray(batch["idx"]), "record": np.asarray(records, dtype=object)}
 
 
@@ -150,7 +151,8 @@ def transcribe_with_ray(items: Sequence[InputItem], opts: RayJobOptions) -> Iter
         logging.getLogger("ray.data").setLevel(logging.WARNING)  # per-dataset INFO lines are noise here
         ctx.execution_options.preserve_order = True  # results in input order, on the driver
         ctx.enable_progress_bars = False
-        rows = [{"idx": i, "path": it.path, "read_path": os.path.abspath(it.path), "ref": it.ref or ""}
+        rows = [{"idx": i, "path": os.fsencode(it.path), "read_path": os.fsencode(os.path.abspath(it.path)),
+                 "ref": it.ref or ""}
                 for i, it in enumerate(items)]
         ds = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_call)))
         ds = ds.map_batches(TranscribeActor, fn_constructor_kwargs={"opts": opts, "backend": backend},

@@ -1,0 +1,341 @@
+"""The results JSONL of ``polyaccel-asr transcribe``: telling it from other files, reading it
+with bounded memory, repairing and appending to it, and the lock that keeps two runs off it.
+
+Each line is one JSON object with at least ``path``, ``text``, ``duration_s`` and ``error``.
+A path that is not valid UTF-8 (a file name in another encoding, which Python holds with
+surrogate escapes) is written readable in ``path`` (undecodable bytes as ``\\xNN``) and exactly
+in ``path_bytes`` (base64 of the raw bytes); :func:`record_path` gives the original back.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import stat
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+MAX_LINE_BYTES = 16 << 20  # far above any real line (a 2 h transcript is ~100 kB)
+RECORD_FIELDS = ("path", "text", "duration_s", "error")
+FSYNC_INTERVAL_S = 1.0
+
+
+class NotResultsFile(ValueError):
+    """An existing file that is not a results JSONL: it is never modified."""
+
+
+class OutputBusy(RuntimeError):
+    """Another run holds the lock on this output."""
+
+
+# ---- paths ------------------------------------------------------------------------------------
+
+
+def path_key(path: str) -> str:
+    """What resume and de-duplication compare: the absolute path with symlinked directories
+    resolved. The file's own name is kept, so a symlink to a file stays an input of its own."""
+    head, tail = os.path.split(os.path.join(os.getcwd(), os.fspath(path)))
+    return os.path.join(os.path.realpath(head), tail)
+
+
+def encode_path(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` as written: a path that is not valid UTF-8 gets a readable ``path`` and an
+    exact ``path_bytes``."""
+    path = record.get("path")
+    if not isinstance(path, str):
+        return record
+    try:
+        path.encode("utf-8")
+        return record
+    except UnicodeEncodeError:
+        raw = os.fsencode(path)
+    out = dict(record)
+    out["path"] = raw.decode("utf-8", "backslashreplace")
+    out["path_bytes"] = base64.b64encode(raw).decode("ascii")
+    return out
+
+
+def record_path(record: dict[str, Any]) -> str:
+    """The file system path a record was written for (inverse of :func:`encode_path`)."""
+    raw = record.get("path_bytes")
+    if isinstance(raw, str):
+        try:
+            return os.fsdecode(base64.b64decode(raw, validate=True))
+        except ValueError:
+            pass
+    return str(record["path"])
+
+
+def dumps(record: dict[str, Any]) -> bytes:
+    """One line of the results file. Stray surrogates in other fields (an error message that
+    quotes an odd file name) become JSON ``\\uXXXX`` escapes instead of failing the write."""
+    line = json.dumps(encode_path(record), ensure_ascii=False) + "\n"
+    return line.encode("utf-8", "backslashreplace")
+
+
+# ---- reading ----------------------------------------------------------------------------------
+
+
+def _lines(f: Any) -> Iterator[tuple[int, bytes | None, bool]]:
+    """(line number, line or None when longer than :data:`MAX_LINE_BYTES`, ends with a
+    newline); memory is bounded by that limit however the file looks."""
+    limit = MAX_LINE_BYTES
+    lineno = 0
+    while line := f.readline(limit + 1):
+        lineno += 1
+        if len(line) > limit and not line.endswith(b"\n"):
+            while line and not line.endswith(b"\n"):
+                line = f.readline(limit + 1)
+            yield lineno, None, True
+            continue
+        yield lineno, line, line.endswith(b"\n")
+
+
+def _parse(line: bytes, fields: tuple[str, ...]) -> dict[str, Any] | None:
+    """The record on ``line`` if it is an object with ``fields`` and a string path, else None."""
+    try:
+        rec = json.loads(line)
+    except ValueError:  # also invalid UTF-8
+        return None
+    if isinstance(rec, dict) and all(k in rec for k in fields) and isinstance(rec.get("path"), str):
+        return rec
+    return None
+
+
+def _is_torn(line: bytes, complete: bool) -> bool:
+    """A last line cut off by a kill: no newline and the start of one of our records."""
+    head = b'{"path": '
+    return not complete and (line.startswith(head) or head.startswith(line))
+
+
+@dataclasses.dataclass(slots=True)
+class ResultsScan:
+    """What an existing results file holds. ``clean``: appending to it as it is is safe (it
+    ends with a newline and has no torn or foreign lines)."""
+
+    records: list[dict[str, Any]]
+    clean: bool
+
+
+def scan_results(path: str | os.PathLike, strict: bool = True) -> ResultsScan:
+    """Read a results file. ``strict``: raise :class:`NotResultsFile` at the first line that
+    is neither a full record, a blank line nor a torn last line; else skip such lines (and
+    accept any object with a ``path``)."""
+    fields = RECORD_FIELDS if strict else ("path",)
+    records: list[dict[str, Any]] = []
+    clean = True
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the open
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotResultsFile("not a regular file")
+    with open(fd, "rb") as f:
+        for lineno, line, complete in _lines(f):
+            if line is not None and not line.strip():
+                clean = clean and complete
+                continue
+            rec = _parse(line, fields) if line is not None else None
+            if rec is not None:
+                records.append(rec)
+                clean = clean and complete
+                continue
+            clean = False
+            if strict and not (line is not None and _is_torn(line, complete)):
+                what = f"longer than {MAX_LINE_BYTES} bytes" if line is None else "not a results record"
+                raise NotResultsFile(f"line {lineno} is {what}")
+    return ResultsScan(records, clean)
+
+
+def load_results(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All well-formed result records in a results file (other lines skipped)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    return scan_results(p, strict=False).records
+
+
+def completed(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records a resumed run keeps: without an error, the first one per :func:`path_key`."""
+    seen: set[str] = set()
+    kept = []
+    for rec in records:
+        key = path_key(record_path(rec))
+        if not rec.get("error") and key not in seen:
+            seen.add(key)
+            kept.append(rec)
+    return kept
+
+
+# ---- writing ----------------------------------------------------------------------------------
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_with(path: Path, records: list[dict[str, Any]]) -> None:
+    """Atomically replace ``path`` by ``records`` (write a sibling, fsync, rename, fsync the
+    folder): a kill or power loss leaves the old file or the new one, never a mix."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.fchmod(fd, stat.S_IMODE(os.stat(path).st_mode))
+        _write_all(fd, b"".join(dumps(r) for r in records))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class ResultsWriter:
+    """Appends one JSON line per result to ``path`` (one ``write`` call each, so a killed process
+    leaves whole lines) and fsyncs at most every :data:`FSYNC_INTERVAL_S` seconds and on close.
+
+    ``resume=True`` (the default) first repairs an existing file: it keeps the records without
+    an error, one per file (:func:`completed`), and drops the rest (a torn last line, failed
+    files, duplicates); it is rewritten only when something is dropped. :attr:`done` holds the
+    paths kept. ``resume=False`` starts the file afresh.
+    """
+
+    def __init__(self, path: str | os.PathLike, resume: bool = True):
+        self.path = Path(path)
+        self.done: set[str] = set()
+        if resume and self.path.exists():
+            scan = scan_results(self.path, strict=False)
+            kept = completed(scan.records)
+            self.done = {record_path(r) for r in kept}
+            if len(kept) != len(scan.records) or not scan.clean:
+                _replace_with(self.path, kept)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_APPEND if resume else os.O_TRUNC)
+        self._fd: int | None = os.open(self.path, flags, 0o644)
+        self._synced = time.monotonic()
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` as one line."""
+        assert self._fd is not None, "writer is closed"
+        _write_all(self._fd, dumps(record))
+        if time.monotonic() - self._synced >= FSYNC_INTERVAL_S:
+            os.fsync(self._fd)
+            self._synced = time.monotonic()
+
+    def close(self) -> None:
+        """Fsync and close (idempotent)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def __enter__(self) -> ResultsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- the output: checks and lock --------------------------------------------------------------
+
+
+def output_problem(path: str, protected: Iterable[str]) -> str | None:
+    """Why ``path`` must not be written (None if it may): a directory, a device, FIFO or
+    socket, or the same file as one of ``protected`` (the inputs, manifests, references)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        return f"cannot use it: {e.strerror}"
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        return "is a directory"
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        return "is not a regular file (a device, FIFO or socket); results go to a regular file"
+    real = os.path.realpath(path)
+    for p in protected:
+        if os.path.realpath(p) == real or (st is not None and _same_inode(p, st)):
+            return f"is an input ({p}); refusing to overwrite it, even with --overwrite"
+    return None
+
+
+def _same_inode(path: str, st: os.stat_result) -> bool:
+    try:
+        other = os.stat(path)
+    except OSError:
+        return False
+    return (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino)
+
+
+class OutputLock:
+    """An exclusive ``flock`` on ``<output>.lock`` for the length of one run; removed on
+    release. Raises :class:`OutputBusy` if another run holds it (never waits)."""
+
+    def __init__(self, output: str | os.PathLike):
+        self.path = Path(os.fspath(output) + ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> OutputLock:
+        """Take the lock or raise OutputBusy (or OSError if the lock file cannot be made)."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise OutputBusy(self._holder()) from None
+                raise
+            if self._still_linked(fd):
+                os.ftruncate(fd, 0)
+                _write_all(fd, f"{os.getpid()}\n".encode())
+                self._fd = fd
+                return self
+            os.close(fd)  # the holder removed the file between our open and flock: retry
+
+    def _still_linked(self, fd: int) -> bool:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def _holder(self) -> str:
+        try:
+            pid = self.path.read_text().strip()
+        except OSError:
+            pid = ""
+        return f"pid {pid}" if pid.isdigit() else "another process"
+
+    def release(self) -> None:
+        """Remove the lock file, then drop the lock (in that order, so no run can lock a file
+        that is about to vanish)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                self.path.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
+
+    def __enter__(self) -> OutputLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,360 @@
+"""``polyaccel-asr transcribe`` used carelessly or with hostile inputs (issue 10): outputs it must
+not touch, file names that are not UTF-8, inputs that come to nothing, bad numbers, one file
+named two ways, two runs on one output, and exit codes. Refusals never load a model; the rest
+use a fake recognizer (fast, exact); the Ray test uses a tiny random ConformerAED."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from polyaccel.asr import cli
+from polyaccel.asr.results_file import OutputLock, ResultsWriter, load_results, record_path, scan_results
+from polyaccel.asr.transcriber import Transcriber
+
+SR = 16000
+
+
+@pytest.fixture
+def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A fake model (its text is the sample count); returns the names it was asked to load.
+    The model named "typo" does not exist."""
+    asked: list[str] = []
+
+    def fake_from_pretrained(name: str = "fake", *, batch_size: int = 8, replicas: int | None = None, **kw):
+        asked.append(name)
+        if name == "typo":
+            raise KeyError("unknown model 'typo'; known: whisper-tiny.en, whisper-base")
+        return Transcriber(lambda i: (lambda batch: [f"{len(a)} samples" for a in batch]), sample_rate=SR,
+                           max_audio_seconds=30.0, replicas=replicas or 1, batch_size=batch_size,
+                           model_name=name)
+
+    monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(fake_from_pretrained))
+    return asked
+
+
+def _wav(path: Path | bytes, seconds: float = 0.1) -> Path | bytes:
+    sf.write(path, np.full(int(SR * seconds), 0.1, np.float32), SR, format="WAV")
+    return path
+
+
+def _run(*argv: str) -> int:
+    return cli.main(["transcribe", *argv, "-q"])
+
+
+def _results(out: Path) -> list[dict]:
+    return [json.loads(x) for x in out.read_text().splitlines()]
+
+
+# ---- outputs that are not ours are never written ---------------------------------------------------
+
+
+@pytest.mark.parametrize("content", [
+    b"utt1\thello world\n",                                          # refs.tsv
+    b'{"audio_filepath": "a.wav", "text": "hi"}\n',                  # somebody's manifest
+    b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(range(256)),             # audio with a JSON-less name
+    b"x" * 300_000,                                                   # one long line, no newline
+])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_existing_file_that_is_not_results_is_refused(loads: list[str], tmp_path: Path, content: bytes,
+                                                         overwrite: bool, capsys: pytest.CaptureFixture) -> None:
+    wav = _wav(tmp_path / "h01.wav")
+    out = tmp_path / "refs.tsv"
+    out.write_bytes(content)
+    assert _run(str(wav), "-o", str(out), *(["--overwrite"] if overwrite else [])) == 2
+    assert "is not a polyaccel-asr results file" in capsys.readouterr().err
+    assert out.read_bytes() == content, "untouched"
+    assert loads == [] and sorted(p.name for p in tmp_path.iterdir()) == ["h01.wav", "refs.tsv"]
+
+
+def test_an_output_that_is_an_input_is_refused_even_with_overwrite(loads: list[str], tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    wav = _wav(tmp_path / "a.wav")
+    _wav(tmp_path / "take.data")  # audio under a name that is not an audio extension
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"path": str(wav), "text": "x", "duration_s": 1, "error": None}) + "\n"
+                        + json.dumps({"path": "take.data", "text": "y", "duration_s": 1, "error": None}) + "\n")
+    refs = tmp_path / "refs.jsonl"
+    refs.write_text('{"path": "a.wav", "text": "x"}\n')
+    (tmp_path / "link.jsonl").symlink_to(manifest)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    for out in ("m.jsonl", "link.jsonl", "take.data", "refs.jsonl"):
+        assert _run(str(manifest), "--refs", str(refs), "-o", str(tmp_path / out), "--overwrite") == 2, out
+        assert "is an input" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before and loads == []
+    with pytest.raises(SystemExit) as e:  # an audio name is refused by the parser
+        cli.main(["transcribe", str(wav), "-o", str(wav), "--overwrite"])
+    assert e.value.code == 2 and "named like an audio file" in capsys.readouterr().err
+    assert wav.read_bytes() == before["a.wav"]
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_model_that_does_not_load_leaves_the_results_as_they_were(loads: list[str], tmp_path: Path,
+                                                                    overwrite: bool,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    wavs = [str(_wav(tmp_path / f"{i}.wav")) for i in range(2)]
+    out = tmp_path / "out.jsonl"
+    assert _run(*wavs, str(tmp_path / "late.wav"), "-o", str(out)) == 1  # late.wav is missing
+    before = out.read_bytes()
+    assert [r["error"] for r in _results(out)] == [None, None, "missing file"]
+    extra = ["--overwrite"] if overwrite else []
+    assert _run(*wavs, str(tmp_path / "late.wav"), "-o", str(out), "--model", "typo", *extra) == 2
+    assert "unknown model 'typo';" in capsys.readouterr().err
+    assert out.read_bytes() == before, "nothing is written before the model has loaded"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.wav", "1.wav", "out.jsonl"]
+
+
+def test_a_refused_run_creates_no_folders(loads: list[str], tmp_path: Path) -> None:
+    wav = _wav(tmp_path / "a.wav")
+    assert _run(str(wav), "-o", str(tmp_path / "new" / "deeper" / "out.jsonl"), "--model", "typo") == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav"]
+    assert _run(str(wav), "-o", str(tmp_path / "new" / "deeper" / "out.jsonl")) == 0
+    assert len(_results(tmp_path / "new" / "deeper" / "out.jsonl")) == 1
+
+
+# ---- file names that are not UTF-8 ------------------------------------------------------------------
+
+
+def test_a_file_name_that_is_not_utf8_is_transcribed_and_resumed(loads: list[str], tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    odd = os.fsencode(folder) + b"/caf\xe9.wav"  # Latin-1, as an old archive would have it
+    _wav(odd, 0.2)
+    _wav(folder / "zz.wav", 0.3)
+    out = tmp_path / "out.jsonl"
+    assert _run(str(folder), "-o", str(out)) == 0
+    first = out.read_bytes()
+    first.decode("utf-8")  # the file stays valid UTF-8
+    recs = _results(out)
+    assert [r["text"] for r in recs] == ["3200 samples", "4800 samples"]
+    assert recs[0]["path"].endswith("caf\\xe9.wav") and os.fsencode(record_path(recs[0])) == odd
+    assert _run(str(folder), "-o", str(out)) == 0
+    assert "0 ok, 0 failed, 2 skipped" in capsys.readouterr().err
+    assert out.read_bytes() == first
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_file_name_that_is_not_utf8_goes_through_ray(tmp_path: Path) -> None:
+    ray = pytest.importorskip("ray")
+    import torch
+
+    from polyaccel.asr.conformer import ConformerAED
+    from polyaccel.asr.conformer_config import tiny
+
+    model = tmp_path / "tiny-conformer"
+    ConformerAED.from_config(tiny(), seed=1).save_pretrained(model)
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    _wav(os.fsencode(folder) + b"/caf\xe9.wav", 0.5)
+    _wav(folder / "zz.wav", 0.5)
+    out = tmp_path / "ray.jsonl"
+    threads = torch.get_num_threads()
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        args = ["transcribe", str(folder), "-o", str(out), "--ray", "--backend", "cpu", "--model", str(model), "-q"]
+        assert cli.main(args) == 0
+        assert cli.main(args) == 0
+    finally:
+        ray.shutdown()
+        torch.set_num_threads(threads)
+    recs = _results(out)
+    assert len(recs) == 2 and all(r["error"] is None and "actor" in r for r in recs)
+    assert os.fsencode(record_path(recs[0])).endswith(b"/caf\xe9.wav")
+
+
+# ---- inputs that come to nothing, odd outputs, bad numbers ---------------------------------------------
+
+
+def test_nothing_to_transcribe_is_not_success(loads: list[str], tmp_path: Path,
+                                              capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "x.jsonl"
+    assert _run("/nonexistent_dir/", "-o", str(out)) == 2
+    assert "no such directory: /nonexistent_dir/" in capsys.readouterr().err
+    assert not out.exists()
+    assert _run(str(tmp_path / "nonexistent.wav"), "-o", str(out)) == 3
+    assert "nothing was transcribed: 1 file failed" in capsys.readouterr().err
+
+
+def test_a_broken_symlink_is_a_per_file_error(loads: list[str], tmp_path: Path) -> None:
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    _wav(folder / "a.wav")
+    (folder / "b.wav").symlink_to(tmp_path / "gone.wav")
+    out = tmp_path / "out.jsonl"
+    assert _run(str(folder), "-o", str(out)) == 1
+    errors = {Path(r["path"]).name: r["error"] for r in _results(out)}
+    assert errors == {"a.wav": None, "b.wav": f"broken symbolic link (to {tmp_path / 'gone.wav'})"}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["dev_full", "fifo", "dir"])
+def test_outputs_that_are_not_regular_files_are_refused(loads: list[str], tmp_path: Path, kind: str,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    wav = _wav(tmp_path / "a.wav")
+    out = {"dev_full": "/dev/full", "fifo": str(tmp_path / "fifo"), "dir": str(tmp_path / "d")}[kind]
+    if kind == "fifo":
+        os.mkfifo(out)
+    if kind == "dir":
+        os.mkdir(out)
+    assert _run(str(wav), "-o", out) == 2
+    assert ("is a directory" if kind == "dir" else "is not a regular file") in capsys.readouterr().err
+    assert loads == [] and not os.path.exists(out + ".lock")
+
+
+@pytest.mark.timeout(60)
+def test_reading_results_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from polyaccel.asr import results_file
+
+    monkeypatch.setattr(results_file, "MAX_LINE_BYTES", 1000)
+    good = json.dumps({"path": "a.wav", "text": "hi", "duration_s": 1.0, "error": None})
+    f = tmp_path / "out.jsonl"
+    f.write_text(good + "\n" + "y" * 50_000 + "\n" + good.replace("a.wav", "b.wav") + "\n")
+    with pytest.raises(results_file.NotResultsFile, match="line 2 is longer than 1000 bytes"):
+        scan_results(f)
+    assert [r["path"] for r in load_results(f)] == ["a.wav", "b.wav"]
+    os.mkfifo(tmp_path / "fifo")  # opening it to read would wait for a writer forever
+    for special in (tmp_path / "fifo", Path("/dev/zero")):
+        with pytest.raises(results_file.NotResultsFile, match="not a regular file"):
+            scan_results(special)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--batch-size", "0"], ["--batch-size", "-4"], ["--replicas", "0"], ["--replicas", "two"],
+    ["--num-actors", "0"], ["--overlap", "-1"], ["--overlap", "nan"], ["--overlap", "inf"],
+])
+def test_bad_numbers_are_usage_errors(loads: list[str], tmp_path: Path, extra: list[str],
+                                      capsys: pytest.CaptureFixture) -> None:
+    wav = _wav(tmp_path / "a.wav")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["transcribe", str(wav), "-o", str(tmp_path / "o.jsonl"), *extra])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {extra[0]}" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav"] and loads == []
+
+
+def test_unwritable_outputs_are_usage_errors(loads: list[str], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture) -> None:
+    wav = _wav(tmp_path / "a.wav")
+    (tmp_path / "plain").write_text("x")
+    assert _run(str(wav), "-o", str(tmp_path / "plain" / "out.jsonl")) == 2
+    assert "Not a directory" in capsys.readouterr().err
+    assert _run(str(wav), "-o", "/proc/polyaccel-out.jsonl") == 2  # a folder nobody can create files in
+    assert "cannot write next to it" in capsys.readouterr().err
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "ro"
+        locked.mkdir(mode=0o555)
+        assert _run(str(wav), "-o", str(locked / "out.jsonl")) == 2
+        assert "Permission denied" in capsys.readouterr().err
+    assert loads == [] and (tmp_path / "plain").read_text() == "x"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["transcribe", str(wav), "-o", ""])
+    assert e.value.code == 2 and "expected a file name" in capsys.readouterr().err
+
+
+# ---- one file, two spellings; two runs, one output ---------------------------------------------------------
+
+
+def test_the_same_file_by_relative_absolute_and_symlinked_paths_is_done_once(
+        loads: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "data").mkdir()
+    _wav(tmp_path / "data" / "a.wav")
+    (tmp_path / "alias").symlink_to(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out.jsonl"
+    assert _run("data/a.wav", "./data/../data/a.wav", "-o", str(out)) == 0
+    assert "1 ok, 0 failed, 0 skipped" in capsys.readouterr().err
+    assert _run(str(tmp_path / "data" / "a.wav"), "-o", str(out)) == 0
+    assert _run(str(tmp_path / "alias" / "a.wav"), "-o", str(out)) == 0
+    assert capsys.readouterr().err.count("0 ok, 0 failed, 1 skipped") == 2
+    assert [r["path"] for r in _results(out)] == ["data/a.wav"], "the user's spelling is kept"
+
+
+def test_a_second_run_on_the_same_output_is_refused(loads: list[str], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    wav = _wav(tmp_path / "a.wav")
+    out = tmp_path / "out.jsonl"
+    with OutputLock(out):
+        assert _run(str(wav), "-o", str(out)) == 2
+        assert f"another run (pid {os.getpid()}) is writing {out}" in capsys.readouterr().err
+    assert not out.exists() and loads == []
+    (tmp_path / "out.jsonl.lock").write_text("12345\n")  # left behind by a kill -9: no lock held on it
+    assert _run(str(wav), "-o", str(out)) == 0
+    assert not (tmp_path / "out.jsonl.lock").exists() and len(_results(out)) == 1
+
+
+@pytest.mark.timeout(120)
+def test_two_processes_on_one_output(tmp_path: Path) -> None:
+    """A real second process is refused while the first one is writing."""
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    for i in range(6):
+        _wav(folder / f"{i}.wav")
+    out = tmp_path / "out.jsonl"
+    script = tmp_path / "slow.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        from polyaccel.asr import cli
+        from polyaccel.asr.transcriber import Transcriber
+
+        def slow(name="fake", *, batch_size=8, replicas=None, **kw):
+            def recognize(batch):
+                time.sleep(0.5)
+                return ["x" for _ in batch]
+            return Transcriber(lambda i: recognize, sample_rate=16000, max_audio_seconds=30.0, replicas=1,
+                               batch_size=batch_size, model_name=name)
+        Transcriber.from_pretrained = staticmethod(slow)
+        sys.exit(cli.main(["transcribe", {str(folder)!r}, "-o", {str(out)!r}, "-q", "--batch-size", "1"]))
+    """))
+    first = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, text=True)
+    try:
+        while not out.exists():
+            assert first.poll() is None, first.stderr.read()
+        second = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2 and f"is writing {out}" in second.stderr
+    finally:
+        assert first.wait(timeout=60) == 0
+    assert len(_results(out)) == 6
+
+
+# ---- exit codes and the summary ------------------------------------------------------------------------------
+
+
+def test_exit_codes(loads: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    good = str(_wav(tmp_path / "good.wav"))
+    bad = tmp_path / "bad.wav"
+    bad.write_text("not audio")
+    out = tmp_path / "out.jsonl"
+    assert _run(str(bad), "-o", str(out)) == 3                     # nothing transcribed
+    assert _run(good, str(bad), "-o", str(out)) == 1               # some failed
+    err = capsys.readouterr().err
+    assert "1 ok, 1 failed, 0 skipped" in err and "1 file failed; rerun" in err
+    assert _run(good, "-o", str(out)) == 0                         # all done before
+    assert "0 ok, 0 failed, 1 skipped" in capsys.readouterr().err
+    _wav(bad)
+    assert _run(good, str(bad), "-o", str(out)) == 0               # the failed one retried, now fine
+    assert "1 ok, 0 failed, 1 skipped" in capsys.readouterr().err
+    assert [r["error"] for r in _results(out)] == [None, None]
+
+
+def test_the_writer_appends_whole_lines_and_repairs_only_when_needed(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    with ResultsWriter(out) as w:
+        w.write({"path": "a.wav", "text": "a", "duration_s": 1.0, "error": None})
+    inode = out.stat().st_ino
+    with ResultsWriter(out) as w:  # nothing to drop: appended in place
+        w.write({"path": "b.wav", "text": "", "duration_s": 0.0, "error": "missing file"})
+    assert out.stat().st_ino == inode
+    with ResultsWriter(out) as w:  # the failed line is dropped: rewritten
+        assert w.done == {"a.wav"}
+    assert out.stat().st_ino != inode and [r["path"] for r in load_results(out)] == ["a.wav"]
