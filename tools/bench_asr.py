@@ -278,18 +278,25 @@ class StageClock:
         import threading
 
         self.lock = threading.Lock()
+        self._active = threading.local()  # stages being timed on this thread
         self.wall = dict.fromkeys(E2E_STAGES, 0.0)
         self.cpu = dict.fromkeys(E2E_STAGES, 0.0)
         self.batches: list[tuple[float, float]] = []  # (start, end) of each recognize batch
 
     def wrap(self, stage: str, fn, minus: str | None = None):
-        """``fn`` timed into ``stage``; time spent in ``minus`` inside the call is not counted twice."""
+        """``fn`` timed into ``stage``; time spent in ``minus`` inside the call is not counted
+        twice, nor is a call nested in another of the same stage (sf.read calls SoundFile.read)."""
         def timed(*a, **k):
+            active = self._active.__dict__.setdefault("stages", set())
+            if stage in active:
+                return fn(*a, **k)
+            active.add(stage)
             w0, c0 = time.perf_counter(), time.thread_time()
             inner0 = (self.wall[minus], self.cpu[minus]) if minus else (0.0, 0.0)
             try:
                 return fn(*a, **k)
             finally:
+                active.discard(stage)
                 w, c = time.perf_counter() - w0, time.thread_time() - c0
                 with self.lock:
                     if minus:  # other threads may add to `minus` meanwhile: an estimate, clamped
@@ -313,12 +320,15 @@ def instrument(clock: StageClock):
 
     from polyaccel.asr import audio, runner, transcriber
 
-    saved = [(soundfile, "read"), (soundfile, "info"), (soxr, "resample"), (audio, "prepare_waveform"),
+    saved = [(soundfile, "read"), (soundfile, "info"), (soundfile.SoundFile, "read"), (soxr, "resample"),
+             (soxr.ResampleStream, "resample_chunk"), (audio, "prepare_waveform"),
              (transcriber, "prepare_waveform"), (runner.ASRRunner, "_recognize_batch")]
     saved = [(obj, name, getattr(obj, name)) for obj, name in saved]
     soundfile.read = clock.wrap("decode", soundfile.read)
     soundfile.info = clock.wrap("decode", soundfile.info)
+    soundfile.SoundFile.read = clock.wrap("decode", soundfile.SoundFile.read)  # streamed decoding
     soxr.resample = clock.wrap("resample", soxr.resample)
+    soxr.ResampleStream.resample_chunk = clock.wrap("resample", soxr.ResampleStream.resample_chunk)
     audio.prepare_waveform = clock.wrap("prepare", audio.prepare_waveform, minus="resample")
     transcriber.prepare_waveform = audio.prepare_waveform
     batch_fn = runner.ASRRunner._recognize_batch
@@ -394,13 +404,20 @@ def corpus_items(corpus: Path, limit: int | None) -> tuple[list[str], dict[str, 
     return paths, {r["id"]: r["text"] for r in recs if r.get("text")}, {r["id"]: r["duration_s"] for r in recs}
 
 
-def corpus_wer(texts: dict[str, str], refs: dict[str, str]) -> dict:
-    """Corpus WER (normalized) over the files that have a reference."""
+def corpus_wer(texts: dict[str, str], refs: dict[str, str], durations: dict[str, float]) -> dict:
+    """Corpus WER (normalized) over the files with a reference: all, up to 35 s, and longer."""
     from polyaccel.asr.wer import wer_counts
 
-    ids = [i for i in refs if i in texts]
-    c = wer_counts([refs[i] for i in ids], [texts[i] for i in ids])
-    return {"wer": round(c.wer, 4), "wer_files": len(ids), "ref_words": c.ref_words}
+    out = {}
+    for key, keep in (("wer", lambda d: True), ("wer_short", lambda d: d <= 35.0), ("wer_long", lambda d: d > 35.0)):
+        ids = [i for i in refs if i in texts and keep(durations[i])]
+        if ids:
+            c = wer_counts([refs[i] for i in ids], [texts[i] for i in ids])
+            out[key] = round(c.wer, 4)
+            out[key.replace("wer", "files")] = len(ids)
+    out["ref_words"] = sum(len(refs[i].split()) for i in refs if i in texts)
+    out["wer_files"] = out.pop("files", 0)
+    return out
 
 
 def e2e_ours(args, corpus: Path, batch: int) -> dict:
@@ -436,7 +453,7 @@ def e2e_ours(args, corpus: Path, batch: int) -> dict:
             "rtfx": round(audio_s / wall, 1), "steady_rtfx": round(audio_s / max(last - first, 1e-9), 1),
             "gpu_busy_pct": gpu.mean(first, last), "gpu_busy_pct_all": gpu.mean(),
             "process_cpu_s": round((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system), 2),
-            "cores": os.cpu_count(), **clock.as_dict(), **corpus_wer(texts, refs)}
+            "cores": os.cpu_count(), **clock.as_dict(), **corpus_wer(texts, refs, durations)}
 
 
 class _DecodedFiles(torch.utils.data.Dataset):
@@ -481,7 +498,7 @@ def e2e_hf(args, corpus: Path, batch: int) -> dict:
             "files_per_s": round(len(outs) / wall, 2), "rtfx": round(audio_s / wall, 1),
             "steady_rtfx": round(audio_s / max(wall - (t_load - t0), 1e-9), 1), "gpu_busy_pct_all": gpu.mean(),
             "gpu_busy_pct": gpu.mean(t_load), "dataloader_workers": workers,
-            "transformers": transformers.__version__, **corpus_wer(texts, refs)}
+            "transformers": transformers.__version__, **corpus_wer(texts, refs, durations)}
 
 
 def _english_only(hf_dir: str) -> bool:

@@ -101,6 +101,8 @@ def test_stage_clock_does_not_count_nested_time_twice(bench):
     clock.wrap("prepare", outer, minus="resample")()
     assert 0.045 < clock.wall["resample"] < 0.2
     assert 0.015 < clock.wall["prepare"] < 0.045  # without `minus` it would be ~0.07
+    clock.wrap("resample", inner)()  # nested in the same stage: counted once
+    assert 0.09 < clock.wall["resample"] < 0.145
 
 
 def test_gpu_sampler_mean_over_a_window(bench):

@@ -81,8 +81,8 @@ def test_shapes(model: ConformerAED, audio: list[np.ndarray]) -> None:
     state = model.new_decoder_state(enc, enc_mask, 16)
     L, NH, Dh = cfg.decoder_layers, cfg.decoder_heads, cfg.decoder_dim // cfg.decoder_heads
     assert state.self_k.shape == (L, 3, NH, 16, Dh)
-    assert state.cross_k.shape == (L, 3, NH, cfg.max_encoder_frames, Dh)  # padded to the largest bucket
-    assert state.enc_mask.shape == (3, cfg.max_encoder_frames)
+    assert state.cross_k.shape == (L, 3, NH, S, Dh)  # its own frame bucket's frames, not the largest's
+    assert state.enc_mask.shape == (3, S)
     assert state.enc_mask.sum(1).tolist() == enc_mask.sum(1).tolist()
     logits = model.decode_step(torch.ones(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), state)
     assert logits.shape == (3, cfg.vocab_size) and logits.dtype == torch.float32
@@ -200,7 +200,7 @@ def test_static_cache_decode_matches_full_recompute(model: ConformerAED, audio: 
 def test_graph_specs_run_through_graph_cache(model: ConformerAED, audio: list[np.ndarray]) -> None:
     specs = {s.name: s for s in model.graph_specs()}
     assert specs["encode"].buckets.sizes == {"batch": (1, 2, 4, 8), "frames": (200, 400, 800)}
-    assert specs["decode_step"].buckets.sizes == {"batch": (1, 2, 4, 8)}
+    assert specs["decode_step"].buckets.sizes == {"batch": (1, 2, 4, 8), "frames": (200, 400, 800)}
     cache = GraphCache(select_backend("cpu"), list(specs.values()))
 
     feats, lengths = model.compute_features(audio)
@@ -213,9 +213,9 @@ def test_graph_specs_run_through_graph_cache(model: ConformerAED, audio: list[np
     assert torch.isfinite(enc).all() and not enc_mask[3].any()
 
     state = model.new_decoder_state(enc, enc_mask, model.max_decode_len)
-    example = specs["decode_step"].example_inputs({"batch": 4})
+    example = specs["decode_step"].example_inputs({"batch": 4, "frames": 200})
     assert [tuple(t.shape) for t in example[2:]] == [tuple(t.shape) for t in state.tensors()]
-    step = cache.get("decode_step", {"batch": 4})
+    step = cache.get("decode_step", {"batch": 4, "frames": 200})
     tok = torch.full((4,), model.config.bos_token_id)
     before = state.self_k.clone()
     logits = step(tok, torch.zeros(4, dtype=torch.int64), *state.tensors())
@@ -272,7 +272,8 @@ def test_flop_formulas_match_flop_counter(model: ConformerAED) -> None:
     tok, pos = torch.ones(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model.decode_step(tok, pos, state)
-    assert counter.get_total_flops() == batch * decode_step_flops(cfg, cfg.max_decode_len, cfg.max_encoder_frames)
+    assert state.cross_k.shape[3] == model.cross_frames(enc.shape[1])  # its frame bucket, not the largest
+    assert counter.get_total_flops() == batch * decode_step_flops(cfg, cfg.max_decode_len, state.cross_k.shape[3])
 
     # the TARGETS estimate for the canary-1b-flash shape: ~20 GFLOP per audio second
     per_s = flops_per_audio_second(canary_1b_flash_shape())
@@ -320,7 +321,9 @@ def test_decoder_state_padding_and_reuse(model: ConformerAED) -> None:
     enc = torch.randn(2, 13, model.config.d_model)
     state = model.new_decoder_state(enc, torch.ones(2, 13, dtype=torch.bool), 8)
     assert isinstance(state, DecoderState) and len(state.tensors()) == 5
+    assert state.cross_k.shape[3] == subsampled_length(200, 3)  # the smallest bucket holding 13 frames
     assert not state.enc_mask[:, 13:].any() and (state.cross_k[:, :, :, 13:] == 0).all()
+    assert model.cross_frames(26) == subsampled_length(400, 3) and model.cross_frames(10**6) == 100
     model.decode_step(torch.ones(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), state)
     assert state.self_k.abs().sum() > 0
 
@@ -371,3 +374,44 @@ def test_encoder_blocks_get_contiguous_inputs(model):
         for h in hooks:
             h.remove()
     assert seen == [True] * len(model.encoder.layers)
+
+
+# ---- variable-length batching ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("use_graphs", [True, False])
+def test_length_bucketed_batches_equal_each_clip_alone(model: ConformerAED, use_graphs: bool) -> None:
+    """Clips of 0.4-7.5 s in shuffled order, one recognize call: the runner sorts them by
+    length and batches only clips of one frame bucket, each batch padded to its own bucket
+    (encoder frames and cross-attention), so every clip's tokens equal its batch-1 decode."""
+    from polyaccel.asr.runner import ASRRunner
+
+    rng = np.random.default_rng(7)
+    lengths = [6400, 120000, 30000, 47000, 9000, 64000, 31000, 15000, 100000, 2000, 70000]
+    t = np.arange(max(lengths)) / SR
+    clips = [(0.3 * np.sin(2 * np.pi * rng.uniform(100, 900) * t[:n]) + 0.2 * rng.standard_normal(n)
+              ).astype(np.float32) for n in lengths]
+    runner = ASRRunner(model, "cpu", batch_buckets=(1, 2, 4, 8), max_new_tokens=10, use_graphs=use_graphs)
+    seen: list[tuple[list[int], int]] = []  # (clip lengths, feature frames) per model call
+    compute = model.compute_features
+
+    def spy(audio, num_frames=None):
+        feats, lens = compute(audio, num_frames)
+        seen.append(([len(a) for a in audio], feats.shape[-1]))
+        return feats, lens
+
+    model.compute_features = spy
+    try:
+        batched = runner.recognize(clips)
+        seen_batched, seen[:] = list(seen), []
+        alone = [runner.recognize([c])[0] for c in clips]
+    finally:
+        del model.compute_features
+    assert [h.tokens for h in batched] == [h.tokens for h in alone]
+    assert len({tuple(h.tokens) for h in alone}) > 3  # the tokens depend on the input
+    assert sorted(n for ns, _ in seen_batched for n in ns) == sorted(lengths)
+    for ns, frames in seen_batched:  # each batch: one bucket, padded to it and no further
+        assert {model.frame_bucket(n) for n in ns} == {frames}, (ns, frames)
+    assert [len(ns) for ns, _ in seen_batched] == [3, 2, 6]  # frame buckets 800, 400, 200: one call each
+    # the decode slots attend over each bucket's own encoder frames
+    crosses = {dict(k)["frames"]: s.state.cross_k.shape[3] for k, s in runner._slots.items()}
+    assert crosses == {f: subsampled_length(f, 3) for f in (200, 400, 800)}

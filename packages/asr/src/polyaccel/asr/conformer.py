@@ -34,7 +34,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from polyaccel.asr.char_tokenizer import CharTokenizer
-from polyaccel.asr.conformer_config import ConformerAEDConfig
+from polyaccel.asr.conformer_config import ConformerAEDConfig, subsampled_length
 from polyaccel.asr.interface import ASRModel, DecoderState
 from polyaccel.core import ops
 from polyaccel.core.graphs import GraphSpec, ShapeBuckets
@@ -341,9 +341,10 @@ class TransformerDecoder(nn.Module):
 class ConformerAED(ASRModel):
     """Conformer encoder + transformer decoder speech recognizer with static-shape graphs.
 
-    ``encode`` is one graph per (batch, frames) bucket; ``decode_step`` one per batch bucket:
-    the cross-attention K/V are padded to the largest frame bucket so a decode graph does not
-    depend on the audio length. Weights are random unless loaded (there are no public ones).
+    ``encode`` and ``decode_step`` are one graph each per (batch, frames) bucket: a batch of
+    short clips is padded to its own frame bucket in the encoder and cross-attended over that
+    bucket's frames while decoding (the runner batches clips of one bucket together). Weights
+    are random unless loaded (there are no public ones).
     """
 
     def __init__(self, config: ConformerAEDConfig, tokenizer: CharTokenizer | None = None) -> None:
@@ -435,16 +436,24 @@ class ConformerAED(ASRModel):
     def new_decoder_state(self, enc: torch.Tensor, enc_mask: torch.Tensor, max_len: int,
                           out: DecoderState | None = None) -> DecoderState:
         """Zeroed self-attention cache [L, B, NH, max_len, Dh]; cross K/V [L, B, NH, S, Dh]
-        computed here once, zero-padded (and masked) to the largest frame bucket. With ``out``
-        (a state of the same shapes) the tensors are written into it, so a captured
-        ``decode_step`` keeps reading the same memory."""
-        cfg = self.config
+        computed here once, zero-padded (and masked) to :meth:`cross_frames` of the encoder
+        length: the encoder frames of the smallest frame bucket that holds it, so short audio
+        is not attended over as if it were the longest. With ``out`` (a state of the same
+        shapes) the tensors are written into it, so a captured ``decode_step`` keeps reading
+        the same memory."""
         cross_k, cross_v = self.decoder.cross_kv(enc.to(self.dtype))
-        pad = max(0, cfg.max_encoder_frames - enc.shape[1])
+        pad = max(0, self.cross_frames(enc.shape[1]) - enc.shape[1])
         if pad:
             cross_k, cross_v = F.pad(cross_k, (0, 0, 0, pad)), F.pad(cross_v, (0, 0, 0, pad))
             enc_mask = F.pad(enc_mask, (0, pad), value=False)
         return DecoderState.start(cross_k, cross_v, enc_mask, max_len, out=out)
+
+    def cross_frames(self, encoder_frames: int) -> int:
+        """Cross-attention length for ``encoder_frames``: the encoder frames of the smallest
+        frame bucket holding them (of the largest bucket when none does)."""
+        cfg = self.config
+        sizes = [subsampled_length(f, cfg.subsampling_layers) for f in cfg.frame_buckets]
+        return next((s for s in sizes if s >= encoder_frames), sizes[-1])
 
     def decode_step(self, tokens: torch.Tensor, position: torch.Tensor, state: DecoderState) -> torch.Tensor:
         logits = self.decoder(tokens[:, None], state.cross_k, state.cross_v, state.enc_mask,
@@ -473,9 +482,10 @@ class ConformerAED(ASRModel):
 
     # ---- static graphs -------------------------------------------------------------------------
     def graph_specs(self, batch_buckets: Sequence[int] | None = None) -> list[GraphSpec]:
-        """``encode(features, lengths)`` per (batch, frames) bucket and
-        ``decode_step(tokens, position, *DecoderState.tensors())`` per batch bucket (batch
-        buckets default to the config's; frame buckets are always the config's).
+        """``encode(features, lengths)`` and ``decode_step(tokens, position,
+        *DecoderState.tensors())``, each per (batch, frames) bucket (batch buckets default to
+        the config's; frame buckets are always the config's). A decode step of frame bucket F
+        cross-attends over F's encoder frames only.
 
         ``compute_features`` pads F to a frame bucket, so ``features.shape[-1]`` is the
         ``frames`` key of the encode graph to use; a caller that buckets by batch only gets the
@@ -499,17 +509,17 @@ class ConformerAED(ASRModel):
 
         def decode_inputs(bucket: dict[str, int]) -> list[torch.Tensor]:
             b, dev = bucket["batch"], self.device
+            s = subsampled_length(bucket.get("frames", cfg.max_feature_frames), cfg.subsampling_layers)
             L, NH, E = cfg.decoder_layers, cfg.decoder_heads, cfg.decoder_dim
             cache = torch.zeros(L, b, NH, cfg.max_decode_len, E // NH, dtype=self.dtype, device=dev)
-            cross = torch.zeros(L, b, NH, cfg.max_encoder_frames, E // NH, dtype=self.dtype, device=dev)
+            cross = torch.zeros(L, b, NH, s, E // NH, dtype=self.dtype, device=dev)
             return [torch.full((b,), cfg.bos_token_id, dtype=torch.int64, device=dev),
                     torch.zeros(b, dtype=torch.int64, device=dev), cache, cache.clone(), cross, cross.clone(),
-                    torch.ones(b, cfg.max_encoder_frames, dtype=torch.bool, device=dev)]
+                    torch.ones(b, s, dtype=torch.bool, device=dev)]
 
-        return [
-            GraphSpec("encode", self.encode, ShapeBuckets({"batch": batches, "frames": frames}), encode_inputs),
-            GraphSpec("decode_step", decode_step_graph, ShapeBuckets({"batch": batches}), decode_inputs),
-        ]
+        buckets = ShapeBuckets({"batch": batches, "frames": frames})
+        return [GraphSpec("encode", self.encode, buckets, encode_inputs),
+                GraphSpec("decode_step", decode_step_graph, buckets, decode_inputs)]
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike[str]) -> None:

@@ -5,6 +5,12 @@ A batch of ``n`` utterances is padded up to the smallest batch bucket >= ``n``; 
 rows never influence real ones (rows are independent, and padding rows are masked out of
 the stopping rule), so the tokens are the same at every batch size.
 
+Models whose cost follows the audio length (they have ``frame_bucket(num_samples)``, as
+ConformerAED does) get variable-length batching: :meth:`ASRRunner.recognize` sorts the clips
+by length and batches only clips of the same frame bucket, so each batch is padded to its
+own bucket (encoder frames and decoder cross-attention) and a clip gets exactly the padding
+it gets alone. Whisper pads everything to 30 s (it is trained so) and batches as given.
+
 With graphs, one generated token is ONE graph replay: the decoder step, the logits rules,
 the argmax and the bookkeeping (:func:`~polyaccel.asr.decoding.greedy_update`) are captured
 together over per-bucket buffers the runner owns (its :class:`_Slot`), so the host only
@@ -55,11 +61,12 @@ class ASRRunner:
         self.min_new_tokens = min(min_new_tokens, self.max_new_tokens)
         self.vocab_size = int(model.config.vocab_size)
         self.graphs = None
+        specs = {s.name: s for s in model.graph_specs(self.buckets.sizes["batch"])}
+        self._decode_buckets = specs["decode_step"].buckets  # batch, and frames where decoding depends on them
         if use_graphs:
-            specs = model.graph_specs(self.buckets.sizes["batch"])
-            specs.append(GraphSpec("greedy_step", self._greedy_step, specs[0].buckets, self._no_example))
-            self.graphs = GraphCache(self.backend, specs)
-        self._slots: dict[int, _Slot] = {}
+            greedy = GraphSpec("greedy_step", self._greedy_step, self._decode_buckets, self._no_example)
+            self.graphs = GraphCache(self.backend, [*specs.values(), greedy])
+        self._slots: dict[tuple[tuple[str, int], ...], _Slot] = {}
         self._on_stream = self.backend.replica_stream(self.device)
         self._rules = LogitsRules(model.suppress_ids(), model.begin_suppress_ids(), model.eos_token_id,
                                   self.min_new_tokens)
@@ -71,12 +78,26 @@ class ASRRunner:
     @torch.inference_mode()
     def recognize(self, audio: list[np.ndarray]) -> list[Hypothesis]:
         """Greedy transcripts of mono float32 waveforms at the model's sample rate, in order."""
-        largest = self.buckets.max["batch"]
-        out: list[Hypothesis] = []
+        out: list[Hypothesis | None] = [None] * len(audio)
         with self._on_stream():  # this runner's own stream: replicas on one device overlap
-            for start in range(0, len(audio), largest):
-                out += self._recognize_batch(audio[start:start + largest])
-        return out
+            for idx in self._batches(audio):
+                for i, h in zip(idx, self._recognize_batch([audio[i] for i in idx]), strict=True):
+                    out[i] = h
+        return out  # type: ignore[return-value]
+
+    def _batches(self, audio: list[np.ndarray]) -> list[list[int]]:
+        """Indices of ``audio`` per model call, at most the largest batch bucket each: in input
+        order, or, for models with length buckets, sorted by length (longest first) and
+        never mixing two length buckets."""
+        largest = self.buckets.max["batch"]
+        bucket_of = getattr(self.model, "frame_bucket", None)
+        if bucket_of is None:
+            return [list(range(s, min(s + largest, len(audio)))) for s in range(0, len(audio), largest)]
+        order = sorted(range(len(audio)), key=lambda i: -len(audio[i]))
+        groups: dict[int, list[int]] = {}
+        for i in order:
+            groups.setdefault(bucket_of(len(audio[i])), []).append(i)
+        return [g[s:s + largest] for _, g in sorted(groups.items(), reverse=True) for s in range(0, len(g), largest)]
 
     def _recognize_batch(self, audio: list[np.ndarray]) -> list[Hypothesis]:
         n = len(audio)
@@ -93,7 +114,7 @@ class ASRRunner:
             enc, enc_mask = self.graphs("encode", enc_bucket, features, lengths)
         else:
             enc, enc_mask = self.model.encode(features, lengths)
-        slot = self._slot(B)
+        slot = self._slot(self._decode_bucket(B, features.shape[-1]))
         self.model.new_decoder_state(enc, enc_mask, self.cache_len, out=slot.state)
         hyps = greedy_decode(slot.step, batch=B, num_real=n, prompt=self.prompt, eos_id=self.model.eos_token_id,
                              max_new_tokens=self.max_new_tokens, rules=self._rules, device=self.device,
@@ -108,29 +129,37 @@ class ASRRunner:
         if self.graphs is None:
             return 0
         with self._on_stream():
-            for B in self.buckets.sizes["batch"]:
-                self._slot(B)
-                for bucket in self.graphs.specs["encode"].buckets.all():
-                    if bucket["batch"] == B:
-                        self.graphs.get("encode", bucket)
+            for bucket in self._decode_buckets.all():
+                self._slot(bucket)
+            for bucket in self.graphs.specs["encode"].buckets.all():
+                self.graphs.get("encode", bucket)
         return len(self.graphs)
 
     # ---- per-bucket state and graphs --------------------------------------------------------
-    def _slot(self, B: int) -> _Slot:
-        """The decoder state, greedy buffers and step functions of batch bucket ``B``; the
+    def _decode_bucket(self, B: int, frames: int) -> tuple[tuple[str, int], ...]:
+        """The decode graphs' bucket of a batch: its batch bucket, and its feature frames
+        where the decode graphs are per frame bucket."""
+        if "frames" in self._decode_buckets.sizes:
+            return (("batch", B), ("frames", frames))
+        return (("batch", B),)
+
+    def _slot(self, key: tuple[tuple[str, int], ...] | dict[str, int]) -> _Slot:
+        """The decoder state, greedy buffers and step functions of decode bucket ``key``; the
         graphs are compiled over exactly these tensors, so their in-place updates are ours."""
-        slot = self._slots.get(B)
+        key = tuple(sorted(dict(key).items()))
+        slot = self._slots.get(key)
         if slot is not None:
             return slot
+        bucket = dict(key)
+        B = bucket["batch"]
         spec = {s.name: s for s in self.model.graph_specs((B,))}["decode_step"]
-        state = DecoderState(*spec.example_inputs({"batch": B})[2:])
+        state = DecoderState(*spec.example_inputs(bucket)[2:])
         buf = GreedyBuffers.allocate(B, self.max_new_tokens, self.device)
         if self.graphs is None:
             def step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
                 return self.model.decode_step(tokens, position, state)
             slot = _Slot(state, buf, step, None)
         else:
-            bucket = {"batch": B}
             decode = self.graphs.get("decode_step", bucket, example_inputs=[buf.tokens, buf.position, *state.tensors()])
             bias = torch.zeros(self.vocab_size, device=self.device)
             greedy = self.graphs.get("greedy_step", bucket, example_inputs=[*buf.tensors(), bias, *state.tensors()])
@@ -145,7 +174,7 @@ class ASRRunner:
                     last[0] = bias_V
                 greedy(*buf.tensors(), bias, *state.tensors())
             slot = _Slot(state, buf, step, advance)
-        self._slots[B] = slot
+        self._slots[key] = slot
         return slot
 
     def _greedy_step(self, tokens, position, finished, logprob_sum, counted, out, step, bias, *state) -> torch.Tensor:
