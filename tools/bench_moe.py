@@ -599,7 +599,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gpus", type=int, default=1,
                    help="N > 1: expert parallelism over N GPUs of this host (variants from EP_VARIANTS)")
     p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--lora", action="store_true",
+                   help="LoRA rows beside Transformers + PEFT instead (tools/bench_moe_lora.py; --rows)")
+    p.add_argument("--rows", help="with --lora: comma list of variant@layers (default: bench_moe_lora.DEFAULT_ROWS)")
+    p.add_argument("--tiny", action="store_true", help="with --lora: a tiny shape (CPU dry run)")
     a = p.parse_args(argv)
+    if a.lora:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import bench_moe_lora
+
+        bench_moe_lora.main(a)
+        return
     if a.gpus > 1:
         run_expert_parallel(a)
         return

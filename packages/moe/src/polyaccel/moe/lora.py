@@ -314,10 +314,22 @@ def _selective_context(cheap_k: int) -> Any:
 
 def enable_selective_recompute(model: nn.Module) -> None:
     """Checkpoint every decoder layer (non-reentrant) with :func:`selective_recompute_policy`
-    at the model's largest LoRA rank."""
+    at the model's largest LoRA rank.
+
+    The checkpoint goes inside each layer's ``forward`` (not around the module call as
+    ``gradient_checkpointing_enable`` does), so a compiled layer (``BackendConfig(compile=True)``)
+    traces it and its partitioner follows the policy.
+    """
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     ranks = [r for m in model.modules() if isinstance(getattr(m, "r", None), dict) for r in m.r.values()]
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-        "use_reentrant": False, "context_fn": functools.partial(_selective_context, max(ranks, default=16))})
+    context_fn = functools.partial(_selective_context, max(ranks, default=16))
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer) and not getattr(layer, "_polyaccel_selective", False):
+            forward = layer.forward
+            layer.forward = functools.partial(checkpoint, forward, use_reentrant=False, context_fn=context_fn)
+            layer._polyaccel_selective = True
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
 
