@@ -7,11 +7,12 @@ Every way a file can be bad (missing, empty, truncated, not audio, NaN samples..
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +47,31 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000, *,
     files (``.raw``/``.pcm``, or any file when ``raw`` is given) are read as ``raw`` says
     (16 kHz mono 16-bit little-endian by default). Raises :class:`AudioError`.
     """
-    import soundfile as sf
+    sf = _soundfile()
+    path, raw = _checked_path(path, raw)
+    name = os.fsencode(path)  # bytes: any file name
+    with _decode_errors(path):
+        if raw is not None:
+            data, rate = sf.read(name, dtype="float32", always_2d=True, samplerate=raw.sample_rate,
+                                 channels=raw.channels, subtype=raw.subtype, endian=raw.endian,
+                                 format="RAW")
+        else:
+            data, rate = sf.read(name, dtype="float32", always_2d=True)
+            _check_complete(path, len(data), rate, sf.info(name).frames)
+    return prepare_waveform(data, rate, sample_rate)
 
+
+def _soundfile():
+    """The ``soundfile`` module, or an error naming what to install."""
+    try:
+        import soundfile
+    except ImportError as e:
+        raise ImportError("reading audio files needs soundfile: pip install soundfile") from e
+    return soundfile
+
+
+def _checked_path(path: str | os.PathLike, raw: RawFormat | None) -> tuple[Path, RawFormat | None]:
+    """The path, after the checks a decoder would report badly, and its raw format (if any)."""
     path = Path(path)
     if not path.exists():
         raise AudioError("missing file")
@@ -57,33 +81,27 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000, *,
         raise AudioError("empty file (0 bytes)")
     if raw is None and path.suffix.lower() in RAW_EXTENSIONS:
         raw = RawFormat()
+    return path, raw
+
+
+@contextlib.contextmanager
+def _decode_errors(path: Path) -> Iterator[None]:
+    """Turn libsndfile's errors (at open or in the middle of the data) into :class:`AudioError`."""
+    sf = _soundfile()
     try:
-        if raw is not None:
-            data, rate = sf.read(os.fsencode(path), dtype="float32", always_2d=True, samplerate=raw.sample_rate,
-                                 channels=raw.channels, subtype=raw.subtype, endian=raw.endian,
-                                 format="RAW")
-        else:
-            data, rate = sf.read(os.fsencode(path), dtype="float32", always_2d=True)  # bytes: any file name
+        yield
     except sf.LibsndfileError as e:
         raise AudioError(_describe_decode_error(path, str(e))) from None
     except RuntimeError as e:  # older soundfile raises plain RuntimeError
         raise AudioError(_describe_decode_error(path, str(e))) from None
-    if raw is None:
-        _check_complete(path, len(data), rate)
-    return prepare_waveform(data, rate, sample_rate)
 
 
-def _check_complete(path: Path, frames_read: int, rate: int) -> None:
+def _check_complete(path: Path, frames_read: int, rate: int, header_frames: int) -> None:
     """Raise if the header promises more audio than the file holds (a cut-off download or
     copy). libsndfile quietly returns the part that is there, which would lose words."""
-    import soundfile as sf
-
     declared = _wav_declared_frames(path)
     if declared is None:
-        try:
-            declared = sf.info(os.fsencode(path)).frames
-        except Exception:
-            declared = 0
+        declared = header_frames
     if declared > frames_read and frames_read >= 0:
         raise AudioError(f"truncated audio: header declares {declared / rate:.2f} s, "
                          f"file holds {frames_read / rate:.2f} s")
@@ -162,22 +180,84 @@ def prepare_waveform(data: np.ndarray, rate: int, sample_rate: int = 16000) -> n
 
 
 def audio_duration(path: str | os.PathLike, raw: RawFormat | None = None) -> float:
-    """Duration in seconds from the header alone (no decoding); 0.0 when it cannot tell.
+    """Duration in seconds from the header alone (no decoding).
 
-    Used to bucket files by length before reading them."""
-    import soundfile as sf
+    Raises :class:`AudioError` (with the same reasons as :func:`load_audio`) when the file
+    cannot be read: a bad file never passes for 0 s of audio."""
+    path, raw = _checked_path(path, raw)
+    if raw is not None:
+        frame_bytes = raw.channels * {"PCM_S8": 1, "PCM_U8": 1, "PCM_16": 2, "PCM_24": 3,
+                                      "PCM_32": 4, "FLOAT": 4, "DOUBLE": 8}.get(raw.subtype, 2)
+        return path.stat().st_size / frame_bytes / raw.sample_rate
+    with _decode_errors(path):
+        info = _soundfile().info(os.fsencode(path))
+    if info.frames <= 0:
+        raise AudioError("empty audio (0 samples)")
+    return float(info.frames) / info.samplerate
 
-    path = Path(path)
-    try:
-        if raw is not None or path.suffix.lower() in RAW_EXTENSIONS:
-            raw = raw or RawFormat()
-            frame_bytes = raw.channels * {"PCM_S8": 1, "PCM_U8": 1, "PCM_16": 2, "PCM_24": 3,
-                                          "PCM_32": 4, "FLOAT": 4, "DOUBLE": 8}.get(raw.subtype, 2)
-            return path.stat().st_size / frame_bytes / raw.sample_rate
-        info = sf.info(path)
-        return float(info.frames) / info.samplerate if info.frames > 0 else 0.0
-    except Exception:
-        return 0.0
+
+# ---- streaming: bounded memory whatever the file length ----------------------------------
+
+STREAM_BLOCK_S = 10.0
+"""Seconds of audio :func:`stream_audio` decodes at a time."""
+
+
+def stream_audio(path: str | os.PathLike, sample_rate: int = 16000, *, block_s: float = STREAM_BLOCK_S,
+                 raw: RawFormat | None = None) -> Iterator[np.ndarray]:
+    """Yield ``path`` as consecutive mono float32 blocks at ``sample_rate`` Hz, decoding and
+    resampling ``block_s`` seconds at a time, so memory does not grow with the file.
+
+    The concatenated blocks equal :func:`load_audio`'s waveform sample for sample (soxr's
+    streaming resampler gives its one-shot result). libsndfile decodes every format it reads
+    (wav, flac, ogg/vorbis/opus, mp3, raw) incrementally. Raises :class:`AudioError` as
+    :func:`load_audio` does; a truncated file is detected only at its end, after the blocks
+    before it were yielded, so callers must treat an error at any point as the file's error.
+    """
+    sf = _soundfile()
+    path, raw = _checked_path(path, raw)
+    opts = {} if raw is None else dict(samplerate=raw.sample_rate, channels=raw.channels,
+                                       subtype=raw.subtype, endian=raw.endian, format="RAW")
+    with _decode_errors(path), sf.SoundFile(os.fsencode(path), **opts) as f:
+        rate, header_frames = f.samplerate, f.frames
+        resample = _Resampler(rate, sample_rate)
+        frames_read = 0
+        while len(data := f.read(max(1, int(block_s * rate)), dtype="float32", always_2d=True)):
+            frames_read += len(data)
+            yield resample(_mono_finite(data))
+        if frames_read == 0:
+            raise AudioError("empty audio (0 samples)")
+        if raw is None:
+            _check_complete(path, frames_read, rate, header_frames)
+        if len(tail := resample(np.zeros(0, np.float32), last=True)):
+            yield tail
+
+
+class _Resampler:
+    """Chunk-wise soxr resampling (identity at equal rates), clipped to [-1, 1] as
+    :func:`prepare_waveform` does."""
+
+    def __init__(self, rate: int, sample_rate: int) -> None:
+        self._stream = None
+        if rate != sample_rate:
+            import soxr
+
+            self._stream = soxr.ResampleStream(rate, sample_rate, 1, dtype="float32", quality="HQ")
+
+    def __call__(self, x: np.ndarray, last: bool = False) -> np.ndarray:
+        if self._stream is not None:
+            x = self._stream.resample_chunk(x, last=last).astype(np.float32, copy=False)
+        if len(x) and (float(x.min()) < -1.0 or float(x.max()) > 1.0):
+            x = np.clip(x, -1.0, 1.0)
+        return x
+
+
+def _mono_finite(data: np.ndarray) -> np.ndarray:
+    """[T, C] float32 -> [T] channel mean; raises on NaN/inf as :func:`prepare_waveform` does."""
+    data = data.mean(axis=1) if data.shape[1] > 1 else data[:, 0]
+    data = data.astype(np.float32, copy=False)
+    if not (math.isfinite(float(data.min())) and math.isfinite(float(data.max()))):
+        raise AudioError("audio contains NaN or infinite samples")
+    return data
 
 
 # ---- long audio: windows and stitching ----------------------------------------------------
@@ -214,6 +294,68 @@ def split_windows(audio: np.ndarray, sample_rate: int, window_s: float,
     so a 2 h waveform costs no memory beyond its own samples)."""
     for i, (a, b) in enumerate(window_bounds(len(audio), sample_rate, window_s, overlap_s)):
         yield Window(i, a / sample_rate, audio[a:b])
+
+
+def stream_windows(blocks: Iterable[np.ndarray], sample_rate: int, window_s: float,
+                   overlap_s: float = DEFAULT_OVERLAP_S) -> Iterator[Window]:
+    """Cut a stream of sample blocks into exactly the windows :func:`window_bounds` gives for
+    their concatenation, without knowing its length in advance.
+
+    Window ``i`` starts at ``i * hop``. Every window but the last is full and ends before the
+    audio does, so a full window is yielded once a sample past its end has arrived; at the
+    end, the last one is ``[N - win, N)`` (``[0, N)`` for audio of one window). Only samples
+    after the last yielded window's start are kept: at most ``window + hop`` seconds plus
+    one block. Each window owns its samples (a copy), so none keeps the buffer alive.
+    """
+    win = int(round(window_s * sample_rate))
+    hop = win - int(round(min(overlap_s, window_s / 2) * sample_rate))
+    buf, buf_start, total, i = np.zeros(0, np.float32), 0, 0, 0
+    for block in blocks:
+        buf = np.concatenate([buf, block]) if len(buf) else np.asarray(block, np.float32)
+        total += len(block)
+        while total > i * hop + win:  # a sample past window i's end: i is not the last
+            a = i * hop - buf_start
+            yield Window(i, i * hop / sample_rate, buf[a:a + win].copy())
+            keep = i * hop + 1  # the last window starts after this one's start
+            buf, buf_start, i = buf[keep - buf_start:], keep, i + 1
+    if total:
+        start = 0 if i == 0 else total - win
+        yield Window(i, start / sample_rate, buf[start - buf_start:].copy())
+
+
+# ---- speech energy: how much a window says, where it pauses -------------------------------
+
+_FRAME_S = 0.02
+
+
+def _frame_rms(audio: np.ndarray, sample_rate: int) -> np.ndarray:
+    """RMS of consecutive 20 ms frames (a last partial frame is dropped)."""
+    n = max(1, int(_FRAME_S * sample_rate))
+    frames = audio[: len(audio) // n * n].reshape(-1, n)
+    return np.sqrt(np.mean(np.square(frames, dtype=np.float32), axis=1))
+
+
+def speech_seconds(audio: np.ndarray, sample_rate: int, floor: float = 0.005) -> float:
+    """Seconds of ``audio`` loud enough to be speech: 20 ms frames above both ``floor``
+    (about -46 dBFS) and a tenth of the 95th-percentile frame level. A coarse energy measure,
+    used only to judge whether a transcript's word count is plausible."""
+    rms = _frame_rms(audio, sample_rate)
+    if not len(rms):
+        return 0.0
+    threshold = max(floor, 0.1 * float(np.percentile(rms, 95)))
+    return float(np.count_nonzero(rms > threshold)) * _FRAME_S
+
+
+def quietest_point(audio: np.ndarray, sample_rate: int, lo_s: float, hi_s: float) -> int:
+    """The sample index in [``lo_s``, ``hi_s``) seconds where the 100 ms around it are
+    quietest: a pause, where cutting splits no word."""
+    rms = _frame_rms(audio, sample_rate)
+    box = np.ones(5)
+    smooth = np.convolve(rms, box, mode="same") / np.convolve(np.ones_like(rms), box, mode="same")
+    lo, hi = int(lo_s / _FRAME_S), max(int(lo_s / _FRAME_S) + 1, min(len(smooth), int(hi_s / _FRAME_S)))
+    if lo >= len(smooth):
+        return min(len(audio), int(lo_s * sample_rate))
+    return (lo + int(np.argmin(smooth[lo:hi]))) * int(_FRAME_S * sample_rate)
 
 
 _WORD_KEY = re.compile(r"[^\w']+")

@@ -15,6 +15,7 @@ wall seconds, with decoding, resampling and feature extraction included.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import threading
@@ -28,10 +29,15 @@ import numpy as np
 from polyaccel.asr.audio import (
     DEFAULT_OVERLAP_S,
     AudioError,
+    audio_duration,
     bucket_order,
     load_audio,
     prepare_waveform,
+    quietest_point,
+    speech_seconds,
     stitch,
+    stream_audio,
+    stream_windows,
     window_bounds,
 )
 from polyaccel.asr.manifest import InputItem
@@ -41,6 +47,18 @@ AudioInput = str | os.PathLike | np.ndarray | InputItem | tuple
 
 Recognize = Callable[[list[np.ndarray]], list[str]]
 """What a replica does: waveforms at the model's rate -> one text each (same order)."""
+
+log = logging.getLogger(__name__)
+
+REDECODE_BELOW_WPS = 1.5
+"""A window of long audio whose transcript has fewer words per second of speech than this is
+decoded again in pieces cut at pauses (Whisper without timestamps often stops after a word or
+a sentence when a 30 s window starts mid-speech)."""
+
+WARN_BELOW_WPS, WARN_ABOVE_WPS = 0.5, 6.0
+"""Words per second of speech outside these bounds put a warning on the file's result."""
+
+_MIN_SPEECH_S = 5.0  # below this much speech, a low word rate is no evidence of loss
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,6 +72,8 @@ class TranscriptResult:
         error: a short reason when the input failed, else None.
         windows: how many windows long audio was cut into (1 for short audio).
         ref: the reference text, when one was given with the input.
+        warnings: windows whose word rate is implausible for their speech (words may be
+            missing, or the model looped); the text is still the best we have.
     """
 
     path: str
@@ -62,6 +82,7 @@ class TranscriptResult:
     error: str | None = None
     windows: int = 1
     ref: str | None = None
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -73,6 +94,8 @@ class TranscriptResult:
                                "error": self.error, "windows": self.windows}
         if self.ref is not None:
             rec["ref"] = self.ref
+        if self.warnings:
+            rec["warnings"] = list(self.warnings)
         rec.update(extra)
         return rec
 
@@ -109,21 +132,44 @@ class TranscribeMetrics:
 
 @dataclasses.dataclass(slots=True)
 class _Window:
-    """One unit of pool work: window ``win`` of input ``idx``."""
+    """One unit of pool work: window ``win`` of input ``idx``, starting ``start_s`` into it;
+    ``long``: one of several windows (so it may be re-decoded in pieces)."""
 
     idx: int
     win: int
     audio: np.ndarray
+    start_s: float = 0.0
+    long: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class _Decoded:
+    """A window's transcript, the seconds of speech in it, and whether it was re-decoded."""
+
+    text: str
+    speech_s: float
+    redecoded: bool = False
 
 
 @dataclasses.dataclass(slots=True)
 class _Pending:
-    """An input whose windows are in flight: their texts so far and how many are left."""
+    """An input whose windows are in flight: their texts so far, how many are out, and
+    whether its reader has submitted them all."""
 
     result: TranscriptResult
-    texts: list[str | None]
-    left: int
+    texts: list[str | None] = dataclasses.field(default_factory=list)
     spans_s: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    left: int = 0
+    read: bool = True
+
+    @property
+    def done(self) -> bool:
+        return self.read and self.left == 0
+
+    def add(self, w: _Window, sample_rate: int) -> None:
+        self.texts.append(None)
+        self.spans_s.append((w.start_s, w.start_s + len(w.audio) / sample_rate))
+        self.left += 1
 
 
 class Transcriber:
@@ -242,13 +288,14 @@ class Transcriber:
         try:
             for win, out in self._pool_map(self._windows(iter(inputs), block, pending, m)):
                 p = pending[win.idx]
-                if isinstance(out, BaseException) or not isinstance(out, str):
+                if isinstance(out, BaseException) or not isinstance(out, _Decoded):
                     p.result.error = p.result.error or f"recognition failed: {_short(out)}"
                     p.texts[win.win] = ""
                 else:
-                    p.texts[win.win] = out
+                    p.texts[win.win] = out.text
+                    self._check_rate(p, win, out)
                 p.left -= 1
-                while next_out in pending and pending[next_out].left == 0:
+                while next_out in pending and pending[next_out].done:
                     yield self._finish(pending.pop(next_out), m, start)
                     next_out += 1
             while next_out in pending:  # inputs that failed before producing any window
@@ -280,8 +327,25 @@ class Transcriber:
             return 0
         return sum(int(self._compile_fn(i) or 0) for i in range(self.replicas))
 
+    def _check_rate(self, p: _Pending, win: _Window, out: _Decoded) -> None:
+        """Warn (on the result and in the log) about a window whose word rate is implausible."""
+        words = len(out.text.split())
+        rate = words / max(out.speech_s, 1e-9)
+        if out.speech_s >= _MIN_SPEECH_S and rate < WARN_BELOW_WPS:
+            what = "words may be missing"
+        elif out.speech_s >= 2.0 and rate > WARN_ABOVE_WPS:
+            what = "the model may have repeated itself"
+        else:
+            return
+        a, b = p.spans_s[win.win]
+        note = (f"window {win.win} ({a:.1f}-{b:.1f} s): {words} words in {out.speech_s:.1f} s of speech "
+                f"({rate:.2f} words/s{', after re-decoding' if out.redecoded else ''}); {what}")
+        p.result.warnings.append(note)
+        log.warning("%s: %s", p.result.path, note)
+
     def _finish(self, p: _Pending, m: TranscribeMetrics, start: float) -> TranscriptResult:
         r = p.result
+        r.warnings.sort(key=lambda w: int(w.split()[1]))  # window order, whatever the finishing order
         if r.error is None:
             r.text = stitch([t or "" for t in p.texts], p.spans_s) if len(p.texts) > 1 else (p.texts[0] or "").strip()
             m.audio_s += r.duration_s
@@ -294,48 +358,104 @@ class Transcriber:
 
     def _windows(self, inputs: Iterator[AudioInput], block: int, pending: dict[int, _Pending],
                  m: TranscribeMetrics) -> Iterator[_Window]:
-        """Read inputs ``block`` at a time, register each in ``pending`` and yield its windows,
-        each block sorted by duration (longest first)."""
+        """Read inputs ``block`` at a time, register each in ``pending`` and yield its windows:
+        first those of the block's inputs that fit in memory whole, sorted by duration (longest
+        first), then each long file's, streamed as it is read."""
         idx = 0
         while items := _take(inputs, block):
             numbered: list[_Window] = []
-            for item in items:
-                result, audio = self._load(idx, item)
-                bounds = []
-                if audio is not None:
-                    bounds = window_bounds(len(audio), self.sample_rate, self.max_audio_seconds, self.overlap_s)
-                    numbered += [_Window(idx, k, audio[a:b]) for k, (a, b) in enumerate(bounds)]
-                    result.windows = len(bounds)
-                pending[idx] = _Pending(result, [None] * len(bounds), len(bounds),
-                                        [(a / self.sample_rate, b / self.sample_rate) for a, b in bounds])
+            streams: list[tuple[int, str]] = []
+            for result, source in self._open_block(idx, items):
+                pending[idx] = p = _Pending(result)
+                if isinstance(source, np.ndarray):
+                    numbered += self._cut(idx, source, p)
+                elif source is not None:
+                    p.read = False
+                    streams.append((idx, source))
                 idx += 1
             m.windows += len(numbered)
             for j in bucket_order([len(w.audio) for w in numbered], self.batch_size):
                 yield numbered[j]
             del numbered
+            for i, path in streams:
+                yield from self._stream(i, path, pending[i], m)
             if len(items) < block:
                 return
 
-    def _load(self, idx: int, item: AudioInput) -> tuple[TranscriptResult, np.ndarray | None]:
-        """Decode one input; a failure becomes a result with ``error`` set and no audio."""
+    def _cut(self, idx: int, audio: np.ndarray, p: _Pending) -> list[_Window]:
+        """Windows of a whole waveform (views of it), registered in ``p``."""
+        bounds = window_bounds(len(audio), self.sample_rate, self.max_audio_seconds, self.overlap_s)
+        out = [_Window(idx, k, audio[a:b], a / self.sample_rate, len(bounds) > 1) for k, (a, b) in enumerate(bounds)]
+        for w in out:
+            p.add(w, self.sample_rate)
+        p.result.windows = len(out)
+        return out
+
+    def _stream(self, idx: int, path: str, p: _Pending, m: TranscribeMetrics) -> Iterator[_Window]:
+        """Yield a long file's windows as it is decoded; a read error at any point (a corrupt
+        block, a truncated end) becomes the file's error."""
+        try:
+            blocks = stream_audio(path, self.sample_rate)
+            for w in stream_windows(blocks, self.sample_rate, self.max_audio_seconds, self.overlap_s):
+                win = _Window(idx, w.index, w.audio, w.start_s, long=True)
+                p.add(win, self.sample_rate)
+                p.result.duration_s = p.spans_s[-1][1]
+                m.windows += 1
+                yield win
+        except AudioError as e:
+            self._read_failed(p.result, str(e))
+        except ImportError:
+            raise
+        except Exception as e:  # never let one input stop the job
+            self._read_failed(p.result, f"could not read: {_short(e)}")
+        finally:
+            p.read = True
+            p.result.windows = len(p.texts)
+
+    def _open_block(self, first: int, items: list[AudioInput]) -> list[tuple[TranscriptResult, np.ndarray | str | None]]:
+        """:meth:`_open` of each of ``items`` (numbered from ``first``), in input order, on the
+        shared decode threads (soundfile and soxr release the GIL), so decoding and resampling
+        keep up with an accelerator that recognizes thousands of audio seconds per second."""
+        pool = _decode_pool()
+        if pool is None or len(items) < 2:
+            return [self._open(first + k, item) for k, item in enumerate(items)]
+        return list(pool.map(self._open, range(first, first + len(items)), items))
+
+    def _open(self, idx: int, item: AudioInput) -> tuple[TranscriptResult, np.ndarray | str | None]:
+        """Decode one input whole, or name the file to stream when it is longer than one
+        window; a failure becomes a result with ``error`` set and no audio."""
         ref = None
         if isinstance(item, InputItem):
             ref, item = item.ref, item.path
         in_memory = isinstance(item, (np.ndarray, tuple))
         name = f"<array {idx}>" if in_memory else os.fspath(item)
+        result = TranscriptResult(name, ref=ref)
         try:
             if isinstance(item, tuple):
                 arr, rate = item
                 audio = prepare_waveform(arr, int(rate), self.sample_rate)
             elif isinstance(item, np.ndarray):
                 audio = prepare_waveform(item, self.sample_rate, self.sample_rate)
+            elif (seconds := audio_duration(name)) > self.max_audio_seconds:
+                result.duration_s = seconds
+                return result, name
             else:
                 audio = load_audio(name, self.sample_rate)
         except AudioError as e:
-            return TranscriptResult(name, error=str(e), ref=ref, windows=0), None
+            return self._read_failed(result, str(e)), None
+        except ImportError:
+            raise  # a missing decoder is not a bad file: say what to install, once
         except Exception as e:  # never let one input stop the job
-            return TranscriptResult(name, error=f"could not read: {_short(e)}", ref=ref, windows=0), None
-        return TranscriptResult(name, duration_s=len(audio) / self.sample_rate, ref=ref), audio
+            return self._read_failed(result, f"could not read: {_short(e)}"), None
+        result.duration_s = len(audio) / self.sample_rate
+        return result, audio
+
+    @staticmethod
+    def _read_failed(result: TranscriptResult, reason: str) -> TranscriptResult:
+        """Mark ``result`` as a read error (no audio time counted) and log it with its path."""
+        result.error, result.duration_s, result.windows = reason, 0.0, 0
+        log.warning("%s: %s", result.path, reason)
+        return result
 
     # ---- the pool ---------------------------------------------------------------------------
 
@@ -383,9 +503,13 @@ class _PoolAdapter:
                  sample_rate: int, options: dict[str, Any]):
         from polyaccel.core.runtime import ReplicaPool
 
-        def make(i: int) -> Callable[[list[_Window]], list[str]]:
+        def make(i: int) -> Callable[[list[_Window]], list[_Decoded]]:
             recognize = factory(i)
-            return lambda batch: recognize([w.audio for w in batch])
+
+            def run(batch: list[_Window]) -> list[_Decoded]:
+                texts = recognize([w.audio for w in batch])
+                return [_plausible(w, t, recognize, sample_rate) for w, t in zip(batch, texts)]
+            return run
 
         options = dict(options)
         bucket_s = options.pop("bucket_s", None)
@@ -407,7 +531,70 @@ class _PoolAdapter:
         self.pool.close(cancel_pending=True)
 
 
+# ---- re-decoding windows that lost words ---------------------------------------------------------
+
+
+def _plausible(w: _Window, text: str, recognize: Recognize, sample_rate: int) -> _Decoded:
+    """``text``, or, for a window of long audio that says too few words for its speech, the
+    transcript of the window decoded again in pieces cut at pauses (if that has more words)."""
+    if not isinstance(text, str):
+        return text  # the pool reports it as a failure
+    speech = speech_seconds(w.audio, sample_rate)
+    if not w.long or not _too_few_words(text, speech):
+        return _Decoded(text, speech)
+    again = _decode_in_pieces(w.audio, recognize, sample_rate, skip_head=w.win > 0, depth=2)
+    if len(again.split()) > len(text.split()):
+        return _Decoded(again, speech, redecoded=True)
+    return _Decoded(text, speech)
+
+
+def _too_few_words(text: str, speech_s: float) -> bool:
+    return speech_s >= _MIN_SPEECH_S and len(text.split()) < REDECODE_BELOW_WPS * speech_s
+
+
+def _decode_in_pieces(audio: np.ndarray, recognize: Recognize, sample_rate: int, *, skip_head: bool,
+                      depth: int) -> str:
+    """Decode ``audio`` as two pieces split at its quietest point near the middle.
+
+    With ``skip_head`` the audio before the first pause in the first 3 s (which the previous
+    window also holds) is dropped, so no piece starts in the middle of a word. A piece that
+    still says too few words is split again, ``depth`` levels deep."""
+    start = quietest_point(audio, sample_rate, 0.0, DEFAULT_OVERLAP_S) if skip_head else 0
+    audio = audio[start:]
+    seconds = len(audio) / sample_rate
+    cut = quietest_point(audio, sample_rate, seconds / 3, 2 * seconds / 3)
+    pieces = [p for p in (audio[:cut], audio[cut:]) if len(p) >= sample_rate // 10]
+    texts = recognize(pieces)
+    for k, (piece, text) in enumerate(zip(pieces, texts)):
+        if depth > 1 and len(piece) >= 10 * sample_rate and _too_few_words(text, speech_seconds(piece, sample_rate)):
+            again = _decode_in_pieces(piece, recognize, sample_rate, skip_head=False, depth=depth - 1)
+            texts[k] = again if len(again.split()) > len(text.split()) else text
+    return " ".join(t.strip() for t in texts if t.strip())
+
+
 # ---- helpers ----------------------------------------------------------------------------------
+
+
+DECODE_THREADS = int(os.environ.get("POLYACCEL_DECODE_THREADS", "0")) or min(8, os.cpu_count() or 1)
+"""Threads that decode and resample input files (``$POLYACCEL_DECODE_THREADS``; 1: the caller's)."""
+_DECODE_POOL: Any = None
+
+
+def _decode_pool() -> Any:
+    """The process-wide decode thread pool (None with one thread), made on first use."""
+    global _DECODE_POOL
+    if DECODE_THREADS <= 1:
+        return None
+    if _DECODE_POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with _DECODE_LOCK:
+            if _DECODE_POOL is None:
+                _DECODE_POOL = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="polyaccel-decode")
+    return _DECODE_POOL
+
+
+_DECODE_LOCK = threading.Lock()
 
 
 def _take(it: Iterator[Any], n: int) -> list[Any]:
