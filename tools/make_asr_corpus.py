@@ -1,7 +1,9 @@
 """Build a reproducible real-length speech corpus for end-to-end ASR benchmarks.
 
-The source is the five real LibriVox clips of Debian's ``pocketsphinx-testdata``
-(``/usr/share/pocketsphinx/test/data/librivox``: 16 kHz mono, 3.0-7.1 s, with transcripts).
+The source is the five real LibriVox clips (16 kHz mono, 3.0-7.1 s, with transcripts) that
+the tests use: where ``polyaccel.asr.samples`` finds them (``make setup`` unpacks them from
+PocketSphinx's pinned PyPI release), else Debian's ``pocketsphinx-testdata``
+(``/usr/share/pocketsphinx/test/data/librivox``), or ``--src``.
 Each corpus file is made deterministically from ``(--seed, file index)``:
 
 - ``--files`` clips of 1-35 s: whole source clips joined with 0.15-0.6 s of silence until
@@ -40,6 +42,16 @@ from pathlib import Path
 import numpy as np
 
 LIBRIVOX = Path("/usr/share/pocketsphinx/test/data/librivox")
+
+
+def default_source() -> Path:
+    """Where the clips are: polyaccel.asr.samples' folder when it has them, else Debian's."""
+    try:
+        from polyaccel.asr.samples import librivox_dir
+    except ImportError:
+        return LIBRIVOX
+    return librivox_dir() or LIBRIVOX
+
 SOURCE_RATE = 16000
 RATES = (8000, 16000, 22050, 44100, 48000)
 # (name, extension, soundfile format, subtype); the last two only where libsndfile writes them
@@ -208,11 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", type=int, default=3, help="long files")
     p.add_argument("--long-s", type=float, default=600.0, help="length of each long file (s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--src", type=Path, default=LIBRIVOX, help="folder with the clips and 'transcription'")
+    p.add_argument("--src", type=Path, default=None, help="folder with the clips and 'transcription'")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     args = p.parse_args(argv)
     print(json.dumps(build(args.out, files=args.files, long=args.long, long_s=args.long_s, seed=args.seed,
-                           src=args.src, workers=args.workers)))
+                           src=args.src or default_source(), workers=args.workers)))
     return 0
 
 
