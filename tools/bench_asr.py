@@ -492,6 +492,8 @@ def e2e_hf(args, corpus: Path, batch: int) -> dict:
         outs = [o["text"] for o in pipe(ds, batch_size=batch, num_workers=workers, generate_kwargs=generate_kwargs)]
     wall = time.perf_counter() - t0
     texts = {Path(p).stem: t for p, t in zip(paths, outs, strict=True)}
+    with open(Path(args.e2e_out) / f"hf_b{batch}.jsonl", "w") as f:
+        f.writelines(json.dumps({"path": p, "text": t}) + "\n" for p, t in zip(paths, outs))
     audio_s = sum(durations.values())
     return {"system": "hf_pipeline_e2e", "model": args.e2e_model, "batch": batch, "files": len(outs),
             "audio_s": round(audio_s, 1), "wall_s": round(wall, 3), "load_s": round(t_load - t0, 3),
