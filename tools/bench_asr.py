@@ -30,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.utils.data
 
 # name: (d_model, enc_layers, dec_layers, heads, ffn, n_mels, vocab)
 WHISPER_SHAPES = {
@@ -427,7 +426,7 @@ def e2e_ours(args, corpus: Path, batch: int) -> dict:
     paths, refs, durations = corpus_items(corpus, args.limit)
     clock = StageClock()
     restore = instrument(clock)
-    out = Path(args.e2e_out) / f"ours_b{batch}.jsonl"
+    out = Path(args.e2e_out) / f"ours_b{batch}{f'x{args.e2e_replicas}' if args.e2e_replicas else ''}.jsonl"
     argv = ["transcribe", *paths, "-o", str(out), "--model", args.e2e_model, "--backend", args.backend,
             "--batch-size", str(batch), "--overwrite", "-q"]
     if args.device == "cuda":
@@ -447,7 +446,8 @@ def e2e_ours(args, corpus: Path, batch: int) -> dict:
     last = max((b for _, b in clock.batches), default=t0)
     texts = {Path(r["path"]).stem: r["text"] for r in ok}
     audio_s = sum(durations[Path(r["path"]).stem] for r in ok)
-    return {"system": "polyaccel_e2e", "model": args.e2e_model, "batch": batch, "rc": rc, "files": len(recs),
+    return {"system": "polyaccel_e2e", "model": args.e2e_model, "batch": batch, "replicas": args.e2e_replicas,
+            "rc": rc, "files": len(recs),
             "failed": len(recs) - len(ok), "audio_s": round(audio_s, 1), "wall_s": round(wall, 3),
             "first_batch_s": round(first - t0, 3), "files_per_s": round(len(recs) / wall, 2),
             "rtfx": round(audio_s / wall, 1), "steady_rtfx": round(audio_s / max(last - first, 1e-9), 1),
@@ -456,24 +456,19 @@ def e2e_ours(args, corpus: Path, batch: int) -> dict:
             "cores": os.cpu_count(), **clock.as_dict(), **corpus_wer(texts, refs, durations)}
 
 
-class _DecodedFiles(torch.utils.data.Dataset):
-    """A map-style dataset for the pipeline: each item decoded and resampled by our load_audio."""
+def _load16k(path: str) -> dict:
+    from polyaccel.asr.audio import load_audio
 
-    def __init__(self, paths: list[str]):
-        self.paths = paths
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> dict:
-        from polyaccel.asr.audio import load_audio
-
-        return {"raw": load_audio(self.paths[i], 16000), "sampling_rate": 16000}
+    return {"raw": load_audio(path, 16000), "sampling_rate": 16000}
 
 
 def e2e_hf(args, corpus: Path, batch: int) -> dict:
     """Transformers ``pipeline("automatic-speech-recognition")`` over the corpus: same weights and
-    dtype, audio decoded the same way (in DataLoader workers), 30 s chunks for long files."""
+    dtype, 30 s chunks for long files, and audio decoded the same way (our load_audio) on a
+    thread pool ahead of the pipeline (the pipeline itself runs chunked inputs with at most one
+    DataLoader worker)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import transformers
 
     from polyaccel.asr.weights import resolve_model
@@ -481,15 +476,16 @@ def e2e_hf(args, corpus: Path, batch: int) -> dict:
     paths, refs, durations = corpus_items(corpus, args.limit)
     hf_dir = str(resolve_model(args.e2e_model))
     generate_kwargs = {} if _english_only(hf_dir) else {"language": "en", "task": "transcribe"}
-    ds = _DecodedFiles(paths)
-    workers = args.e2e_hf_workers if args.e2e_hf_workers is not None else max(0, (os.cpu_count() or 1) - 2)
+    threads = args.e2e_hf_workers or max(1, (os.cpu_count() or 1) - 2)
     t0 = time.perf_counter()
-    with GpuSampler() as gpu:
-        pipe = transformers.pipeline("automatic-speech-recognition", model=hf_dir, device=0 if args.device == "cuda" else -1,
+    with GpuSampler() as gpu, ThreadPoolExecutor(threads) as pool:
+        pipe = transformers.pipeline("automatic-speech-recognition", model=hf_dir,
+                                     device=0 if args.device == "cuda" else -1,
                                      dtype=getattr(torch, args.e2e_dtype) if args.device == "cuda" else torch.float32,
                                      chunk_length_s=30)
         t_load = time.perf_counter()
-        outs = [o["text"] for o in pipe(ds, batch_size=batch, num_workers=workers, generate_kwargs=generate_kwargs)]
+        audio = pool.map(_load16k, paths)  # in order, decoded ahead
+        outs = [o["text"] for o in pipe(audio, batch_size=batch, generate_kwargs=generate_kwargs)]
     wall = time.perf_counter() - t0
     texts = {Path(p).stem: t for p, t in zip(paths, outs, strict=True)}
     with open(Path(args.e2e_out) / f"hf_b{batch}.jsonl", "w") as f:
@@ -499,7 +495,7 @@ def e2e_hf(args, corpus: Path, batch: int) -> dict:
             "audio_s": round(audio_s, 1), "wall_s": round(wall, 3), "load_s": round(t_load - t0, 3),
             "files_per_s": round(len(outs) / wall, 2), "rtfx": round(audio_s / wall, 1),
             "steady_rtfx": round(audio_s / max(wall - (t_load - t0), 1e-9), 1), "gpu_busy_pct_all": gpu.mean(),
-            "gpu_busy_pct": gpu.mean(t_load), "dataloader_workers": workers,
+            "gpu_busy_pct": gpu.mean(t_load), "decode_threads": threads,
             "transformers": transformers.__version__, **corpus_wer(texts, refs, durations)}
 
 
@@ -533,7 +529,8 @@ def e2e_prep(args, corpus: Path) -> dict:
 
 def section_e2e(args) -> None:
     """Each row in its own process (its own model load, CUDA context and memory): ours at every
-    ``--e2e-batches``, the pipeline at every ``--e2e-hf-batches``, plus the CPU preprocessing cost."""
+    ``--e2e-batches`` entry (``B`` or ``BxR`` for R replicas), the pipeline at every
+    ``--e2e-hf-batches``, and the CPU preprocessing cost."""
     import subprocess
 
     corpus = Path(args.e2e)
@@ -541,9 +538,12 @@ def section_e2e(args) -> None:
     from polyaccel.asr.weights import resolve_model
 
     resolve_model(args.e2e_model)  # convert a CTranslate2 model once, before the timed rows
-    rows = [("prep", 0)] if "prep" in args.e2e_systems.split(",") else []
-    rows += [("ours", int(b)) for b in args.e2e_batches.split(",") if "ours" in args.e2e_systems.split(",")]
-    rows += [("hf", int(b)) for b in args.e2e_hf_batches.split(",") if "hf" in args.e2e_systems.split(",")]
+    systems = args.e2e_systems.split(",")
+    rows = [("prep", ["--e2e-batch", "0"])] if "prep" in systems else []
+    for entry in args.e2e_batches.split(",") if "ours" in systems else []:
+        b, _, r = entry.partition("x")
+        rows.append(("ours", ["--e2e-batch", b] + (["--e2e-replicas", r] if r else [])))
+    rows += [("hf", ["--e2e-batch", b]) for b in args.e2e_hf_batches.split(",") if "hf" in systems]
     base = [sys.executable, os.path.abspath(__file__), "--backend", args.backend, "--dtype", args.dtype,
             "--e2e", str(corpus), "--e2e-model", args.e2e_model, "--e2e-out", args.e2e_out,
             "--e2e-dtype", args.e2e_dtype, "--prep-files", str(args.prep_files),
@@ -551,17 +551,17 @@ def section_e2e(args) -> None:
     base += ["--limit", str(args.limit)] if args.limit else []
     base += ["--e2e-replicas", str(args.e2e_replicas)] if args.e2e_replicas else []
     base += ["--e2e-hf-workers", str(args.e2e_hf_workers)] if args.e2e_hf_workers is not None else []
-    for system, batch in rows:
-        cmd = base + ["--e2e-worker", system, "--e2e-batch", str(batch)]
+    for system, extra in rows:
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.e2e_timeout)
+            p = subprocess.run(base + ["--e2e-worker", system, *extra], capture_output=True, text=True,
+                               timeout=args.e2e_timeout)
             line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
             if p.returncode == 0 and line:
                 print(line, flush=True)
             else:
-                emit(system=system, batch=batch, error=f"rc={p.returncode}: {p.stderr.strip()[-600:]}")
+                emit(system=system, args=extra, error=f"rc={p.returncode}: {p.stderr.strip()[-600:]}")
         except subprocess.TimeoutExpired:
-            emit(system=system, batch=batch, error=f"timed out after {args.e2e_timeout} s")
+            emit(system=system, args=extra, error=f"timed out after {args.e2e_timeout} s")
 
 
 def e2e_worker(args) -> None:
@@ -603,7 +603,7 @@ def main(argv=None) -> int:
     e2e.add_argument("--e2e-hf-batches", default="16,64")
     e2e.add_argument("--e2e-dtype", default="float16", help="dtype on cuda (cpu always runs float32)")
     e2e.add_argument("--e2e-replicas", type=int, default=None, help="our replicas (default: the CLI's)")
-    e2e.add_argument("--e2e-hf-workers", type=int, default=None, help="pipeline DataLoader workers (default: cores - 2)")
+    e2e.add_argument("--e2e-hf-workers", type=int, default=None, help="threads decoding for the pipeline (default: cores - 2)")
     e2e.add_argument("--e2e-out", default=os.path.join(os.environ.get("OUT") or "/tmp", "asr_e2e"),
                      help="where each row's transcripts go")
     e2e.add_argument("--e2e-timeout", type=int, default=600, help="seconds per row")
