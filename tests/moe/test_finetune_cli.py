@@ -21,16 +21,19 @@ def _write(path: Path, data: dict) -> Path:
     return path
 
 
-def test_precedence_cli_over_file_over_preset(tmp_path):
-    cfg_file = _write(tmp_path / "c.yaml", {"model": {"preset": "qwen3-moe-tiny"},
-                                            "train": {"lr": "2e-4", "max_steps": 7},
-                                            "checkpoint": {"dir": "ck"}})
+def test_precedence_cli_over_file_over_preset(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    cfg_file = _write(tmp_path / "conf/c.yaml", {"model": {"preset": "qwen3-moe-tiny"},
+                                                 "train": {"lr": "2e-4", "max_steps": 7},
+                                                 "checkpoint": {"dir": "ck"}, "data": {"tokenizer": "tok"}})
+    monkeypatch.chdir(tmp_path)
     cfg = load_config(cfg_file, ["train.max_steps=9", "model.config.num_hidden_layers=1"])
     assert cfg.train.max_steps == 9  # --set wins over the file
     assert cfg.train.lr == 2e-4  # the file wins over the preset (YAML's "2e-4" string accepted)
     assert cfg.train.seq_len == 32 and cfg.model.config["hidden_size"] == 32  # preset defaults
     assert cfg.model.config["num_hidden_layers"] == 1  # nested mappings merge key by key
-    assert cfg.checkpoint.dir == str(tmp_path / "ck")  # relative to the config file
+    assert cfg.data.tokenizer == str(tmp_path / "conf/tok")  # inputs: relative to the config file
+    assert cfg.checkpoint.dir == str(tmp_path / "ck")  # outputs: relative to the working directory
     # A file naming another data source replaces the preset's synthetic data.
     data = tmp_path / "d.jsonl"
     data.write_text("{}\n")

@@ -5,18 +5,31 @@ Layout of ``<dir>/step_00000100/``:
 - ``config.json``, ``*.safetensors`` — ``save_pretrained`` output; loads in plain Transformers;
 - ``trainer_state.pt`` — optimizer (full, keyed by parameter name), LR scheduler, data
   position, step, and the run config;
-- ``rng_rank{r}.pt`` — each rank's RNG states.
+- ``rng_rank{r}.pt`` — each rank's RNG states (``optimizer_rank{r}.pt`` too with dense
+  replicas);
+- ``manifest.json`` — written last: the step and every other file's size and sha256.
 
-A checkpoint is written to ``step_N.tmp`` and renamed to ``step_N`` once complete (rename is
-atomic on one file system), so a crash mid-save leaves only a ``.tmp`` that resume ignores
-and the next save clears. With several ranks the directory must be on a shared file system.
+A checkpoint is written to ``step_N.tmp``; once every file is written (and synced) the
+manifest is written atomically (temporary file, then ``os.replace``) and the directory is
+renamed to ``step_N`` (rename is atomic on one file system). A crash mid-save leaves only a
+``.tmp`` that resume ignores and the next save clears; a ``step_N`` without a valid manifest,
+or whose files no longer match it, is not resumed from (:func:`find_resume` falls back to
+the newest intact one). Everything is loaded with ``torch.load(weights_only=True)``: tensors
+and plain containers only, never code. With several ranks the directory must be on a shared
+file system.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import pickle
 import random
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +37,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polyaccel.moe.train_config import ConfigError
+
+logger = logging.getLogger("polyaccel.moe")
+
 TRAINER_STATE = "trainer_state.pt"
+MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_CHUNK = 8 << 20
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be resumed from: damaged, incomplete, unsafe or for another model."""
+
+
+class LayoutMismatch(ValueError):
+    """A checkpoint's optimizer state was written under another parallel layout."""
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -33,13 +60,18 @@ def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
-def complete_checkpoints(root: str | Path | None) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
+def _step_dirs(root: str | Path | None) -> list[Path]:
+    """Every ``step_N`` directory under ``root`` (complete or not), oldest first."""
     if root is None or not Path(root).is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in Path(root).iterdir()
-             if (m := _STEP_DIR.match(p.name)) and (p / TRAINER_STATE).is_file()]
+    found = [(int(m.group(1)), p) for p in Path(root).iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
+
+
+def complete_checkpoints(root: str | Path | None) -> list[Path]:
+    """Checkpoints under ``root`` whose save finished (they have a manifest), oldest first.
+    Their bytes are checked only by :func:`verify_checkpoint`."""
+    return [p for p in _step_dirs(root) if (p / MANIFEST).is_file()]
 
 
 def latest_checkpoint(root: str | Path | None) -> Path | None:
@@ -48,12 +80,157 @@ def latest_checkpoint(root: str | Path | None) -> Path | None:
     return found[-1] if found else None
 
 
+def checkpoint_step(path: str | Path) -> int | None:
+    """The step a checkpoint was written at: from its manifest, else its name."""
+    path = Path(path)
+    try:
+        return int(json.loads((path / MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        m = _STEP_DIR.match(path.name)
+        return int(m.group(1)) if m else None
+
+
+# --------------------------------------------------------------------------------------------
+# Manifest: sizes and sha256 of every file, written last
+# --------------------------------------------------------------------------------------------
+
+def _digest(path: Path, sync: bool = False) -> tuple[int, str]:
+    """(size, sha256 hex) of ``path``; ``sync`` also flushes it to stable storage."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+        if sync:
+            os.fsync(f.fileno())
+    return path.stat().st_size, h.hexdigest()
+
+
+def _digests(paths: list[Path], sync: bool = False) -> list[tuple[int, str]]:
+    """:func:`_digest` of several files, in parallel (hashlib releases the GIL)."""
+    if not paths:
+        return []
+    with ThreadPoolExecutor(max_workers=min(8, len(paths))) as pool:
+        return list(pool.map(lambda p: _digest(p, sync), paths))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: str | Path, step: int) -> Path:
+    """Sync every file in ``directory`` and record its size and sha256 in ``manifest.json``,
+    written atomically; call it after the last file is written."""
+    directory = Path(directory)
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(directory)): {"size": size, "sha256": sha}
+               for p, (size, sha) in zip(files, _digests(files, sync=True), strict=True)}
+    tmp = directory / (MANIFEST + ".tmp")
+    with tmp.open("w") as f:
+        json.dump({"format": 1, "step": step, "files": entries}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MANIFEST)
+    _fsync_dir(directory)
+    return directory / MANIFEST
+
+
+def verify_checkpoint(path: str | Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be trusted (naming the file), or None if every
+    file the manifest lists is present with its recorded size and sha256."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return f"{manifest} is missing (the save did not finish, or it predates checksums)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        listed = {name: (int(e["size"]), str(e["sha256"])) for name, e in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{manifest} is unreadable ({type(e).__name__}: {e})"
+    if TRAINER_STATE not in listed:
+        return f"{manifest} does not list {TRAINER_STATE}"
+    for name, (size, _) in listed.items():
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != size:
+            return f"{f} has {f.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)"
+    names = sorted(listed)
+    for name, (_, sha) in zip(names, _digests([path / n for n in names]), strict=True):
+        if sha != listed[name][1]:
+            return f"{path / name} fails its sha256 check (its bytes changed after it was written)"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Choosing the checkpoint to resume from
+# --------------------------------------------------------------------------------------------
+
+def find_resume(root: str | Path | None, resume: str) -> Path | None:
+    """The checkpoint to resume from (collective: rank 0 decides, every rank gets its answer).
+
+    ``resume``: ``none``; ``auto``: the newest intact checkpoint under ``root`` (a damaged
+    newer one is skipped with a warning naming the file and why; None when there is no
+    checkpoint; :class:`CheckpointError` when there are some and none is intact); or a path:
+    that checkpoint, which must be intact (:class:`CheckpointError` otherwise).
+    """
+    if resume == "none":
+        return None
+    answer: list[Any] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            answer[0] = ("ok", _choose(root, resume))
+        except CheckpointError as e:
+            answer[0] = ("error", str(e))
+    if dist.is_initialized():
+        dist.broadcast_object_list(answer, src=0)
+    kind, value = answer[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return None if value is None else Path(value)
+
+
+def _choose(root: str | Path | None, resume: str) -> str | None:
+    if resume != "auto":
+        return str(_explicit(Path(resume)))
+    candidates = _step_dirs(root)
+    reasons = []
+    for path in reversed(candidates):
+        why = verify_checkpoint(path)
+        if why is None:
+            return str(path)
+        logger.warning("polyaccel.moe: not resuming from checkpoint %s: %s; trying an older one", path.name, why)
+        reasons.append(f"{path.name}: {why}")
+    if candidates:
+        raise CheckpointError(f"checkpoint.resume=auto: none of the {len(candidates)} checkpoints in {root} is intact "
+                              f"({'; '.join(reasons)}). Set checkpoint.resume=none to start over, "
+                              "or checkpoint.resume=<path> to name one")
+    return None
+
+
+def _explicit(path: Path) -> Path:
+    """Checks of an explicitly named checkpoint: intact, or (no manifest) at least complete."""
+    if not (path / MANIFEST).is_file():
+        if (path / TRAINER_STATE).is_file():
+            logger.warning("polyaccel.moe: checkpoint %s has no %s (written before checksums?): resuming from it "
+                           "unverified", path, MANIFEST)
+            return path
+        raise CheckpointError(f"checkpoint.resume: {path} is not a complete checkpoint (no {MANIFEST})")
+    why = verify_checkpoint(path)
+    if why is not None:
+        raise CheckpointError(f"checkpoint.resume: {path} is damaged: {why}")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Saving and loading
+# --------------------------------------------------------------------------------------------
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-class LayoutMismatch(ValueError):
-    """A checkpoint's optimizer state was written under another parallel layout."""
 
 
 def _world() -> int:
@@ -75,6 +252,27 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def load_file(path: str | Path) -> Any:
+    """``torch.load`` of a checkpoint file with ``weights_only=True`` (tensors and plain
+    containers; anything that would run code is refused), errors naming the file."""
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: refused: it holds objects other than tensors and plain containers, and "
+                              f"loading those could run code ({_first_line(e)})") from None
+    except Exception as e:  # torch raises RuntimeError, EOFError, ... for damaged files
+        raise CheckpointError(f"{path} cannot be read, damaged or truncated "
+                              f"({type(e).__name__}: {_first_line(e)})") from e
+
+
 def rng_state() -> dict[str, Any]:
     """This process's RNG states (Python, torch CPU, CUDA when present)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -84,7 +282,9 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
+    """Restore what :func:`rng_state` returned (its Python state may come back with lists)."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -94,9 +294,11 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
                     extra: dict[str, Any], keep_last: int = 0, per_rank_optimizer: bool = False) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank calls it) and prune old ones.
     The weights are the whole model's, as a Hugging Face checkpoint, whatever the layout
-    (:func:`polyaccel.moe.ep_checkpoint.full_state_dict`).
+    (:func:`polyaccel.moe.ep_checkpoint.full_state_dict`). The manifest goes last, then the
+    rename; see the module docstring.
 
-    :param extra: JSON/pickle-able trainer state (scheduler, data position, config...).
+    :param extra: trainer state of tensors, numbers, strings and plain containers (scheduler,
+        data position, config...): what ``weights_only`` loading accepts.
     :param per_rank_optimizer: each rank saves its own optimizer state
         (``optimizer_rank{r}.pt``; dense replicas, whose ranks' optimizers hold different
         experts); resuming then needs the same layout. Otherwise rank 0 saves the full state.
@@ -124,10 +326,12 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     if rank == 0:
         model.save_pretrained(tmp, state_dict=model_sd)
         torch.save({"step": step, "optimizer": optim_sd, **extra}, tmp / TRAINER_STATE)
-        shutil.rmtree(final, ignore_errors=True)
     _barrier()
     if rank == 0:
+        write_manifest(tmp, step)
+        shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
+        _fsync_dir(final.parent)
         if keep_last > 0:
             for old in complete_checkpoints(root)[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -142,12 +346,15 @@ def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.opti
 
     The model's weights are loaded separately, by ``from_pretrained(path)``.
     ``per_rank_optimizer``: read ``optimizer_rank{r}.pt`` (written with a gathered
-    ``model_state_dict``, see :func:`save_checkpoint`).
+    ``model_state_dict``, see :func:`save_checkpoint`). Files are read with
+    :func:`load_file`; a damaged or unsafe one raises :class:`CheckpointError` naming it.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     path = Path(path)
-    state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+    state = load_file(path / TRAINER_STATE)
+    if not isinstance(state, dict) or "optimizer" not in state:
+        raise CheckpointError(f"{path / TRAINER_STATE} is not a polyaccel trainer state")
     saved = state.pop("optimizer")
     if per_rank_optimizer:
         own = path / f"optimizer_rank{_rank()}.pt"
@@ -155,7 +362,7 @@ def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.opti
             raise LayoutMismatch(
                 f"{own.name} is missing in {path}: this checkpoint was not written by {_world()} ranks with "
                 "parallel.dense=replicate; resume with the layout that wrote it")
-        optimizer.load_state_dict(torch.load(own, map_location="cpu", weights_only=False))
+        optimizer.load_state_dict(load_file(own))
     elif saved is None:
         raise LayoutMismatch(f"{path} keeps its optimizer state per rank (written with parallel.dense=replicate); "
                              "resume with that layout and world size")
@@ -163,5 +370,26 @@ def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.opti
         set_optimizer_state_dict(model, optimizer, saved, options=StateDictOptions(full_state_dict=True))
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.is_file():
-        set_rng_state(torch.load(rng, weights_only=False))
+        set_rng_state(load_file(rng))
     return state
+
+
+def weights_error(path: str | Path, error: BaseException, model_shapes: dict[str, tuple[int, ...]] | None) -> CheckpointError:
+    """A clear :class:`CheckpointError` for a failed ``from_pretrained(path)``: the unreadable
+    safetensors file, or the tensors whose shapes differ from ``model_shapes`` (the model
+    being built), or else the original error with the directory named."""
+    from polyaccel.moe.ep_checkpoint import checkpoint_shapes, unreadable_file
+
+    path = Path(path)
+    bad = unreadable_file(path)
+    if bad is not None:
+        return CheckpointError(bad)
+    if model_shapes:
+        ckpt = checkpoint_shapes(path)
+        diff = [f"{k}: checkpoint {ckpt[k]}, model {shape}" for k, shape in sorted(model_shapes.items())
+                if k in ckpt and tuple(ckpt[k]) != tuple(shape)]
+        if diff:
+            return CheckpointError(f"{path} holds weights of another model shape ({len(diff)} tensors differ: "
+                                   f"{'; '.join(diff[:6])}{' ...' if len(diff) > 6 else ''}). Train with the model "
+                                   "config it was written with (its config.json), or start a new checkpoint.dir")
+    return CheckpointError(f"cannot load the weights in {path}: {type(error).__name__}: {_first_line(error)}")

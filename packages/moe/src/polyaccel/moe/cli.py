@@ -17,7 +17,12 @@ _EPILOG = """examples:
   polyaccel-moe bench --preset qwen3-30b-a3b-L8 --steps 10 --peak-tflops 800
 
 config precedence: --set key=value > the YAML file > the preset named by model.preset.
+exit status: 0 done (also: the run had already finished), 2 configuration or checkpoint
+error (nothing trained), 3 a non-finite loss or gradient norm stopped training.
 docs: docs/moe_finetune.md"""
+
+EXIT_CONFIG = 2
+EXIT_NONFINITE = 3
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -38,9 +43,13 @@ def _finetune(args: argparse.Namespace) -> int:
                                storage_path=args.storage_path)
         print(json.dumps(summary))
         return 0
-    from polyaccel.moe.train import finetune
+    from polyaccel.moe.train import NonFiniteError, finetune
 
-    result = finetune(cfg)
+    try:
+        result = finetune(cfg)
+    except NonFiniteError as e:
+        print(f"polyaccel-moe: error: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result.summary()))
     return 0
@@ -110,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 for configuration errors)."""
+    """Entry point; returns the exit status (see ``_EPILOG``)."""
     from polyaccel.moe.train_config import ConfigError
 
     args = build_parser().parse_args(argv)
@@ -120,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.fn(args)
     except (ConfigError, NotImplementedError) as e:
         print(f"polyaccel-moe: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
 
 
 if __name__ == "__main__":

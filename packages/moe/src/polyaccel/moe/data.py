@@ -177,7 +177,7 @@ def build_dataset(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int =
             tokenizer = load_tokenizer(cfg.tokenizer or tokenizer_path)
         return tokenizer
 
-    docs = list(_jsonl_documents(path, cfg.field, tok) if cfg.jsonl else _text_documents(path, tok))
+    docs = list(_jsonl_documents(path, cfg.field, tok, vocab_size) if cfg.jsonl else _text_documents(path, tok))
     for n, (ids, _) in enumerate(docs):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
@@ -208,7 +208,21 @@ def _eos(tokenizer) -> list[int]:
     return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
 
-def _jsonl_documents(path: Path, field: str, tok) -> Iterator[tuple[list[int], list[bool]]]:
+def _token_ids(value: Any, vocab_size: int, where: str) -> list[int]:
+    """The pre-tokenized ``input_ids`` of one record: integers in ``[0, vocab_size)``; anything
+    else (floats, strings, out-of-vocabulary ids) is a :class:`ConfigError` naming ``where``."""
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: input_ids must be a list of integer token ids, got {type(value).__name__}")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise ConfigError(f"{where}: input_ids[{i}] = {t!r} is not an integer token id")
+        if not 0 <= t < vocab_size:
+            raise ConfigError(f"{where}: input_ids[{i}] is token id {t} outside the model's vocabulary "
+                              f"[0, {vocab_size}); wrong tokenizer or model?")
+    return value
+
+
+def _jsonl_documents(path: Path, field: str, tok, vocab_size: int) -> Iterator[tuple[list[int], list[bool]]]:
     with path.open() as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -217,8 +231,10 @@ def _jsonl_documents(path: Path, field: str, tok) -> Iterator[tuple[list[int], l
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}:{line_no}: not valid JSON ({e})") from None
+            if not isinstance(rec, dict):
+                raise ConfigError(f"{path}:{line_no}: a record must be a JSON object, got {type(rec).__name__}")
             if "input_ids" in rec:
-                ids = [int(t) for t in rec["input_ids"]]
+                ids = _token_ids(rec["input_ids"], vocab_size, f"{path}:{line_no}")
                 yield ids, [True] * len(ids)
             elif "prompt" in rec and "completion" in rec:
                 t = tok()

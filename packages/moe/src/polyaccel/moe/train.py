@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import logging
 import math
 import os
 import statistics
@@ -40,6 +41,7 @@ from polyaccel.moe.optim import clip_coefficient, step_scaled
 from polyaccel.moe.train_config import ConfigError, FinetuneConfig, ModelConfig, TrainConfig, did_you_mean
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+logger = logging.getLogger("polyaccel.moe")
 
 
 @dataclasses.dataclass(slots=True)
@@ -68,13 +70,16 @@ class TrainResult:
     output_dir: str | None
     last_checkpoint: str | None
     fast_path: dict[str, Any] = dataclasses.field(default_factory=dict)
+    skipped_steps: int = 0
+    note: str | None = None
 
     def summary(self) -> dict[str, Any]:
         """JSON-able headline numbers."""
         return {k: getattr(self, k) for k in ("start_step", "steps", "tokens_per_step",
                                               "tokens_per_s_per_device", "flops_per_token", "mfu",
                                               "peak_memory_gib", "world_size", "output_dir",
-                                              "last_checkpoint", "fast_path")} | {
+                                              "last_checkpoint", "fast_path", "skipped_steps",
+                                              "note")} | {
             "final_loss": self.losses[-1] if self.losses else None}
 
 
@@ -146,6 +151,8 @@ def validate(cfg: FinetuneConfig, model_config: Any) -> None:
     max_pos = getattr(model_config, "max_position_embeddings", None)
     if max_pos is not None and t.seq_len > max_pos:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds the model's max_position_embeddings={max_pos}")
+    if cfg.log.every_steps < 1:
+        raise ConfigError(f"log.every_steps must be >= 1, got {cfg.log.every_steps}")
     if cfg.checkpoint.every_steps < 0 or cfg.checkpoint.keep_last < 0:
         raise ConfigError("checkpoint.every_steps and checkpoint.keep_last must be >= 0")
     if cfg.model.backend and cfg.model.implementation != "polyaccel":
@@ -307,23 +314,19 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                           tokens_per_micro_batch=t.micro_batch * t.seq_len, grad_accum=t.grad_accum)
     t = dataclasses.replace(t, cuda_graph=fast.cuda_graph, wgrad_window=fast.wgrad_window)
 
+    check_outputs(cfg)
+    resume_from = ckpt.find_resume(cfg.checkpoint.dir, cfg.checkpoint.resume)
+    if resume_from is not None and (ckpt.checkpoint_step(resume_from) or 0) >= t.max_steps:
+        return _already_finished(cfg, rt, model_config, resume_from)
     source = build_dataset(cfg.data, seq_len=t.seq_len, vocab_size=model_config.vocab_size, seed=t.seed,
                            tokenizer_path=cfg.model.path)
     batches = Batches(source, micro_batch=t.micro_batch, grad_accum=t.grad_accum, dp_rank=rt.rank,
                       dp_size=rt.world_size, seed=t.seed, shuffle=cfg.data.shuffle)
 
-    resume_from = None
-    if cfg.checkpoint.resume == "auto":
-        resume_from = ckpt.latest_checkpoint(cfg.checkpoint.dir)
-    elif cfg.checkpoint.resume != "none":
-        resume_from = Path(cfg.checkpoint.resume)
-        if not (resume_from / ckpt.TRAINER_STATE).is_file():
-            raise ConfigError(f"checkpoint.resume: {resume_from} is not a complete checkpoint")
-
     compute_dtype = _DTYPES[t.dtype]
     param_dtype = torch.float32 if t.fp32_master else compute_dtype
     torch.manual_seed(t.seed)  # identical random init on every rank (FSDP2 does not broadcast)
-    model = build_model(cfg.model, model_config, dtype=param_dtype, device=rt.device,
+    model = _load_model(cfg.model, model_config, dtype=param_dtype, device=rt.device,
                         weights=resume_from if cfg.lora is None else None)
     model.train()
     if t.activation_checkpointing:
@@ -371,7 +374,8 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
     flops_tok = train_flops_per_token(model_config, t.seq_len)
     peak = peak_flops(rt.device, cfg.log.peak_tflops)
     bar = _progress_bar(cfg, rt, start_step)
-    metrics_file = open(cfg.log.metrics_jsonl, "a") if cfg.log.metrics_jsonl and rt.rank == 0 else None
+    metrics_file = _open_metrics(cfg.log.metrics_jsonl, start_step) if cfg.log.metrics_jsonl and rt.rank == 0 else None
+    skipped = 0
     losses: list[float] = []
     times: list[float] = []
     last_saved: Path | None = None
@@ -412,20 +416,32 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                 grad_norm = grad_sync.grad_norm() if grad_sync is not None else _grad_norm(model)
                 grad_scale = clip_coefficient(grad_norm, t.grad_clip)
             lr = scheduler.get_last_lr()[0]
-            step_scaled(optimizer, grad_scale)
+            if sharded:
+                dist.all_reduce(loss_sum)
+            # skip decides before the optimizer step (one host sync); stop checks after it, as
+            # nothing of a stopped step is ever saved.
+            skip = t.nonfinite == "skip" and not _finite(loss_sum, grad_norm)
+            if not skip:
+                step_scaled(optimizer, grad_scale)
             grad_norm = float(grad_norm)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            if sharded:
-                dist.all_reduce(loss_sum)
             loss = loss_sum.item()
             step += 1
+            if skip:
+                skipped += 1
+                logger.warning("polyaccel.moe: step %d: non-finite loss (%s) or gradient norm (%s); optimizer step "
+                               "skipped (train.nonfinite=skip; %d skipped so far)", step, loss, grad_norm, skipped)
+            elif not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise NonFiniteError(step, loss, grad_norm, last_saved or resume_from)
             times.append(time.perf_counter() - t0)
             losses.append(loss)
 
             tok_s = tokens_per_step / times[-1] / rt.world_size
-            record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+            record = {"step": step, "loss": _finite_or_none(loss), "grad_norm": _finite_or_none(grad_norm), "lr": lr,
                       "tokens_per_s_per_device": tok_s, "mfu": mfu(tok_s, flops_tok, peak)}
+            if skip:
+                record["skipped"] = True
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}",
@@ -457,7 +473,7 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
         mfu=mfu(tok_s_dev, flops_tok, peak) if tok_s_dev else None, peak_memory_gib=_peak_memory_gib(rt.device),
         world_size=rt.world_size, output_dir=cfg.output_dir,
         last_checkpoint=str(last_saved or resume_from) if (last_saved or resume_from) else None,
-        fast_path=_fast_path_summary(model, optimizer, t))
+        fast_path=_fast_path_summary(model, optimizer, t), skipped_steps=skipped)
 
 
 def _fast_path_summary(model: nn.Module, optimizer: torch.optim.Optimizer, t: TrainConfig) -> dict[str, Any]:
@@ -522,6 +538,116 @@ def _clip_grads(model: nn.Module, max_norm: float | None) -> float:
 
 def _trainer_extra(cfg: FinetuneConfig, scheduler, batches: Batches) -> dict[str, Any]:
     return {"scheduler": scheduler.state_dict(), "data": batches.state_dict(), "config": cfg.to_dict()}
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm was NaN or infinite (``train.nonfinite: stop``)."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float, last_checkpoint: Path | None):
+        self.step = step
+        kept = f"the last checkpoint, {last_checkpoint}, is untouched" if last_checkpoint else "no checkpoint was written"
+        super().__init__(f"step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm}); stopped before "
+                         f"saving anything from this step ({kept}). Lower train.lr, check the data, or set "
+                         "train.nonfinite=skip to skip such steps")
+
+
+def _finite(loss: torch.Tensor, grad_norm: torch.Tensor | float) -> bool:
+    """Whether loss and gradient norm are both finite: one host sync."""
+    norm = torch.as_tensor(grad_norm, device=loss.device)
+    return bool((torch.isfinite(loss) & torch.isfinite(norm)).item())
+
+
+def _finite_or_none(x: float) -> float | None:
+    """``x``, or None (JSON ``null``) for NaN and infinities, which JSON cannot hold."""
+    return x if math.isfinite(x) else None
+
+
+def check_outputs(cfg: FinetuneConfig) -> None:
+    """Create the metrics file's and checkpoint directories and check that every output
+    location is writable, before anything is loaded; raises :class:`ConfigError`."""
+    if cfg.log.metrics_jsonl:
+        metrics = Path(cfg.log.metrics_jsonl)
+        if metrics.is_dir():
+            raise ConfigError(f"log.metrics_jsonl: {metrics} is a directory, not a file")
+        _writable_dir("log.metrics_jsonl", metrics.parent, create=True)
+    if cfg.checkpoint.dir:
+        _writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir), create=True)
+    if cfg.output_dir:
+        _writable_dir("output_dir", Path(cfg.output_dir), create=False)
+
+
+def _writable_dir(key: str, path: Path, *, create: bool) -> None:
+    """Make sure ``path`` is (``create``) or can become a writable directory."""
+    if create:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"{key}: cannot create the directory {path} ({e.strerror or e})") from None
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{key}: {existing} is a file, so {path} cannot be a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: the directory {existing} is not writable")
+
+
+def _open_metrics(path: str, start_step: int):
+    """Open the metrics file for appending, first dropping its records of steps after
+    ``start_step`` (this run writes them again) and any partial line a kill left."""
+    p = Path(path)
+    if p.is_file():
+        kept = []
+        for line in p.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= start_step:
+                kept.append(line + "\n")
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, p)
+    return p.open("a")
+
+
+def _already_finished(cfg: FinetuneConfig, rt: Runtime, model_config: Any, checkpoint: Path) -> TrainResult:
+    """The result of a run whose checkpoint is already at ``train.max_steps``: nothing trained."""
+    done = ckpt.checkpoint_step(checkpoint)
+    note = (f"run already finished at step {done} ({checkpoint}); nothing to do; raise train.max_steps "
+            "or use a new checkpoint.dir")
+    if rt.rank == 0:
+        logger.warning("polyaccel.moe: %s", note)
+    t = cfg.train
+    return TrainResult(
+        start_step=done, steps=done, losses=[], step_times=[],
+        tokens_per_step=t.micro_batch * t.grad_accum * rt.world_size * t.seq_len, tokens_per_s_per_device=None,
+        flops_per_token=train_flops_per_token(model_config, t.seq_len),
+        peak_flops=peak_flops(rt.device, cfg.log.peak_tflops), mfu=None, peak_memory_gib=None,
+        world_size=rt.world_size, output_dir=cfg.output_dir, last_checkpoint=str(checkpoint), note=note)
+
+
+def _load_model(cfg: ModelConfig, model_config: Any, *, dtype: torch.dtype, device: torch.device,
+                weights: Path | None) -> nn.Module:
+    """:func:`build_model`; a failed load of checkpoint weights becomes a
+    :class:`~polyaccel.moe.checkpoint.CheckpointError` naming the damaged file or the tensors
+    whose shapes differ."""
+    source = weights or cfg.path
+    try:
+        return build_model(cfg, model_config, dtype=dtype, device=device, weights=weights)
+    except (ConfigError, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:
+        if source is None:
+            raise
+        raise ckpt.weights_error(source, e, _model_shapes(cfg, model_config, dtype)) from e
+
+
+def _model_shapes(cfg: ModelConfig, model_config: Any, dtype: torch.dtype) -> dict[str, tuple[int, ...]] | None:
+    """Parameter shapes of the model ``cfg`` builds (on the meta device), or None."""
+    try:
+        model = build_model(cfg, model_config, dtype=dtype, device=torch.device("meta"))
+    except Exception:  # only used to explain another error
+        return None
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def save_final(model: nn.Module, cfg: FinetuneConfig, rt: Runtime) -> None:

@@ -13,7 +13,11 @@ win**:
    last.
 
 Unknown keys are errors with a did-you-mean; values are checked against the field types;
-relative paths in the file are resolved against the file's directory.
+errors in a file name its line (``file.yaml:12: ...``). Relative *input* paths in the file
+(``model.path``, ``data.jsonl``/``text``/``tokenizer``) are resolved against the file's
+directory; relative *output* paths (``checkpoint.dir``/``resume``, ``output_dir``,
+``log.metrics_jsonl``) against the working directory, so running a packaged example never
+writes next to it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot run: unknown key, wrong type, missing file, bad shape."""
+    """A configuration that cannot run: unknown key, wrong type, missing file, bad shape.
+    ``key``: the dotted config key at fault, when known."""
+
+    def __init__(self, message: str, *, key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,6 +133,10 @@ class TrainConfig:
     takes the largest window up to ``grad_accum`` whose kept activations fit in
     :data:`polyaccel.moe.fast_path.WINDOW_MEMORY_SHARE` of the device's memory (1 where it does
     not apply).
+
+    ``nonfinite``: a step whose loss or gradient norm is NaN or infinite either ``stop``s the
+    run (an error naming the step; nothing of that step is saved) or, with ``skip``, has its
+    optimizer step skipped (counted in the result and logged).
     """
 
     seq_len: int = 2048
@@ -146,6 +159,7 @@ class TrainConfig:
     dtype: Literal["bf16", "fp32"] = "bf16"
     fp32_master: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    nonfinite: Literal["stop", "skip"] = "stop"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -324,22 +338,28 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
     """
     file_dict: dict[str, Any] = dict(values or {})
     base_dir = Path.cwd()
+    text = ""
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        text = _read_yaml_text(path)
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(_yaml_error(str(path), e)) from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
         file_dict = loaded
         base_dir = path.resolve().parent
-    file_dict = _resolve_paths(file_dict, base_dir)
+    file_dict = _resolve_paths(_resolve_paths(file_dict, base_dir, _INPUT_PATHS), Path.cwd(), _OUTPUT_PATHS)
     cli_dict: dict[str, Any] = {}
     for item in overrides:
         _apply_override(cli_dict, item)
     cli_dict = _resolve_paths(cli_dict, Path.cwd())
 
     preset_name = (_get(cli_dict, "model.preset") or _get(file_dict, "model.preset"))
+    if preset_name is not None and not isinstance(preset_name, str):
+        raise _locate(ConfigError(f"model.preset: expected a preset name, got {preset_name!r}", key="model.preset"),
+                      path, text, cli_dict)
     merged = preset(preset_name).to_dict() if preset_name else FinetuneConfig().to_dict()
     if preset_name and (_get(file_dict, "model.path") or _get(cli_dict, "model.path")):
         merged["model"]["config"] = {}  # a checkpoint brings its own config; keep only explicit keys
@@ -348,7 +368,53 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
         if sources:  # a layer naming a data source replaces the one below it
             merged["data"].update({k: None for k in _DATA_SOURCES})
         merged = _merge(merged, layer)
-    return from_dict(FinetuneConfig, merged)
+    try:
+        return from_dict(FinetuneConfig, merged)
+    except ConfigError as e:
+        raise _locate(e, path, text, cli_dict) from None
+
+
+def _read_yaml_text(path: Path) -> str:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} cannot be read ({e})") from None
+
+
+def _yaml_error(where: str, e: yaml.YAMLError, position: bool = True) -> str:
+    """``file:line:column: YAML syntax error: problem`` for a YAML parser error."""
+    mark = getattr(e, "problem_mark", None)
+    loc = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None and position else where
+    problem = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    return f"{loc}: YAML syntax error: {problem}" + (f" ({context})" if context else "")
+
+
+def _locate(e: ConfigError, path: Path | None, text: str, cli_dict: Mapping[str, Any]) -> ConfigError:
+    """``e`` prefixed with ``file:line`` of its key, when the value came from the file."""
+    if path is None or e.key is None or _get(cli_dict, e.key) is not None:
+        return e
+    line = _key_line(text, e.key)
+    return e if line is None else ConfigError(f"{path}:{line}: {e}", key=e.key)
+
+
+def _key_line(text: str, dotted: str) -> int | None:
+    """1-based line of the deepest part of ``dotted`` found in the YAML ``text``."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for part in dotted.split("."):
+        if not isinstance(node, yaml.MappingNode):
+            break
+        match = next(((k, v) for k, v in node.value if getattr(k, "value", None) == part), None)
+        if match is None:
+            break
+        line, node = match[0].start_mark.line + 1, match[1]
+    return line
 
 
 def from_dict(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
@@ -359,9 +425,16 @@ def from_dict(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     for key in data:
         if key not in names:
-            raise ConfigError(f"unknown config key {_join(where, key)!r}{did_you_mean(key, names)}; "
-                              f"valid keys{' under ' + repr(where) if where else ''}: {', '.join(names)}")
-    kwargs = {k: _coerce(hints[k], v, _join(where, k)) for k, v in data.items()}
+            raise ConfigError(f"unknown config key {_join(where, key)!r}{did_you_mean(str(key), names)}; "
+                              f"valid keys{' under ' + repr(where) if where else ''}: {', '.join(names)}",
+                              key=_join(where, str(key)))
+    kwargs = {}
+    for k, v in data.items():
+        try:
+            kwargs[k] = _coerce(hints[k], v, _join(where, k))
+        except ConfigError as e:
+            e.key = e.key or _join(where, k)
+            raise
     return cls(**kwargs)
 
 
@@ -430,23 +503,21 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
 # --------------------------------------------------------------------------------------------
 
 _DATA_SOURCES = ("jsonl", "text", "synthetic")
-_PATH_KEYS = {("model", "path"), ("data", "jsonl"), ("data", "text"), ("data", "tokenizer"),
-              ("checkpoint", "dir"), ("output_dir",), ("log", "metrics_jsonl")}
+_INPUT_PATHS = {("model", "path"), ("data", "jsonl"), ("data", "text"), ("data", "tokenizer")}
+_OUTPUT_PATHS = {("checkpoint", "dir"), ("checkpoint", "resume"), ("output_dir",), ("log", "metrics_jsonl")}
+_PATH_KEYS = _INPUT_PATHS | _OUTPUT_PATHS
 
 
-def _resolve_paths(d: dict[str, Any], base: Path) -> dict[str, Any]:
-    """Make the path-valued keys absolute relative to ``base`` (Ray workers have other cwds)."""
+def _resolve_paths(d: dict[str, Any], base: Path, keys: set[tuple[str, ...]] = _PATH_KEYS) -> dict[str, Any]:
+    """Make the path-valued ``keys`` absolute relative to ``base`` (Ray workers have other cwds)."""
     out = _merge({}, d)
-    for keys in _PATH_KEYS:
+    for key in keys:
         node = out
-        for k in keys[:-1]:
+        for k in key[:-1]:
             node = node.get(k) if isinstance(node, dict) else None
-        if isinstance(node, dict) and isinstance(node.get(keys[-1]), str):
-            node[keys[-1]] = str((base / Path(node[keys[-1]]).expanduser()).resolve())
-    if isinstance(out.get("checkpoint"), dict) and isinstance(out["checkpoint"].get("resume"), str):
-        r = out["checkpoint"]["resume"]
-        if r not in ("auto", "none"):
-            out["checkpoint"]["resume"] = str((base / Path(r).expanduser()).resolve())
+        value = node.get(key[-1]) if isinstance(node, dict) else None
+        if isinstance(value, str) and not (key == ("checkpoint", "resume") and value in ("auto", "none")):
+            node[key[-1]] = str((base / Path(value).expanduser()).resolve())
     return out
 
 
@@ -454,11 +525,16 @@ def _apply_override(target: dict[str, Any], item: str) -> None:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set expects key.path=value, got {item!r}")
-    value = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(_yaml_error(f"--set {item}", e, position=False)) from None
     node = target
     parts = key.strip().split(".")
     for p in parts[:-1]:
         node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {item}: {p} was set to a value, not a section, by an earlier --set")
     node[parts[-1]] = value
 
 

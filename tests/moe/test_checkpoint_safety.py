@@ -1,0 +1,262 @@
+"""Training state that can be trusted: checksummed checkpoints with fallback, weights_only
+loading, non-finite steps, output locations checked up front, clear errors for damaged
+files, changed shapes, bad token ids and bad YAML, and metrics without duplicate steps."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyaccel.moe import checkpoint as ckpt
+from polyaccel.moe import train
+from polyaccel.moe.cli import main
+from polyaccel.moe.data import build_dataset
+from polyaccel.moe.train import finetune
+from polyaccel.moe.train_config import ConfigError, DataConfig, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "packages/moe/examples/tiny_synthetic_cpu.yaml"
+
+
+def _sets(root: Path, *extra: str) -> list[str]:
+    return [f"checkpoint.dir={root / 'ck'}", f"output_dir={root / 'out'}", f"log.metrics_jsonl={root / 'metrics.jsonl'}",
+            "log.progress_bar=false", "log.every_steps=1", "train.max_steps=4", "checkpoint.every_steps=2",
+            "checkpoint.keep_last=0", *extra]
+
+
+def _tiny(root: Path, *extra: str):
+    return load_config(TINY, _sets(root, *extra))
+
+
+def _cli(capsys, root: Path, *extra: str) -> tuple[int, str, str]:
+    code = main(["finetune", str(TINY), *[a for s in _sets(root, *extra) for a in ("--set", s)]])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4 (copy it before changing it)."""
+    root = tmp_path_factory.mktemp("finished")
+    finetune(_tiny(root))
+    return root
+
+
+def _copy(finished: Path, tmp_path: Path) -> Path:
+    shutil.copytree(finished / "ck", tmp_path / "ck")
+    return tmp_path
+
+
+def _no_model_load(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(train, "build_model", refuse)
+
+
+# --------------------------------------------------------------------------------------------
+# Checksums, fallback, damaged files
+# --------------------------------------------------------------------------------------------
+
+def test_checkpoints_carry_a_manifest_written_last(finished):
+    step4 = finished / "ck/step_00000004"
+    manifest = json.loads((step4 / ckpt.MANIFEST).read_text())
+    assert manifest["step"] == 4
+    on_disk = {p.name for p in step4.iterdir()} - {ckpt.MANIFEST}
+    assert set(manifest["files"]) == on_disk >= {ckpt.TRAINER_STATE, "model.safetensors", "rng_rank0.pt"}
+    assert ckpt.verify_checkpoint(step4) is None
+    assert [p.name for p in ckpt.complete_checkpoints(finished / "ck")] == ["step_00000002", "step_00000004"]
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_newest_intact_one(finished, tmp_path, caplog):
+    root = _copy(finished, tmp_path)
+    weights = root / "ck/step_00000004/model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF  # same size, one flipped byte inside a tensor
+    weights.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+        result = finetune(_tiny(root))
+    assert result.start_step == 2 and result.steps == 4
+    assert "model.safetensors fails its sha256 check" in caplog.text and "step_00000004" in caplog.text
+    assert all(math.isfinite(x) for x in result.losses)
+
+    # Explicitly naming a damaged checkpoint fails, naming the file; so does auto when none is intact.
+    state = root / "ck/step_00000004/trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.raises(ckpt.CheckpointError, match=r"trainer_state.pt has 100 bytes, the manifest says"):
+        finetune(_tiny(root, f"checkpoint.resume={root / 'ck/step_00000004'}"))
+    for d in ckpt.complete_checkpoints(root / "ck"):
+        (d / ckpt.TRAINER_STATE).write_bytes(b"")
+    with pytest.raises(ckpt.CheckpointError, match="none of the 2 checkpoints .* is intact"):
+        finetune(_tiny(root))
+
+
+@pytest.mark.parametrize("damage", ["trainer_state_truncated", "trainer_state_empty", "safetensors_truncated",
+                                    "safetensors_empty"])
+def test_damaged_files_give_an_error_naming_the_file(finished, tmp_path, damage):
+    """A checkpoint without a manifest (written before checksums) resumed explicitly: damaged
+    files are still reported by name, not as a raw traceback."""
+    root = _copy(finished, tmp_path)
+    step2 = root / "ck/step_00000002"
+    (step2 / ckpt.MANIFEST).unlink()
+    name = ckpt.TRAINER_STATE if damage.startswith("trainer_state") else "model.safetensors"
+    f = step2 / name
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2] if damage.endswith("truncated") else b"")
+    with pytest.raises(ckpt.CheckpointError, match=rf"{name} cannot be read, damaged or truncated"):
+        finetune(_tiny(root, f"checkpoint.resume={step2}"))
+
+
+def test_a_pickle_that_runs_code_is_refused(finished, tmp_path):
+    root = _copy(finished, tmp_path)
+    step2 = root / "ck/step_00000002"
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    state = torch.load(step2 / ckpt.TRAINER_STATE, weights_only=True)
+    torch.save({**state, "scheduler": Payload()}, step2 / ckpt.TRAINER_STATE)
+    ckpt.write_manifest(step2, 2)  # someone else's checkpoint: its manifest matches its bytes
+    with pytest.raises(ckpt.CheckpointError, match="trainer_state.pt: refused"):
+        finetune(_tiny(root, f"checkpoint.resume={step2}"))
+    assert not marker.exists()
+
+
+def test_changed_model_shape_on_resume_names_the_tensors(finished, tmp_path, capsys):
+    root = _copy(finished, tmp_path)
+    code, _, err = _cli(capsys, root, "train.max_steps=6", "model.config.moe_intermediate_size=24")
+    assert code == 2
+    assert "holds weights of another model shape (4 tensors differ" in err
+    assert "model.layers.0.mlp.experts.down_proj: checkpoint (4, 32, 16), model (4, 32, 24)" in err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("polyaccel-moe: error: ")
+
+
+# --------------------------------------------------------------------------------------------
+# Non-finite steps
+# --------------------------------------------------------------------------------------------
+
+def _nan_at_step(monkeypatch, step: int, grad_accum: int = 2) -> None:
+    """Make every micro-batch loss of optimizer step ``step`` NaN (so its gradients too)."""
+    scaled, calls = train._scaled_loss, [0]
+
+    def poisoned(*args, **kwargs):
+        calls[0] += 1
+        loss = scaled(*args, **kwargs)
+        return loss * float("nan") if (calls[0] - 1) // grad_accum == step - 1 else loss
+    monkeypatch.setattr(train, "_scaled_loss", poisoned)
+
+
+def test_nonfinite_loss_stops_with_the_step_named(tmp_path, capsys, monkeypatch):
+    _nan_at_step(monkeypatch, 3)
+    code, _, err = _cli(capsys, tmp_path)
+    assert code == 3
+    assert "step 3: non-finite loss (nan)" in err and "step_00000002" in err
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "ck")] == ["step_00000002"]
+
+
+def test_nonfinite_steps_are_skipped_when_asked(tmp_path, monkeypatch, caplog):
+    _nan_at_step(monkeypatch, 2)
+    with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+        result = finetune(_tiny(tmp_path, "train.nonfinite=skip"))
+    assert result.steps == 4 and result.skipped_steps == 1
+    assert math.isnan(result.losses[1]) and all(math.isfinite(x) for i, x in enumerate(result.losses) if i != 1)
+    assert "step 2: non-finite loss" in caplog.text and "optimizer step skipped" in caplog.text
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[1]["skipped"] is True and records[1]["loss"] is None
+    weights = train_weights(tmp_path / "out")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def train_weights(d: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(d / "model.safetensors")
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs, reruns, metrics
+# --------------------------------------------------------------------------------------------
+
+def test_output_locations_are_checked_before_the_model_loads(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    _no_model_load(monkeypatch)
+    for key, value, message in [("log.metrics_jsonl", tmp_path / "file/m.jsonl", "cannot create the directory"),
+                                ("output_dir", tmp_path / "file/out", "is a file"),
+                                ("checkpoint.dir", tmp_path / "file/ck", "cannot create the directory")]:
+        with pytest.raises(ConfigError, match=f"{key}: .*{message}"):
+            finetune(_tiny(tmp_path, f"{key}={value}"))
+    monkeypatch.undo()
+    result = finetune(_tiny(tmp_path, f"log.metrics_jsonl={tmp_path / 'new/deeper/m.jsonl'}", "train.max_steps=1"))
+    assert result.steps == 1 and (tmp_path / "new/deeper/m.jsonl").is_file()
+
+
+def test_example_outputs_go_under_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(TINY)
+    for path in (cfg.checkpoint.dir, cfg.output_dir):
+        assert Path(path).is_relative_to(tmp_path) and not Path(path).is_relative_to(TINY.parent), path
+
+
+def test_rerunning_a_finished_run_says_so(finished, tmp_path, capsys, monkeypatch, caplog):
+    root = _copy(finished, tmp_path)
+    _no_model_load(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+        code, out, _ = _cli(capsys, root)
+    assert code == 0
+    message = "run already finished at step 4"
+    assert message in caplog.text and "nothing to do; raise train.max_steps or use a new checkpoint.dir" in caplog.text
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 4 and message in summary["note"]
+
+
+def test_metrics_have_each_step_once_after_resume(tmp_path):
+    finetune(_tiny(tmp_path), stop_after=3)  # steps 1-3 logged, checkpoint at 2: step 3 is redone
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "lo')  # a line cut by the kill
+    finetune(_tiny(tmp_path))
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+# --------------------------------------------------------------------------------------------
+# Data and YAML errors
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ids, message", [
+    ([1, 2.5, 3], r"ids.jsonl:2: input_ids\[1\] = 2.5 is not an integer token id"),
+    ([1, "7"], r"ids.jsonl:2: input_ids\[1\] = '7' is not an integer token id"),
+    ([1, -1], r"ids.jsonl:2: input_ids\[1\] is token id -1 outside the model's vocabulary \[0, 128\)"),
+    ([1, 128], r"ids.jsonl:2: input_ids\[1\] is token id 128 outside"),
+    (7, "ids.jsonl:2: input_ids must be a list"),
+])
+def test_bad_token_ids_are_refused_naming_the_line(tmp_path, ids, message):
+    data = tmp_path / "ids.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + json.dumps({"input_ids": ids}) + "\n")
+    with pytest.raises(ConfigError, match=message):
+        build_dataset(DataConfig(jsonl=str(data)), seq_len=4, vocab_size=128)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("model:\n  preset: qwen3-moe-tiny\ntrain: {max_steps: 3\n", "c.yaml:4:1: YAML syntax error"),
+    ("model:\n  preset: qwen3-moe-tiny\ntrain:\n  micro_batch: two\n",
+     "c.yaml:4: train.micro_batch: expected an integer, got 'two'"),
+    ("model:\n  preset: qwen3-moe-tiny\ntrain:\n  max_stepz: 3\n", "c.yaml:4: unknown config key 'train.max_stepz'"),
+    ("model:\n  preset: 5\n", "c.yaml:2: model.preset: expected a preset name, got 5"),
+    ("model:\n  preset: qwen3-moe-tiny\ntrain:\n  nonfinite: ignore\n",
+     "c.yaml:4: train.nonfinite: 'ignore' is not one of 'stop', 'skip'"),
+])
+def test_yaml_errors_name_file_and_line_with_exit_2(tmp_path, capsys, text, message):
+    (tmp_path / "c.yaml").write_text(text)
+    code = main(["finetune", str(tmp_path / "c.yaml")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    with pytest.raises(ConfigError, match="--set train.betas=\\[0.9: YAML syntax error"):
+        load_config(overrides=["train.betas=[0.9"])
