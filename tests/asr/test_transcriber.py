@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from polyaccel.asr import samples
 from polyaccel.asr.manifest import InputItem
 from polyaccel.asr.transcriber import Transcriber
 from polyaccel.asr.wer import wer
 
 SR = 16000
-LIBRIVOX = "/usr/share/pocketsphinx/test/data/librivox"
+LIBRIVOX = str(samples.librivox_dir() or samples.DEBIAN_LIBRIVOX)  # make setup installs them from PyPI
 
 
 # ---- a fake model: one word per second of audio, read from the samples -----------------------

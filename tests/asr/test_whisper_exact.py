@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from polyaccel.asr import weights
+from polyaccel.asr import samples, weights
 from polyaccel.asr.runner import ASRRunner
 from polyaccel.asr.text import normalize_text, wer
 from polyaccel.asr.whisper import WhisperASR, mel_filterbank
 
-LIBRIVOX = Path("/usr/share/pocketsphinx/test/data/librivox")
+LIBRIVOX = samples.librivox_dir() or samples.DEBIAN_LIBRIVOX  # make setup installs them from PyPI
 pytestmark = [pytest.mark.skipif(not (LIBRIVOX / "transcription").is_file(),
                                  reason="needs Debian package pocketsphinx-testdata"),
               pytest.mark.usefixtures("one_thread")]

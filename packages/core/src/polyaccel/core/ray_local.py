@@ -1,0 +1,217 @@
+"""Ray clusters that let nobody in: token authentication on, and (for clusters we start on
+this machine) every Ray server bound to the loopback interface.
+
+- Token: Ray 2.60's token auth (``RAY_AUTH_MODE=token``) with the token in a 0600 file,
+  ``$XDG_CONFIG_HOME/polyaccel/ray_auth_token`` (``~/.config/...``), made on first use and
+  passed to Ray through ``RAY_AUTH_TOKEN_PATH``. ``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``
+  set by the user win.
+- Loopback: Ray resolves a node IP of 127.0.0.1 to the machine's external address unless
+  ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``; with it the node's IP is 127.0.0.1 and GCS, raylet,
+  workers and agents listen on 127.0.0.1 only (single-machine clusters, as on macOS).
+
+``python -m polyaccel.core.ray_local env`` prints the shell exports for ``ray start``.
+Ray is imported lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+RAY_INSTALL_HINT = "pip install 'ray[default]' (or the package's [ray] extra)"
+
+
+def default_token_path() -> Path:
+    """``$XDG_CONFIG_HOME/polyaccel/ray_auth_token`` (``~/.config`` without it)."""
+    base = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(base) / "polyaccel" / "ray_auth_token"
+
+
+def ensure_token(path: Path | None = None) -> Path:
+    """Make ``path`` hold a random token, readable by its owner only; return it."""
+    path = Path(path or default_token_path())
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        if stat.S_IMODE(path.stat().st_mode) & 0o077:
+            path.chmod(0o600)
+        return path
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
+def auth_env(env: MutableMapping[str, str] | None = None, *, force: bool = True) -> dict[str, str]:
+    """The variables that turn token auth on with our token file.
+
+    :param force: also replace a ``RAY_AUTH_MODE`` the user set (clusters we start);
+        without it an explicit mode is kept (joining someone else's cluster).
+    """
+    env = os.environ if env is None else env
+    out: dict[str, str] = {}
+    mode = env.get("RAY_AUTH_MODE")
+    if mode is None or (force and mode.lower() != "token"):
+        if mode is not None:
+            log.warning("RAY_AUTH_MODE=%s ignored: clusters started here keep token authentication on", mode)
+        out["RAY_AUTH_MODE"] = "token"
+    if not env.get("RAY_AUTH_TOKEN") and not env.get("RAY_AUTH_TOKEN_PATH"):
+        out["RAY_AUTH_TOKEN_PATH"] = str(ensure_token())
+    return out
+
+
+def local_cluster_env(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Everything a cluster started on this machine needs: token auth and loopback only."""
+    return {**auth_env(env), **LOOPBACK_ENV}
+
+
+def _apply(values: dict[str, str]) -> None:
+    os.environ.update(values)
+    if "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" in values and "ray._private.ray_constants" in sys.modules:
+        # Ray reads the flag once, at import; a process that imported Ray already needs it set too.
+        sys.modules["ray._private.ray_constants"].ENABLE_RAY_CLUSTER = False
+    raylet = sys.modules.get("ray._raylet")
+    if raylet is not None:  # Ray caches the auth mode and the token
+        raylet.Config.initialize("")
+        raylet.AuthenticationTokenLoader.instance().reset_cache()
+
+
+def import_ray(hint: str = RAY_INSTALL_HINT) -> Any:
+    """``import ray`` with a message naming what to install."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(f"this needs Ray: {hint} ({e})") from None
+    return ray
+
+
+def init_local(num_cpus: int | None = None, **kwargs: Any) -> Any:
+    """Start a private in-process Ray cluster on loopback with token auth; return ``ray``."""
+    _apply(local_cluster_env())
+    ray = import_ray()
+    kwargs.setdefault("include_dashboard", False)
+    kwargs.setdefault("logging_level", "WARNING")
+    ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **kwargs)
+    return ray
+
+
+def is_loopback_address(address: str | None) -> bool:
+    """Whether a Ray address (``host:port``, ``ray://...``, ``http://...``) names this machine's loopback."""
+    host = (address or "").rpartition("://")[2].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def connect(address: str | None = None, **kwargs: Any) -> Any:
+    """Join an existing cluster (``address``, or ``RAY_ADDRESS``) with our token; return ``ray``.
+    A cluster on loopback is joined from loopback (Ray would otherwise look for this node
+    under the machine's external address)."""
+    env = auth_env(force=False)
+    if is_loopback_address(address or os.environ.get("RAY_ADDRESS")):
+        env.update(LOOPBACK_ENV)
+    _apply(env)
+    ray = import_ray()
+    ray.init(address=address, **kwargs)
+    return ray
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+HEAD_PORT_FLAGS = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
+                   "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port",
+                   "--node-manager-port", "--object-manager-port")
+
+
+@dataclass
+class Head:
+    """A running ``ray start --head --block``: its process, addresses and client environment."""
+
+    proc: subprocess.Popen
+    gcs_address: str
+    dashboard_url: str
+    env: dict[str, str]
+
+
+def _wait_for_dashboard(head: subprocess.Popen, url: str, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/version", timeout=2)
+            return
+        except urllib.error.HTTPError:  # 401 without a token: the dashboard is up
+            return
+        except OSError:
+            if head.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start failed or timed out:\n{log.read_text()[-3000:]}") from None
+            time.sleep(0.5)
+
+
+@contextmanager
+def start_head(num_cpus: int = 2, *, env: dict[str, str] | None = None, timeout: float = 120,
+               extra_args: tuple[str, ...] = ()) -> Iterator[Head]:
+    """Run ``ray start --head --block`` on loopback with token auth, every port free (so it
+    never meets another cluster on this machine) and a private temp dir; stop it on exit.
+    Killing the ``--block`` process stops this cluster only (never ``ray stop``)."""
+    env = {**(os.environ if env is None else env), "RAY_USAGE_STATS_ENABLED": "0"}
+    env.update(local_cluster_env(env))
+    env.update(AUTOSCALER_METRIC_PORT=str(free_port()), DASHBOARD_METRIC_PORT=str(free_port()))
+    ports = {flag: free_port() for flag in HEAD_PORT_FLAGS}
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    ray_bin = Path(sys.executable).with_name("ray")
+    cmd = [str(ray_bin), "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--node-ip-address={LOOPBACK}",
+           f"--dashboard-host={LOOPBACK}", f"--temp-dir={temp}", "--disable-usage-stats",
+           *[f"{flag}={port}" for flag, port in ports.items()], *extra_args]
+    log = Path(temp, "head.log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://{LOOPBACK}:{ports['--dashboard-port']}"
+    try:
+        _wait_for_dashboard(proc, url, timeout, log)
+        yield Head(proc, f"{LOOPBACK}:{ports['--port']}", url, env)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``env``: print ``export`` lines for ``ray start``/``ray job submit`` on this machine."""
+    args = sys.argv[1:] if argv is None else argv
+    if args != ["env"]:
+        print("usage: python -m polyaccel.core.ray_local env", file=sys.stderr)
+        return 2
+    for k, v in local_cluster_env().items():
+        print(f"export {k}={v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
