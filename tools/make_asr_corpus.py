@@ -6,8 +6,8 @@ PocketSphinx's pinned PyPI release), else Debian's ``pocketsphinx-testdata``
 (``/usr/share/pocketsphinx/test/data/librivox``), or ``--src``.
 Each corpus file is made deterministically from ``(--seed, file index)``:
 
-- ``--files`` clips of 1-35 s: whole source clips joined with 0.15-0.6 s of silence until
-  the drawn duration is reached (most files 3-15 s, a quarter 15-35 s); their reference is
+- ``--files`` clips of 1-35 s: whole source clips joined with 0.15-0.6 s of silence (never
+  the same clip twice in a row) until the drawn duration is reached (most files 3-15 s, a quarter 15-35 s); their reference is
   the clips' transcripts joined. About 8% are 1-3 s cuts of one clip's start (at its
   quietest 20 ms frame): real short audio, but with no exact transcript, so they have no
   reference and WER leaves them out.
@@ -109,13 +109,18 @@ def draw_duration(rng: np.random.Generator) -> float:
 
 
 def join_clips(clips: list[Clip], target_s: float, rng: np.random.Generator) -> tuple[np.ndarray, str]:
-    """Whole clips separated by short silences, until ``target_s`` would be passed (at least one)."""
+    """Whole clips separated by short silences, until ``target_s`` would be passed (at least one);
+    never the same clip twice in a row (one sentence said over and over sends greedy Whisper into
+    a repetition loop, which real speech seldom does)."""
     parts: list[np.ndarray] = []
     words: list[str] = []
     total = 0
     limit = int(target_s * SOURCE_RATE)
+    last = -1
     while True:
-        clip = clips[int(rng.integers(len(clips)))]
+        choices = [i for i in range(len(clips)) if i != last]
+        last = choices[int(rng.integers(len(choices)))]
+        clip = clips[last]
         gap = np.zeros(int(rng.uniform(0.15, 0.6) * SOURCE_RATE), np.float32)
         if parts and total + len(gap) + len(clip.audio) > limit:
             break
