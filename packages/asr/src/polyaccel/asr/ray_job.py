@@ -4,8 +4,8 @@ one per device (a GPU, a Trainium chip's 8 NeuronCores, or some CPUs), each hold
 driver in input order as JSONL records (the CLI writes them, resumably).
 
 Works inside ``ray job submit`` (connects to the job's cluster), against ``--address``, or
-with an in-process local cluster when neither is given (``ray.init()``, shut down at the end).
-Ray is imported only here, when asked for.
+with a private in-process cluster when neither is given (loopback only, token auth, shut down
+at the end: :mod:`polyaccel.core.ray_local`). Ray is imported only here, when asked for.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -126,21 +126,40 @@ def _default_actors(ray: Any, resources: dict[str, Any]) -> int:
     return max(1, int(have.get("CPU", 1)) // 4)
 
 
+def exactly_once(batches: Iterable[dict[str, Any]], n: int) -> Iterator[dict[str, Any]]:
+    """Each of rows ``0..n-1`` once, in input order, from ``{"idx", "record"}`` batches.
+
+    When an actor or a node dies, Ray re-runs its blocks: a row may then come back twice or
+    late. Repeats are dropped, early rows wait for the ones before them, and a row that never
+    came is an error, so the output holds every input exactly once.
+    """
+    pending: dict[int, str] = {}
+    done = 0
+    for batch in batches:
+        for idx, rec in zip(batch["idx"], batch["record"]):
+            if int(idx) >= done:
+                pending.setdefault(int(idx), rec)
+            while done in pending:
+                yield json.loads(pending.pop(done))
+                done += 1
+    if done != n:
+        raise RuntimeError(f"the Ray job returned {done} of {n} rows in order; row {done} never came back")
+
+
 def transcribe_with_ray(items: Sequence[InputItem], opts: RayJobOptions) -> Iterator[dict[str, Any]]:
     """Run ``items`` through a Ray Data actor pool; yield one output record per item, in
     input order (the same records the in-process path writes)."""
     ray = import_ray()
     started_here = False
     if not ray.is_initialized():
-        if opts.address:
-            ray.init(address=opts.address, logging_level="WARNING")
-        elif os.environ.get("RAY_ADDRESS"):  # e.g. the driver of `ray job submit`
-            ray.init(logging_level="WARNING")
+        from polyaccel.core.ray_local import connect, init_local
+
+        if opts.address or os.environ.get("RAY_ADDRESS"):  # RAY_ADDRESS: e.g. under `ray job submit`
+            connect(opts.address, logging_level="WARNING")
         else:
-            # address="local": always a fresh in-process cluster, never one that happens to
+            # Always a fresh private cluster (loopback, token auth), never one that happens to
             # be running on this machine already.
-            ray.init(address="local", num_cpus=opts.local_num_cpus or os.cpu_count(),
-                     include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+            init_local(opts.local_num_cpus or os.cpu_count(), log_to_driver=False)
             started_here = True
     ctx = ray.data.DataContext.get_current()
     saved = ctx.execution_options.preserve_order, ctx.enable_progress_bars
@@ -158,13 +177,7 @@ def transcribe_with_ray(items: Sequence[InputItem], opts: RayJobOptions) -> Iter
         ds = ds.map_batches(TranscribeActor, fn_constructor_kwargs={"opts": opts, "backend": backend},
                             batch_size=per_call, batch_format="numpy",
                             compute=ray.data.ActorPoolStrategy(size=actors), **resources)
-        expected = 0
-        for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-            for idx, rec in zip(batch["idx"], batch["record"]):
-                if int(idx) != expected:  # preserve_order makes this impossible; be loud if not
-                    raise RuntimeError(f"Ray returned row {int(idx)} where {expected} was expected")
-                expected += 1
-                yield json.loads(rec)
+        yield from exactly_once(ds.iter_batches(batch_size=None, batch_format="numpy"), len(rows))
     finally:
         ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
         if started_here:
