@@ -6,6 +6,9 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,6 @@ TINY = Path(__file__).resolve().parents[2] / "packages/moe/examples/tiny_synthet
 @pytest.mark.parametrize("layout", [[], ["parallel.ep=2", "parallel.dense=replicate"]],
                          ids=["fsdp", "ep2-dense-replicas"])
 def test_two_ray_workers_match_one_process(tmp_path, monkeypatch, layout):
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     sets = ["train.max_steps=3", "log.progress_bar=false", "log.every_steps=1000"]
     single = finetune(load_config(TINY, [*sets, f"checkpoint.dir={tmp_path}/single/ck",
@@ -49,3 +51,60 @@ def test_two_ray_workers_match_one_process(tmp_path, monkeypatch, layout):
 def test_workers_must_be_positive():
     with pytest.raises(ValueError, match="--workers must be >= 1"):
         run_with_ray(load_config(TINY), workers=0)
+
+
+def _kill_a_worker_after(ckpt_dir: Path, step: int, killed: list[int], stop: threading.Event) -> None:
+    """When checkpoint ``step`` exists, SIGKILL one Ray Train worker of this test's processes."""
+    import psutil
+
+    marker = ckpt_dir / f"step_{step:08d}"
+    while not stop.is_set() and not killed:
+        if marker.is_dir():
+            for p in psutil.Process().children(recursive=True):
+                try:
+                    if "RayTrainWorker" in p.name() or "RayTrainWorker" in " ".join(p.cmdline()):
+                        p.send_signal(signal.SIGKILL)
+                        killed.append(p.pid)
+                        return
+                except psutil.Error:
+                    pass
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(tmp_path, monkeypatch):
+    """SIGKILL one of 2 Ray Train workers after checkpoint 3 of 12 (one per step): Ray Train
+    restarts the group (max_failures bounded), it resumes from the newest checkpoint by itself,
+    and the losses after it equal an uninterrupted run's."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    steps = 12
+    sets = [f"train.max_steps={steps}", "train.warmup_steps=0", "log.progress_bar=false",
+            "log.every_steps=1000", "checkpoint.every_steps=1", "checkpoint.keep_last=0"]
+    single = finetune(load_config(TINY, [*sets, f"checkpoint.dir={tmp_path}/single/ck",
+                                         f"output_dir={tmp_path}/single/out"]))
+    ckpt = tmp_path / "ray/ck"
+    cfg = load_config(TINY, [*sets, "train.micro_batch=1", f"checkpoint.dir={ckpt}", f"output_dir={tmp_path}/ray/out"])
+    killed: list[int] = []
+    stop = threading.Event()
+    killer = threading.Thread(target=_kill_a_worker_after, args=(ckpt, 3, killed, stop), daemon=True)
+    killer.start()
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+            summary = pool.submit(run_with_ray, cfg, workers=2, address="local", max_failures=2,
+                                  storage_path=str(tmp_path / "ray_results")).result(timeout=170)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed, "no worker was killed"
+    assert 3 <= summary["start_step"] < steps, summary  # resumed, not from scratch, not after the end
+    assert summary["steps"] == steps
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(single.losses[summary["start_step"]:]),
+                               rtol=1e-5, atol=1e-5)
+    assert summary["final_loss"] == pytest.approx(single.losses[-1], rel=1e-5)
+
+
+def test_failures_must_be_bounded():
+    with pytest.raises(ValueError, match="bounded"):
+        run_with_ray(load_config(TINY), workers=1, max_failures=-1)

@@ -10,6 +10,7 @@ cluster through ``RAY_ADDRESS``; run directly it starts a local one.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -52,23 +53,37 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
 
 
 def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = None,
-                 use_gpu: bool | None = None, storage_path: str | None = None) -> dict[str, Any]:
+                 use_gpu: bool | None = None, storage_path: str | None = None,
+                 max_failures: int = 3) -> dict[str, Any]:
     """Train ``cfg`` on ``workers`` Ray Train workers; return rank 0's summary metrics.
 
-    :param address: Ray cluster address; None means ``RAY_ADDRESS``, else a cluster ``ray start``
-        began on this machine, else a new local one (an already initialised Ray is reused).
+    A worker (or its node) that dies makes Ray Train restart the whole group, up to
+    ``max_failures`` times; the restarted workers resume from the newest checkpoint in
+    ``checkpoint.dir`` (``checkpoint.resume: auto``), so set ``checkpoint.every_steps`` to
+    bound the lost work. Without ``checkpoint.dir`` a restart trains from step 0.
+
+    :param address: Ray cluster address; None means ``RAY_ADDRESS``, else a new private local
+        cluster (loopback, token auth; also ``"local"``); an already initialised Ray is reused.
     :param use_gpu: one GPU per worker; None = whether the cluster has GPUs.
     :param storage_path: where Ray Train keeps run state (default: Ray's, ``~/ray_results``;
         on several nodes it must be shared storage).
+    :param max_failures: group restarts allowed before the run fails (bounded: never -1).
     """
     ray = _import_ray()
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
+    if max_failures < 0:
+        raise ValueError(f"max_failures must be >= 0 (bounded), got {max_failures}")
     if not ray.is_initialized():
-        ray.init(address=address)
+        from polyaccel.core.ray_local import connect, init_local
+
+        if address == "local" or (address is None and not os.environ.get("RAY_ADDRESS")):
+            init_local()  # a private cluster: loopback only, token auth
+        else:
+            connect(address)
     if use_gpu is None:
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
     trainer = TorchTrainer(
@@ -76,7 +91,8 @@ def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = Non
         train_loop_config={"config": cfg.to_dict(), "use_gpu": use_gpu},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        run_config=RunConfig(name="polyaccel-moe-finetune", storage_path=storage_path),
+        run_config=RunConfig(name="polyaccel-moe-finetune", storage_path=storage_path,
+                             failure_config=FailureConfig(max_failures=max_failures)),
     )
     result = trainer.fit()
     if result.checkpoint is None:
