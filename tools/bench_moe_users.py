@@ -10,8 +10,10 @@ counter) trains ``--warmup + --steps`` optimizer steps of ``--accum`` micro-batc
 - ``hf-compile``: the same after ``model = torch.compile(model)`` (the strongest free peer);
 - ``hf-trainer-compile``: Transformers' model under ``transformers.Trainer(torch_compile=True)``;
 - ``loop-adamw``: our model with its default ``BackendConfig``, the same plain loop unchanged;
-- ``loop``: the same plain loop with the documented one-line change (``FlatAdamW`` in place
-  of ``torch.optim.AdamW``);
+- ``loop``: the same plain loop with the documented change: ``FlatAdamW`` in place of
+  ``torch.optim.AdamW`` and ``loss = step(input_ids=ids, labels=ids)`` (a
+  ``GraphedMicroStep(model, grad_accum=4, wgrad_window="auto")``) in place of
+  ``loss = model(...).loss; loss.backward()``;
 - ``trainer``: our model under ``polyaccel.moe.Trainer`` (batch 1, ``--accum`` accumulation steps);
 - ``cli``: ``polyaccel-moe bench --preset SHAPE`` with no speed flags.
 
@@ -76,10 +78,12 @@ def plain_loop(entry: str, config, a) -> tuple[list[float], float]:
     import torch
 
     model = build(entry, config, a.device)
-    if entry == "loop":
-        from polyaccel.moe import FlatAdamW
+    step = None
+    if entry == "loop":  # the documented two-line change
+        from polyaccel.moe import FlatAdamW, GraphedMicroStep
 
-        opt = FlatAdamW(model.parameters(), lr=1e-5)  # the documented one-line change
+        opt = FlatAdamW(model.parameters(), lr=1e-5)
+        step = GraphedMicroStep(model, grad_accum=a.accum, wgrad_window="auto") if a.device == "cuda" else None
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=a.device == "cuda")
     if entry == "hf-compile":
@@ -90,8 +94,11 @@ def plain_loop(entry: str, config, a) -> tuple[list[float], float]:
         _sync(a.device)
         t0 = time.perf_counter()
         for _ in range(a.accum):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
+            if step is not None:
+                loss = step(input_ids=ids, labels=ids)
+            else:
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
         opt.step()
         opt.zero_grad()
         _sync(a.device)

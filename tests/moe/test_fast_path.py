@@ -38,15 +38,17 @@ def test_compile_auto_means_cuda_only():
 
 
 def test_auto_window_fits_the_memory_share():
-    """The window keeps at most WINDOW_MEMORY_SHARE of the device: the 8-layer Qwen3 shape
-    (2.3 GB per deferred micro-batch) gets all 4 micro-batches on an H200, OLMoE's 16
-    layers (5.4 GB each) two, and a small device none."""
+    """The window gathers ~1024 rows per expert within WINDOW_MEMORY_SHARE of the device: the
+    8-layer Qwen3 shape (256 rows, 2.3 GB per deferred micro-batch) gets all 4 micro-batches on
+    an H200, OLMoE's 16 layers (512 rows, 5.4 GB each) two, and a small device none."""
     h200 = 141 * 10**9
     per = fast_path.kept_bytes_per_micro_batch(qwen3_30b_a3b(8), 4096)
     assert per == 2 * 8 * (3 * 768 + 2048) * 4096 * 8
     assert fast_path.auto_window(qwen3_30b_a3b(8), tokens_per_micro_batch=4096, grad_accum=4, device_bytes=h200) == 4
     assert fast_path.auto_window(olmoe_1b_7b(), tokens_per_micro_batch=4096, grad_accum=4, device_bytes=h200) == 2
-    assert fast_path.auto_window(mixtral_8x7b(4), tokens_per_micro_batch=4096, grad_accum=4, device_bytes=h200) == 3
+    # Mixtral's 8 experts already see 1024 rows each in one micro-batch: no window.
+    assert fast_path.auto_window(mixtral_8x7b(4), tokens_per_micro_batch=4096, grad_accum=4, device_bytes=h200) == 1
+    assert fast_path.auto_window(mixtral_8x7b(4), tokens_per_micro_batch=1024, grad_accum=4, device_bytes=h200) == 4
     assert fast_path.auto_window(qwen3_30b_a3b(8), tokens_per_micro_batch=4096, grad_accum=4,
                                  device_bytes=16 * 10**9) == 1
     assert fast_path.auto_window(qwen3_30b_a3b(8), tokens_per_micro_batch=4096, grad_accum=1, device_bytes=h200) == 1

@@ -12,11 +12,15 @@ from polyaccel.moe.auto import AutoModelForCausalLM
 from polyaccel.moe.config import BackendConfig
 from polyaccel.moe.optim import FlatAdamW
 
-__all__ = ["AutoModelForCausalLM", "BackendConfig", "FlatAdamW", "Trainer", "fast_trainer_class"]
+__all__ = ["AutoModelForCausalLM", "BackendConfig", "FlatAdamW", "GraphedMicroStep", "Trainer", "fast_trainer_class"]
 
 
 def __getattr__(name: str) -> Any:
     # The Trainer integration imports transformers.Trainer (and accelerate): only when asked.
+    if name == "GraphedMicroStep":
+        from polyaccel.moe.graphed_step import GraphedMicroStep
+
+        return GraphedMicroStep
     if name in ("Trainer", "fast_trainer_class"):
         from polyaccel.moe import trainer
 

@@ -81,20 +81,26 @@ class GraphedMicroStep:
         ``model(**batch, **forward_kwargs).loss`` (e.g. a scaled loss; it may read tensors of
         the batch such as ``num_items_in_batch``, which are then graph inputs too).
     :param forward_kwargs: extra keyword arguments of every forward (e.g. ``use_cache=False``).
+    :param grad_accum: micro-batches per optimizer step, for calls that pass no ``micro_batch``
+        (a plain loop): the step then counts them itself; with ``wgrad_window="auto"`` it also
+        sizes the window (:func:`polyaccel.moe.fast_path.auto_window`, from the first batch).
     """
 
-    def __init__(self, model: nn.Module, warmup: int = 2, wgrad_window: int = 1,
-                 loss_fn: Callable[..., torch.Tensor] | None = None, **forward_kwargs: Any) -> None:
+    def __init__(self, model: nn.Module, warmup: int = 2, wgrad_window: int | str = 1,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, *, grad_accum: int | None = None,
+                 **forward_kwargs: Any) -> None:
         if warmup < 1:
             raise ValueError(f"warmup={warmup} must be >= 1: the first calls compile and autotune, "
                              "which cannot happen during capture")
-        if wgrad_window < 1:
-            raise ValueError(f"wgrad_window={wgrad_window} must be >= 1")
+        if wgrad_window != "auto" and wgrad_window < 1:
+            raise ValueError(f"wgrad_window={wgrad_window} must be >= 1 or 'auto'")
+        if grad_accum is not None and grad_accum < 1:
+            raise ValueError(f"grad_accum={grad_accum} must be >= 1")
         device = next(model.parameters()).device
         if device.type != "cuda":
             raise ValueError(f"GraphedMicroStep replays CUDA graphs; the model is on {device}. "
                              "Run the step eagerly there (model(**batch).loss.backward()).")
-        self.model, self.warmup, self.wgrad_window = model, warmup, wgrad_window
+        self.model, self.warmup, self.wgrad_window, self.grad_accum = model, warmup, wgrad_window, grad_accum
         self.loss_fn = loss_fn or (lambda **batch: model(**batch, **forward_kwargs).loss)
         self.kinds: dict[tuple[int, bool, bool], _Captured] = {}
         self._next = 0  # the micro-batch index expected next
@@ -108,6 +114,10 @@ class GraphedMicroStep:
         """One micro-batch. ``micro_batch=(i, n)``: the ``i``-th of the ``n`` micro-batches of
         this optimizer step (needed with ``wgrad_window > 1``): after call ``n - 1`` every
         gradient is complete; call 0 expects the gradients zeroed by the optimizer."""
+        if self.wgrad_window == "auto":
+            self.wgrad_window = self._auto_window(batch)
+        if micro_batch is None and self.grad_accum is not None:
+            micro_batch = (self._next, self.grad_accum)
         kind_key = self._kind_key(micro_batch)
         kind = self.kinds.setdefault(kind_key, _Captured())
         kind.calls += 1
@@ -137,6 +147,17 @@ class GraphedMicroStep:
         return [p for p in self._experts if fusable(p)]
 
     # ---- internals --------------------------------------------------------------------------
+    def _auto_window(self, batch: dict[str, torch.Tensor]) -> int:
+        from polyaccel.moe.fast_path import auto_window
+
+        ids = batch.get("input_ids")
+        config = getattr(self.model, "config", None)
+        if ids is None or config is None or not self.grad_accum or not self._experts:
+            return 1
+        total = torch.cuda.get_device_properties(ids.device).total_memory
+        return auto_window(config, tokens_per_micro_batch=ids.numel(), grad_accum=self.grad_accum,
+                           device_bytes=total)
+
     def _kind_key(self, micro_batch: tuple[int, int] | None) -> tuple[int, bool, bool]:
         """(micro-batches deferred before this one, this one defers, this one writes over the
         expert grads), checking that calls come in order."""
