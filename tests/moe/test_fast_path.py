@@ -70,6 +70,8 @@ def test_plan_says_why_once(caplog):
     assert not first.cuda_graph and first.wgrad_window == 1 and first == again
     assert "FSDP2" in first.reasons[0] and "activation checkpointing" in first.reasons[0]
     assert sum("CUDA graph per micro-batch off" in r.message for r in caplog.records) == 1
+    fp32 = fast_path.plan(**{**kwargs, "fsdp": False, "activation_checkpointing": False, "param_dtype": torch.float32})
+    assert not fp32.cuda_graph and "reference GEMMs" in fp32.reasons[0]
     cpu = fast_path.plan(**{**kwargs, "device": torch.device("cpu"), "fsdp": False, "wgrad_window": "auto"})
     assert cpu == fast_path.FastPath(cuda_graph=False, wgrad_window=1, reasons=())
     explicit = fast_path.plan(**{**kwargs, "cuda_graph": False, "wgrad_window": 3})
@@ -217,7 +219,7 @@ def test_gpu_defaults_take_the_fast_path_and_train_like_plain(tmp_path):
     a CUDA graph per micro-batch and a weight-gradient window; after 6 steps its weights equal
     the plain configuration's (eager layers, torch AdamW, no graph, no window). Negative
     control: the same measure puts an lr=0 run far away."""
-    common = ["train.device=cuda", "train.dtype=fp32", "train.max_steps=6", "train.grad_accum=4",
+    common = ["train.device=cuda", "train.dtype=bf16", "train.max_steps=6", "train.grad_accum=4",
               "train.micro_batch=1", "checkpoint.dir=null", "log.progress_bar=false", "train.grad_clip=0.5"]
 
     def run(name: str, *extra: str):
@@ -231,6 +233,9 @@ def test_gpu_defaults_take_the_fast_path_and_train_like_plain(tmp_path):
                          "train.cuda_graph=false", "train.wgrad_window=1")
     assert plain.fast_path["cuda_graph"] is False and plain.fast_path["compiled_layers"] is False
     _, w_start = run("start", "train.lr=0")
-    torch.testing.assert_close(torch.tensor(fast.losses), torch.tensor(plain.losses), rtol=1e-4, atol=1e-4)
-    assert _relative_gap(w_fast, w_plain, w_start) < 0.02
+    torch.testing.assert_close(torch.tensor(fast.losses), torch.tensor(plain.losses), rtol=2e-2, atol=2e-2)
+    # bf16 sums in another order (graph, window, compiled kernels): well within what training moved.
+    assert _relative_gap(w_fast, w_plain, w_start) < 0.2
     assert _relative_gap(w_start, w_plain, w_start) > 0.5  # negative control: lr=0
+    fp32, _ = run("fp32", "train.dtype=fp32")  # the per-expert reference syncs: no graph, said why
+    assert fp32.fast_path["cuda_graph"] is False and fp32.fast_path["compiled_layers"] is True

@@ -49,11 +49,14 @@ def say_once(message: str) -> None:
 
 
 def graph_blockers(*, device: torch.device, fsdp: bool, optimizer: str, activation_checkpointing: bool,
-                   peft: bool = False) -> list[str]:
+                   peft: bool = False, param_dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """Why a graphed micro-step cannot run here (empty: it can)."""
     why = []
     if device.type != "cuda":
         why.append("it needs a CUDA device")
+    if param_dtype != torch.bfloat16:
+        why.append(f"{str(param_dtype).removeprefix('torch.')} expert weights take the per-expert reference "
+                   "GEMMs, which read the group sizes on the host (bf16 uses the grouped GEMM)")
     if fsdp:
         why.append("it does not run under FSDP2 (its collectives and hooks run on the host); "
                    "use parallel.dense=replicate")
@@ -107,7 +110,8 @@ def auto_window(model_config: Any, *, tokens_per_micro_batch: int, grad_accum: i
 
 def plan(*, model_config: Any, device: torch.device, cuda_graph: bool | str, wgrad_window: int | str,
          fsdp: bool, optimizer: str, activation_checkpointing: bool, fused_grad_accumulation: bool,
-         tokens_per_micro_batch: int, grad_accum: int, peft: bool = False) -> FastPath:
+         tokens_per_micro_batch: int, grad_accum: int, peft: bool = False,
+         param_dtype: torch.dtype = torch.bfloat16) -> FastPath:
     """Resolve ``"auto"`` settings of the graphed micro-step and the weight-gradient window.
 
     Explicit settings are kept (the caller reports unmet requirements of an explicit ``True``
@@ -117,7 +121,8 @@ def plan(*, model_config: Any, device: torch.device, cuda_graph: bool | str, wgr
     graph = cuda_graph
     if cuda_graph == "auto":
         why = graph_blockers(device=device, fsdp=fsdp, optimizer=optimizer,
-                             activation_checkpointing=activation_checkpointing, peft=peft)
+                             activation_checkpointing=activation_checkpointing, peft=peft,
+                             param_dtype=param_dtype)
         graph = not why
         if why and device.type == "cuda":
             reasons.append("CUDA graph per micro-batch off: " + "; ".join(why))

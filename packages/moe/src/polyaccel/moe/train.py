@@ -297,7 +297,8 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                           "DTensors); use train.optimizer=adamw or auto, or parallel.dense=replicate")
     if t.cuda_graph is True:
         for why in fast_path.graph_blockers(device=rt.device, fsdp=fsdp, optimizer=t.optimizer,
-                                            activation_checkpointing=t.activation_checkpointing):
+                                            activation_checkpointing=t.activation_checkpointing,
+                                            param_dtype=_param_dtype(t)):
             raise ConfigError(f"train.cuda_graph=true: {why}")
     try:
         plan = ParallelPlan(dp=cfg.parallel.dp or rt.world_size, ep=cfg.parallel.ep,
@@ -311,7 +312,8 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                           wgrad_window=t.wgrad_window, fsdp=fsdp, optimizer=t.optimizer,
                           activation_checkpointing=t.activation_checkpointing,
                           fused_grad_accumulation=fused_accumulation and cfg.model.implementation == "polyaccel",
-                          tokens_per_micro_batch=t.micro_batch * t.seq_len, grad_accum=t.grad_accum)
+                          tokens_per_micro_batch=t.micro_batch * t.seq_len, grad_accum=t.grad_accum,
+                          param_dtype=_param_dtype(t))
     t = dataclasses.replace(t, cuda_graph=fast.cuda_graph, wgrad_window=fast.wgrad_window)
 
     check_outputs(cfg)
@@ -474,6 +476,11 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
         world_size=rt.world_size, output_dir=cfg.output_dir,
         last_checkpoint=str(last_saved or resume_from) if (last_saved or resume_from) else None,
         fast_path=_fast_path_summary(model, optimizer, t), skipped_steps=skipped)
+
+
+def _param_dtype(t: TrainConfig) -> torch.dtype:
+    """The dtype parameters are stored in."""
+    return torch.float32 if t.fp32_master else _DTYPES[t.dtype]
 
 
 def _fast_path_summary(model: nn.Module, optimizer: torch.optim.Optimizer, t: TrainConfig) -> dict[str, Any]:

@@ -128,7 +128,8 @@ class FastPathMixin:
         why = fast_path.graph_blockers(
             device=device, fsdp=False, optimizer="flat_adamw" if self.flat_optimizer() else "adamw",
             activation_checkpointing=bool(self.args.gradient_checkpointing),
-            peft=not isinstance(model, MoeForCausalLM) and hasattr(model, "peft_config"))
+            peft=not isinstance(model, MoeForCausalLM) and hasattr(model, "peft_config"),
+            param_dtype=next(model.parameters()).dtype)
         for unmet, reason in ((not isinstance(model, MoeForCausalLM), "the model is not a polyaccel MoE model"),
                               (self.accelerator.num_processes > 1 or self.args.n_gpu > 1,
                                "several processes or GPUs (DDP/FSDP) run the step"),
@@ -144,7 +145,7 @@ class FastPathMixin:
 
         plan = fast_path.plan(
             model_config=config, device=device, cuda_graph=True, wgrad_window="auto", fsdp=False,
-            optimizer="flat_adamw", activation_checkpointing=False,
+            optimizer="flat_adamw", activation_checkpointing=False, param_dtype=torch.bfloat16,
             fused_grad_accumulation=model.backend_config.grad_accumulation == "fused",
             tokens_per_micro_batch=int(inputs["input_ids"].numel()) if "input_ids" in inputs else 0,
             grad_accum=self.args.gradient_accumulation_steps)
