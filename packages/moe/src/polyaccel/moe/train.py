@@ -351,7 +351,13 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
         grad_sync = apply_dense_replicas(model, plan.build(rt.world_size, rt.device.type),
                                          tokens_per_rank=t.micro_batch * t.seq_len)
         if t.cuda_graph:
-            _check_graphable_dispatch(model)
+            try:
+                _check_graphable_dispatch(model)
+            except ConfigError as e:
+                if cfg.train.cuda_graph is True:  # asked for explicitly: an error
+                    raise
+                fast_path.say_once(f"CUDA graph per micro-batch off: {e}")
+                t = dataclasses.replace(t, cuda_graph=False)
     autocast = (torch.autocast(rt.device.type, dtype=compute_dtype)
                 if param_dtype != compute_dtype and not fsdp else contextlib.nullcontext())
     # Under FSDP2 each rank's loss is scaled by the world size (FSDP averages the gradients);
