@@ -201,6 +201,10 @@ def run_one(shape: str, entry: str, a) -> dict:
             "wall_s": round(time.perf_counter() - t_start, 1), "torch": torch.__version__}
 
 
+def _ratio(row: dict, ref: dict, peer: str) -> str:
+    return f"{row['tokens_per_s'] / ref[peer]:.2f}" if ref.get(peer) else "-"
+
+
 def table(rows: list[dict]) -> str:
     """Rows grouped by shape, with each entry's ratio to hf-compile and to hf."""
     out = [f"{'shape':<20} {'entry':<20} {'tok/s':>9} {'GiB':>7} {'MFU790':>7} {'x hf-compile':>12} {'x hf':>6}"]
@@ -211,9 +215,8 @@ def table(rows: list[dict]) -> str:
             if "error" in r:
                 out.append(f"{shape:<20} {r['entry']:<20} error: {r['error'][:80]}")
                 continue
-            ratio = lambda peer: f"{r['tokens_per_s'] / ref[peer]:.2f}" if ref.get(peer) else "-"  # noqa: E731
             out.append(f"{shape:<20} {r['entry']:<20} {r['tokens_per_s']:>9,.0f} {r['peak_gib'] or 0:>7.2f} "
-                       f"{r['mfu_dense']:>7.1%} {ratio('hf-compile'):>12} {ratio('hf'):>6}")
+                       f"{r['mfu_dense']:>7.1%} {_ratio(r, ref, 'hf-compile'):>12} {_ratio(r, ref, 'hf'):>6}")
     return "\n".join(out)
 
 

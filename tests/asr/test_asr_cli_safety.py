@@ -159,7 +159,9 @@ def test_a_file_name_that_is_not_utf8_goes_through_ray(tmp_path: Path) -> None:
     _wav(folder / "zz.wav", 0.5)
     out = tmp_path / "ray.jsonl"
     threads = torch.get_num_threads()
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    from polyaccel.core.ray_local import init_local
+
+    init_local(num_cpus=1, log_to_driver=False)  # loopback only, token auth on
     try:
         args = ["transcribe", str(folder), "-o", str(out), "--ray", "--backend", "cpu", "--model", str(model), "-q"]
         assert cli.main(args) == 0

@@ -76,7 +76,7 @@ def test_scenario_selection(capsys: pytest.CaptureFixture) -> None:
     assert "unknown scenario no-such-scenario" in capsys.readouterr().err
 
 
-@pytest.mark.slow
+@pytest.mark.chaos
 @pytest.mark.timeout(1200)
 def test_every_scenario_holds(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     code, report = _chaos(capsys, tmp_path)

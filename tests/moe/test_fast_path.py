@@ -13,8 +13,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from polyaccel.moe import AutoModelForCausalLM, BackendConfig, FlatAdamW
-from polyaccel.moe import fast_path
+from polyaccel.moe import AutoModelForCausalLM, BackendConfig, FlatAdamW, fast_path
 from polyaccel.moe.config import compiles_layers
 from polyaccel.moe.presets import mixtral_8x7b, olmoe_1b_7b, qwen3_30b_a3b, tiny
 from polyaccel.moe.train import finetune
