@@ -183,7 +183,11 @@ def test_nothing_to_transcribe_is_not_success(loads: list[str], tmp_path: Path,
     assert _run("/nonexistent_dir/", "-o", str(out)) == 2
     assert "no such directory: /nonexistent_dir/" in capsys.readouterr().err
     assert not out.exists()
-    assert _run(str(tmp_path / "nonexistent.wav"), "-o", str(out)) == 3
+    assert _run(str(tmp_path / "nonexistent.wav"), "-o", str(out)) == 2  # every input missing
+    assert "no such file or directory" in capsys.readouterr().err
+    assert not out.exists() and not loads
+    (tmp_path / "bad.wav").write_bytes(b"not audio")
+    assert _run(str(tmp_path / "bad.wav"), "-o", str(out)) == 3
     assert "nothing was transcribed: 1 file failed" in capsys.readouterr().err
 
 

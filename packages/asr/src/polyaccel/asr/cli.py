@@ -407,6 +407,10 @@ def _gather(specs: Sequence[str]) -> list[Any]:
     for spec in specs:
         if spec.endswith(("/", os.sep)) and not os.path.isdir(spec):
             raise UsageError(f"no such directory: {spec}")
+    if specs and not any(os.path.lexists(spec) for spec in specs):
+        # Every input mistyped: nothing to do, nothing written (one missing file among others
+        # is a per-file error instead, so the rest still run).
+        raise UsageError(f"no such file or directory: {' '.join(specs)}")
     try:
         items = expand_inputs(specs)
     except (ValueError, json.JSONDecodeError) as e:
