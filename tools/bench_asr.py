@@ -8,7 +8,7 @@ then, as the anchor's ``min_new_tokens``), random weights, bf16, greedy.
 
 Sections (``--sections``):
   ours     our ASRRunner per model and batch (CUDA graphs on cuda; ``--eager`` adds eager rows)
-  anchor   the peer baseline from ../shared/anchors/anchor_asr_hf.py (``--anchor-dir``)
+  anchor   the peer baseline script anchor_asr_hf.py from ``--anchor-dir`` (not in this repository)
   runtime  ReplicaPool vs a threaded shared-queue loop vs a process pool, same model/graphs
   exact    greedy tokens of graphs == eager at several batch sizes (must print "exact": true)
 
@@ -255,7 +255,7 @@ def section_profile(args, device, dtype):
 def section_anchor(args):
     path = Path(args.anchor_dir) / "anchor_asr_hf.py"
     if not path.is_file():
-        emit(system="hf_anchor", error=f"{path} not found (copy ../shared/anchors into --anchor-dir)")
+        emit(system="hf_anchor", error=f"{path} not found (put the anchor script in --anchor-dir)")
         return
     spec = importlib.util.spec_from_file_location("anchor_asr_hf", path)
     mod = importlib.util.module_from_spec(spec)

@@ -40,7 +40,7 @@ import time
 import torch
 
 H200_DENSE_BF16_TFLOPS = 790.0
-"""8192^3 bf16 matmul measured on the device machine (KINDS.md, 2026-10/11)."""
+"""8192^3 bf16 matmul measured on the device machine (2026-10/11)."""
 
 _OURS = dict(experts="grouped_mm", loss="fused", rms_norm="fused")
 VARIANTS: dict[str, dict | None] = {

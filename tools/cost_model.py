@@ -48,7 +48,7 @@ PRICES_USD_PER_HOUR: dict[str, float] = {
     "H100": 39.33 / 8,  # same list: p5.48xlarge, 8x H100
     "A100": 14.75 / 8,  # same list: p4d.24xlarge, 8x A100 40 GB
     # One Trainium2 chip (8 NeuronCores, 96 GiB HBM, 12 vCPU): about USD 2.2/h on demand in one
-    # 2026 third-party report (recorded in NEURON.md / TARGETS.md); not checked against AWS.
+    # 2026 third-party report; not checked against AWS.
     "trn2.3xlarge": 2.2,
 }
 """Instance or per-accelerator prices; a device ``"Nx NAME"`` costs N x ``NAME``'s price."""
@@ -90,12 +90,12 @@ class ModelShape:
 
 PRESETS: dict[str, ModelShape] = {s.name: s for s in (
     # 30 s utterances, 96 greedy tokens. GFLOP: polyaccel.asr.conformer_config.flops_per_audio_second
-    # for the ConformerAED shapes, the TARGETS.md figure for turbo, our own count for large-v3 (same
+    # for the ConformerAED shapes, the project brief's figure for turbo, our own count for large-v3 (same
     # encoder, 32 decoder layers). GB: rough HBM traffic at batch 64 (encoder activations, weights
     # read once per batch step, cross-attention K/V read at every decode step); docs/cost_model.md.
     ModelShape("canary-1b-flash", 21.9, 0.06, "ConformerAED canary-1b-flash shape"),
     ModelShape("canary-180m-flash", 4.66, 0.04, "ConformerAED canary-180m-flash shape"),
-    ModelShape("whisper-large-v3-turbo", 76.0, 0.25, "TARGETS.md; 4 decoder layers"),
+    ModelShape("whisper-large-v3-turbo", 76.0, 0.25, "project brief; 4 decoder layers"),
     ModelShape("whisper-large-v3", 92.0, 1.0, "our count; 32 decoder layers"),
 )}
 """Built-in model shapes, modelled when no shape is given on the command line."""

@@ -1,7 +1,6 @@
 """Model FLOPs per token and device peak FLOP/s, for tokens/s -> MFU.
 
-Counts matmul FLOPs only (2 per multiply-accumulate), the convention of the PaLM paper's MFU
-and of TARGETS.md: attention projections, causal attention scores (QK^T and PV over on
+Counts matmul FLOPs only (2 per multiply-accumulate), the convention of the PaLM paper's MFU: attention projections, causal attention scores (QK^T and PV over on
 average half the sequence), the active experts (top-k routed plus shared), the router, dense
 MLP layers and the LM head. Training = 3x forward (backward is twice the forward);
 activation-checkpoint recompute is *not* counted (that is what makes it *model* FLOPs).

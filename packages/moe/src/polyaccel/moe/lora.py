@@ -312,6 +312,23 @@ def _selective_context(cheap_k: int) -> Any:
     return create_selective_checkpoint_contexts(selective_recompute_policy(cheap_k))
 
 
+def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any]) -> Callable[..., Any]:
+    """``forward`` under a non-reentrant checkpoint with ``context_fn``, as a plain function.
+
+    A plain function, not ``functools.partial(checkpoint, ...)``: ``checkpoint`` is
+    ``torch._disable_dynamo``-decorated, so a compiled layer whose ``forward`` *is* that call
+    enters a dynamo-disabled frame first and nothing of the layer gets compiled. From this
+    function's frame dynamo traces the call as its checkpoint higher-order op and the
+    partitioner applies the policy.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    return checkpointed_forward
+
+
 def enable_selective_recompute(model: nn.Module) -> None:
     """Checkpoint every decoder layer (non-reentrant) with :func:`selective_recompute_policy`
     at the model's largest LoRA rank.
@@ -320,15 +337,13 @@ def enable_selective_recompute(model: nn.Module) -> None:
     ``gradient_checkpointing_enable`` does), so a compiled layer (``BackendConfig(compile=True)``)
     traces it and its partitioner follows the policy.
     """
-    from torch.utils.checkpoint import checkpoint
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     ranks = [r for m in model.modules() if isinstance(getattr(m, "r", None), dict) for r in m.r.values()]
     context_fn = functools.partial(_selective_context, max(ranks, default=16))
     for layer in model.modules():
         if isinstance(layer, GradientCheckpointingLayer) and not getattr(layer, "_polyaccel_selective", False):
-            forward = layer.forward
-            layer.forward = functools.partial(checkpoint, forward, use_reentrant=False, context_fn=context_fn)
+            layer.forward = _checkpointed(layer.forward, context_fn)
             layer._polyaccel_selective = True
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False

@@ -265,7 +265,7 @@ def qwen3_moe_tiny() -> FinetuneConfig:
 
 
 def qwen3_30b_a3b_l8() -> FinetuneConfig:
-    """TARGETS.md's reference workload: Qwen3-30B-A3B layer shapes with 8 layers (5.6B
+    """The reference MoE workload (docs/benchmarks.md): Qwen3-30B-A3B layer shapes with 8 layers (5.6B
     parameters), seq 4096, micro-batch 1, 4 micro-batches per step, bf16, synthetic tokens."""
     from polyaccel.moe.presets import qwen3_30b_a3b  # the model shape is defined once, there
 

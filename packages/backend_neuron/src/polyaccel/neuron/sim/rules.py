@@ -1,6 +1,6 @@
 """Trainium2 NeuronCore limits the interpreter enforces, and the error it raises.
 
-Numbers are per NeuronCore-v3 (see NEURON.md): the on-chip memories are laid out as 128
+Numbers are per NeuronCore-v3 (docs/neuron.md): the on-chip memories are laid out as 128
 partitions; a tile's dim 0 is its partition axis and everything after it is free.
 """
 
