@@ -316,7 +316,7 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
 def test_flops_of_the_reference_workload():
     cfg = qwen3_30b_a3b_l8()
     per_token = train_flops_per_token(cfg.model.config, cfg.train.seq_len)
-    assert 5.3e9 < per_token < 5.5e9  # TARGETS.md: ~5.4 GFLOP per token
+    assert 5.3e9 < per_token < 5.5e9  # ~5.4 GFLOP per token (docs/benchmarks.md)
     # Hand count of one term: the LM head alone is 3 x 2 x 2048 x 151936 FLOPs per token.
     no_layers = dict(cfg.model.config, num_hidden_layers=0)
     assert train_flops_per_token(no_layers, 4096) == 6 * 2048 * 151936
