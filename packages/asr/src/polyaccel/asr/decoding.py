@@ -26,6 +26,110 @@ class Hypothesis:
     tokens: list[int]
     text: str = ""
     avg_logprob: float | None = None
+    segments: list[Segment] | None = None
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class Segment:
+    """A stretch of speech Whisper delimited with timestamp tokens: seconds from the start of
+    the window it was decoded in (or of the file, once stitched) and its text."""
+
+    start: float
+    end: float
+    text: str
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class TimestampRules:
+    """Whisper's timestamp-token rules (the behaviour of Hugging Face's
+    ``WhisperTimeStampLogitsProcessor``), applied by :func:`greedy_update` after the suppress
+    biases, as graph-capturable tensor ops over the generated ids so far (``GreedyBuffers.out``
+    and ``step``), with no extra state and no host sync:
+
+    - ``<|notimestamps|>`` never;
+    - the first generated token is a timestamp, at most ``max_initial_index`` (x 0.02 s);
+    - timestamps come in pairs: after a lone timestamp (one preceded by text) the next token is
+      a timestamp or ``eos``; after a pair (or the first token) it is text or ``eos``;
+    - timestamps never decrease; a pair-closing one may repeat the last, any other is later;
+    - when the summed probability of all timestamps exceeds that of the likeliest text token
+      (``<|endoftext|>`` and specials count as text here), a timestamp is forced.
+
+    Ids: ``begin`` is the first timestamp token (``<|0.00|>``), ``no_timestamps`` the one before
+    it; ``eos`` bounds the "text" range of the pairing rule (ids below it).
+    """
+
+    begin: int
+    no_timestamps: int
+    eos: int
+    max_initial_index: int | None = None
+    precision_s: float = 0.02
+
+    def apply(self, logits_BV: torch.Tensor, out_BT: torch.Tensor, step_1: torch.Tensor) -> torch.Tensor:
+        """``logits`` (suppress biases already added) with the rules' ``-inf``s; ``out`` holds
+        the generated ids of the first ``step`` steps (the rest is ``eos``)."""
+        B, V = logits_BV.shape
+        T = out_BT.shape[1]
+        neg = torch.tensor(float("-inf"), dtype=logits_BV.dtype, device=logits_BV.device)
+        vocab = torch.arange(V, device=logits_BV.device)[None, :]                       # [1, V]
+        step = step_1.reshape(1, 1)                                                     # [1, 1]
+        cols = torch.arange(T, device=out_BT.device)[None, :]
+        is_ts = (out_BT >= self.begin) & (cols < step)                                  # [B, T] generated timestamps
+        last = out_BT.gather(1, (step - 1).clamp(0, T - 1).expand(B, 1))                # [B, 1]
+        penult = out_BT.gather(1, (step - 2).clamp(0, T - 1).expand(B, 1))
+        last_ts = (step >= 1) & (last >= self.begin)
+        penult_ts = (step < 2) | (penult >= self.begin)
+        # the last timestamp is the largest: the rules below keep them non-decreasing
+        latest = torch.where(is_ts, out_BT, torch.full_like(out_BT, -1)).amax(1, keepdim=True)
+        mask = (vocab == self.no_timestamps).expand(B, V)
+        mask = mask | last_ts & penult_ts & (vocab >= self.begin)                             # after a pair: no timestamp
+        mask |= last_ts & ~penult_ts & (vocab < self.eos)                               # after a lone one: no text
+        floor = torch.where(last_ts & ~penult_ts, latest, latest + 1)
+        mask |= (latest >= 0) & (vocab >= self.begin) & (vocab < floor)                 # never earlier
+        first = step == 0
+        mask |= first & (vocab < self.begin)                                            # start with a timestamp
+        if self.max_initial_index is not None:
+            mask |= first & (vocab > self.begin + self.max_initial_index)
+        logits_BV = torch.where(mask, neg, logits_BV)
+        logprobs = torch.log_softmax(logits_BV.float(), dim=-1)
+        ts_mass = logprobs[:, self.begin:].logsumexp(dim=-1, keepdim=True)
+        best_text = logprobs[:, :self.begin].amax(dim=-1, keepdim=True)
+        return torch.where((ts_mass > best_text) & (vocab < self.begin), neg, logits_BV)
+
+    def segments(self, tokens: Sequence[int], decode: Callable[[list[int]], str],
+                 window_s: float) -> list[Segment]:
+        """Segments of one window's generated ids (prompt and ``eos`` excluded), cut as Hugging
+        Face's Whisper ``generate(return_timestamps=True)`` cuts them: at each pair of
+        consecutive timestamps; a final lone timestamp closes the last segment; text after
+        the last pair that no timestamp closes (speech cut off at the window's end) is a last
+        segment ending at ``window_s``. No pair at all: one segment from 0 to the last
+        timestamp (or to ``window_s``)."""
+        toks = list(tokens)
+        if not toks:
+            return []
+        is_ts = [t >= self.begin for t in toks]
+        p = self.precision_s
+
+        def text(ids: Sequence[int]) -> str:
+            return decode([t for t in ids if t < self.begin]).strip()
+
+        cuts = [i + 1 for i in range(len(toks) - 1) if is_ts[i] and is_ts[i + 1]]
+        single_ending = len(toks) >= 2 and not is_ts[-2] and is_ts[-1]
+        if not cuts:
+            stamps = [t for t in toks if t >= self.begin]
+            end = (stamps[-1] - self.begin) * p if stamps and stamps[-1] != self.begin else window_s
+            return [Segment(0.0, round(end, 3), text(toks))] if text(toks) else []
+        out: list[Segment] = []
+        last = 0
+        for c in cuts + ([len(toks)] if single_ending else []):
+            piece = toks[last:c]
+            if len(piece) >= 2 and piece[0] >= self.begin and piece[-1] >= self.begin:
+                out.append(Segment(round((piece[0] - self.begin) * p, 3), round((piece[-1] - self.begin) * p, 3),
+                                   text(piece)))
+            last = c
+        tail = toks[last:]
+        if not single_ending and any(t < self.begin for t in tail) and tail[0] >= self.begin:
+            out.append(Segment(round((tail[0] - self.begin) * p, 3), round(window_s, 3), text(tail)))
+        return [s for s in out if s.text]
 
 
 class LogitsRules:
@@ -101,10 +205,14 @@ class GreedyBuffers:
         self.step.zero_()
 
 
-def greedy_update(logits_BV: torch.Tensor, bias_V: torch.Tensor, buf: GreedyBuffers, eos_id: int) -> None:
+def greedy_update(logits_BV: torch.Tensor, bias_V: torch.Tensor, buf: GreedyBuffers, eos_id: int,
+                  timestamps: TimestampRules | None = None) -> None:
     """One greedy step's bookkeeping, in place and graph-capturable (no host syncs): argmax of
-    ``logits + bias``, its log-probability, ``eos`` for finished rows, and the next input."""
+    ``logits + bias`` (then the timestamp rules, if given), its log-probability, ``eos`` for
+    finished rows, and the next input."""
     logits_BV = logits_BV.float() + bias_V
+    if timestamps is not None:
+        logits_BV = timestamps.apply(logits_BV, buf.out, buf.step)
     nxt = logits_BV.argmax(dim=-1)
     lp = torch.log_softmax(logits_BV, dim=-1).gather(1, nxt[:, None])[:, 0]
     live = (~buf.finished).float()
@@ -129,7 +237,7 @@ def greedy_decode(step: StepFn, *, batch: int, num_real: int, prompt: Sequence[i
                   max_new_tokens: int, rules: LogitsRules, device: torch.device | str,
                   check_every: int = 8, with_logprobs: bool = True, min_new_tokens: int | None = None,
                   buffers: GreedyBuffers | None = None, advance: AdvanceFn | None = None,
-                  vocab_size: int | None = None) -> list[Hypothesis]:
+                  vocab_size: int | None = None, timestamps: TimestampRules | None = None) -> list[Hypothesis]:
     """Greedy search for ``num_real`` sequences in a batch bucket of ``batch`` rows.
 
     ``step(tokens [B] int64, position [B] int64) -> logits [B, V] fp32`` runs the decoder one
@@ -139,6 +247,8 @@ def greedy_decode(step: StepFn, *, batch: int, num_real: int, prompt: Sequence[i
     fixed amount of work; default: the rules' own). ``advance(bias)``, when given, performs a
     whole generated step on ``buffers`` in place (the runner passes a captured graph of
     :func:`greedy_update` over the decoder step); ``step`` then only feeds the prompt.
+    ``timestamps``: apply Whisper's timestamp rules (the prompt must then leave out
+    ``<|notimestamps|>``; ``advance`` must apply them too).
     Returns one :class:`Hypothesis` per real row (text left empty: the caller detokenizes).
     """
     if not prompt:
@@ -161,7 +271,7 @@ def greedy_decode(step: StepFn, *, batch: int, num_real: int, prompt: Sequence[i
             advance(rules.bias(t, vocab_size, device))
         else:
             logits = step(buf.tokens, buf.position)
-            greedy_update(logits, rules.bias(t, logits.shape[-1], logits.device), buf, eos_id)
+            greedy_update(logits, rules.bias(t, logits.shape[-1], logits.device), buf, eos_id, timestamps)
         steps = t + 1
         if steps % check_every == 0 and bool(buf.finished.all()):
             break

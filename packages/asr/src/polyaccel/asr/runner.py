@@ -45,15 +45,27 @@ class ASRRunner:
         use_graphs: compile graphs with the backend (False: call the model eagerly).
         check_every: steps between host checks of "all rows finished".
         min_new_tokens: suppress ``eos`` until this many tokens (benchmarks: fixed work).
+        timestamps: decode with timestamp tokens (Whisper: no ``<|notimestamps|>`` in the
+            prompt, the timestamp rules inside the captured greedy step) and give each
+            :class:`Hypothesis` its ``segments`` (seconds from the window's start).
     """
 
     def __init__(self, model: ASRModel, backend: str | Backend = "cpu",
                  batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, max_new_tokens: int | None = None,
-                 use_graphs: bool = True, check_every: int = 4, min_new_tokens: int = 0) -> None:
+                 use_graphs: bool = True, check_every: int = 4, min_new_tokens: int = 0,
+                 timestamps: bool = False) -> None:
         self.model = model
         self.backend = select_backend(backend) if isinstance(backend, str) else backend
         self.buckets = ShapeBuckets({"batch": tuple(batch_buckets)})
-        self.prompt = model.prompt_ids()
+        self.timestamps = None
+        if timestamps:
+            rules = getattr(model, "timestamp_rules", None)
+            self.timestamps = rules() if rules is not None else None
+            if self.timestamps is None:
+                raise ValueError(f"{type(model).__name__} does not predict timestamps")
+            self.prompt = model.prompt_ids(timestamps=True)
+        else:
+            self.prompt = model.prompt_ids()
         self.cache_len = model.max_decode_len
         room = self.cache_len - len(self.prompt)
         self.max_new_tokens = room if max_new_tokens is None else min(max_new_tokens, room)
@@ -119,9 +131,12 @@ class ASRRunner:
         hyps = greedy_decode(slot.step, batch=B, num_real=n, prompt=self.prompt, eos_id=self.model.eos_token_id,
                              max_new_tokens=self.max_new_tokens, rules=self._rules, device=self.device,
                              check_every=self.check_every, buffers=slot.buffers, advance=slot.advance,
-                             vocab_size=self.vocab_size)
-        for h in hyps:
+                             vocab_size=self.vocab_size, timestamps=self.timestamps)
+        for h, a in zip(hyps, audio):
             h.text = self.model.decode_text(h.tokens)
+            if self.timestamps is not None:
+                window_s = min(len(a) / self.model.sample_rate, self.model.max_audio_seconds())
+                h.segments = self.timestamps.segments(h.tokens, self.model.decode_text, window_s)
         return hyps
 
     def warmup(self) -> int:
@@ -186,7 +201,7 @@ class ASRRunner:
         """Decoder step + logits rules + argmax + bookkeeping, all in place (one graph)."""
         buf = GreedyBuffers(tokens, position, finished, logprob_sum, counted, out, step)
         greedy_update(self.model.decode_step(tokens, position, DecoderState(*state)), bias, buf,
-                      self.model.eos_token_id)
+                      self.model.eos_token_id, self.timestamps)
         return finished
 
     @staticmethod

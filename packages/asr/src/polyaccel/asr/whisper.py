@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from polyaccel.asr.decoding import TimestampRules
 from polyaccel.asr.interface import ASRModel, DecoderState
 from polyaccel.core import ops
 from polyaccel.core.graphs import GraphSpec, ShapeBuckets
@@ -63,6 +64,7 @@ class WhisperConfig:
     decoder_start_token_id: int = 50257
     eos_token_id: int = 50256
     no_timestamps_token_id: int | None = 50362
+    max_initial_timestamp_index: int | None = None
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
     is_multilingual: bool = False
@@ -94,7 +96,8 @@ class WhisperConfig:
             raise ValueError(f"{path}: only Whisper's gelu activation without embedding scaling is supported")
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in cfg.items() if k in fields}
-        for k in ("decoder_start_token_id", "eos_token_id", "no_timestamps_token_id", "suppress_tokens",
+        for k in ("decoder_start_token_id", "eos_token_id", "no_timestamps_token_id", "max_initial_timestamp_index",
+                  "suppress_tokens",
                   "begin_suppress_tokens", "is_multilingual", "lang_to_id", "task_to_id"):
             if gen.get(k) is not None:
                 kw[k] = gen[k]
@@ -396,8 +399,9 @@ class WhisperASR(ASRModel):
         return enc_BSD, torch.ones(enc_BSD.shape[:2], dtype=torch.bool, device=enc_BSD.device)
 
     # ---- decoder ---------------------------------------------------------------------------
-    def prompt_ids(self) -> list[int]:
-        """``<|startoftranscript|>`` [``<|lang|>`` ``<|task|>``] ``<|notimestamps|>``."""
+    def prompt_ids(self, timestamps: bool = False) -> list[int]:
+        """``<|startoftranscript|>`` [``<|lang|>`` ``<|task|>``] ``<|notimestamps|>`` (left out
+        with ``timestamps``: the model then predicts timestamp tokens)."""
         c = self.config
         ids = [c.decoder_start_token_id]
         if c.is_multilingual:
@@ -406,9 +410,18 @@ class WhisperASR(ASRModel):
                 raise ValueError(f"language {self.language!r} / task {self.task!r} not in this checkpoint's "
                                  f"generation_config (lang_to_id / task_to_id)")
             ids += [c.lang_to_id[lang], c.task_to_id[self.task]]
-        if c.no_timestamps_token_id is not None:
+        if c.no_timestamps_token_id is not None and not timestamps:
             ids.append(c.no_timestamps_token_id)
         return ids
+
+    def timestamp_rules(self) -> TimestampRules | None:
+        """Whisper's timestamp rules for this checkpoint (None if it has no timestamp tokens):
+        ``<|0.00|>`` is the id after ``<|notimestamps|>``, 0.02 s per id."""
+        c = self.config
+        if c.no_timestamps_token_id is None or c.no_timestamps_token_id + 1 >= c.vocab_size:
+            return None
+        return TimestampRules(begin=c.no_timestamps_token_id + 1, no_timestamps=c.no_timestamps_token_id,
+                              eos=c.eos_token_id, max_initial_index=c.max_initial_timestamp_index)
 
     def suppress_ids(self) -> list[int]:
         return list(self.config.suppress_tokens)
