@@ -1,5 +1,6 @@
-"""Audio input: decode any file soundfile reads to mono float32 at the model's rate, split long
-audio into overlapping windows, and stitch the window transcripts back together.
+"""Audio input: decode any file soundfile reads (and, through PyAV, the containers libsndfile
+lacks: m4a/AAC, WebM, WMA, ...) to mono float32 at the model's rate, split long audio into
+overlapping windows, and stitch the window transcripts back together.
 
 Every way a file can be bad (missing, empty, truncated, not audio, NaN samples...) raises
 :class:`AudioError` with a short message, so the pipeline can report it per file and go on.
@@ -14,12 +15,19 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+AV_EXTENSIONS = frozenset({".m4a", ".m4b", ".aac", ".mp4", ".webm", ".mka", ".wma", ".amr"})
+"""Extensions of formats libsndfile does not read; they are decoded with PyAV (FFmpeg)."""
+
 AUDIO_EXTENSIONS = frozenset({".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif",
-                              ".au", ".w64", ".rf64", ".caf", ".sph", ".nist", ".raw", ".pcm"})
+                              ".au", ".w64", ".rf64", ".caf", ".sph", ".nist", ".raw", ".pcm"}) | AV_EXTENSIONS
 """File extensions the directory walker treats as audio."""
+
+AV_REQUIREMENT = "av==18.1.0"
+"""The PyAV release this package is tested with (the ``formats`` extra of polyaccel-asr)."""
 
 RAW_EXTENSIONS = frozenset({".raw", ".pcm"})
 DEFAULT_OVERLAP_S = 3.0
@@ -49,6 +57,8 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000, *,
     """
     sf = _soundfile()
     path, raw = _checked_path(path, raw)
+    if raw is None and (kind := _av_kind(path)):
+        return np.concatenate(list(_av_stream(path, kind, sample_rate, STREAM_BLOCK_S)))
     name = os.fsencode(path)  # bytes: any file name
     with _decode_errors(path):
         if raw is not None:
@@ -99,12 +109,35 @@ def _decode_errors(path: Path) -> Iterator[None]:
 def _check_complete(path: Path, frames_read: int, rate: int, header_frames: int) -> None:
     """Raise if the header promises more audio than the file holds (a cut-off download or
     copy). libsndfile quietly returns the part that is there, which would lose words."""
+    if _ogg_cut_off(path):
+        raise AudioError(f"truncated audio: the Ogg stream has no end (file holds {frames_read / rate:.2f} s)")
     declared = _wav_declared_frames(path)
     if declared is None:
         declared = header_frames
     if declared > frames_read and frames_read >= 0:
         raise AudioError(f"truncated audio: header declares {declared / rate:.2f} s, "
                          f"file holds {frames_read / rate:.2f} s")
+
+
+def _ogg_cut_off(path: Path) -> bool:
+    """True for an Ogg file whose last page is cut short or is not an end-of-stream page: Ogg
+    declares no length, and libsndfile reads the part that is there without a word."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if f.read(4) != b"OggS":
+            return False
+        f.seek(max(0, size - 65536))
+        tail = f.read()
+    at = tail.rfind(b"OggS")
+    while at >= 0:
+        page = tail[at:]
+        if len(page) >= 27 and page[4] == 0:  # version 0: a real page header
+            n_seg = page[26]
+            if len(page) < 27 + n_seg or len(page) < 27 + n_seg + sum(page[27:27 + n_seg]):
+                return True  # the last page is cut
+            return not page[5] & 0x04  # header_type bit 2: end of stream
+        at = tail.rfind(b"OggS", 0, at)
+    return True
 
 
 def _wav_declared_frames(path: Path) -> int | None:
@@ -137,7 +170,8 @@ def _describe_decode_error(path: Path, detail: str) -> str:
         head = f.read(512)
     if head and _looks_like_text(head):
         return "not an audio file (looks like text)"
-    if path.suffix.lower() not in AUDIO_EXTENSIONS and not head.startswith((b"RIFF", b"fLaC", b"OggS")):
+    if (path.suffix.lower() not in AUDIO_EXTENSIONS and not head.startswith((b"RIFF", b"fLaC", b"OggS"))
+            and _magic_kind(head) is None):
         return f"unsupported audio format ({path.suffix or 'no extension'})"
     detail = detail.strip().splitlines()[-1] if detail.strip() else "unreadable"
     detail = detail.split("': ", 1)[-1]  # drop libsndfile's "Error opening '<path>'" prefix
@@ -189,6 +223,8 @@ def audio_duration(path: str | os.PathLike, raw: RawFormat | None = None) -> flo
         frame_bytes = raw.channels * {"PCM_S8": 1, "PCM_U8": 1, "PCM_16": 2, "PCM_24": 3,
                                       "PCM_32": 4, "FLOAT": 4, "DOUBLE": 8}.get(raw.subtype, 2)
         return path.stat().st_size / frame_bytes / raw.sample_rate
+    if kind := _av_kind(path):
+        return _av_duration(path, kind)
     with _decode_errors(path):
         info = _soundfile().info(os.fsencode(path))
     if info.frames <= 0:
@@ -209,25 +245,36 @@ def stream_audio(path: str | os.PathLike, sample_rate: int = 16000, *, block_s: 
 
     The concatenated blocks equal :func:`load_audio`'s waveform sample for sample (soxr's
     streaming resampler gives its one-shot result). libsndfile decodes every format it reads
-    (wav, flac, ogg/vorbis/opus, mp3, raw) incrementally. Raises :class:`AudioError` as
+    (wav, flac, ogg/vorbis/opus, raw) incrementally, and so does PyAV (m4a/AAC, WebM, ...: one
+    FFmpeg frame at a time). MP3 is the exception: libsndfile 1.2's MP3 reader garbles ~70 ms
+    after every partial read (a whole-file read is right), so MP3 streams through PyAV, whose
+    samples equal libsndfile's whole-file ones; without PyAV it is read whole (memory grows
+    with the file; a warning says so). Raises :class:`AudioError` as
     :func:`load_audio` does; a truncated file is detected only at its end, after the blocks
     before it were yielded, so callers must treat an error at any point as the file's error.
     """
     sf = _soundfile()
     path, raw = _checked_path(path, raw)
+    if raw is None and (kind := _av_kind(path) or _mp3_kind(path)):
+        if kind != _MP3 or _has_av():
+            yield from _av_stream(path, kind, sample_rate, block_s)
+            return
+        _warn_mp3_whole(path)
+        block_s = math.inf
     opts = {} if raw is None else dict(samplerate=raw.sample_rate, channels=raw.channels,
                                        subtype=raw.subtype, endian=raw.endian, format="RAW")
     with _decode_errors(path), sf.SoundFile(os.fsencode(path), **opts) as f:
         rate, header_frames = f.samplerate, f.frames
         resample = _Resampler(rate, sample_rate)
         frames_read = 0
-        while len(data := f.read(max(1, int(block_s * rate)), dtype="float32", always_2d=True)):
+        block = -1 if math.isinf(block_s) else max(1, int(block_s * rate))  # -1: all that is left
+        while len(data := f.read(block, dtype="float32", always_2d=True)):
             frames_read += len(data)
             yield resample(_mono_finite(data))
-        if frames_read == 0:
-            raise AudioError("empty audio (0 samples)")
         if raw is None:
             _check_complete(path, frames_read, rate, header_frames)
+        if frames_read == 0:
+            raise AudioError("empty audio (0 samples)")
         if len(tail := resample(np.zeros(0, np.float32), last=True)):
             yield tail
 
@@ -258,6 +305,188 @@ def _mono_finite(data: np.ndarray) -> np.ndarray:
     if not (math.isfinite(float(data.min())) and math.isfinite(float(data.max()))):
         raise AudioError("audio contains NaN or infinite samples")
     return data
+
+
+# ---- formats libsndfile lacks: PyAV (FFmpeg) -------------------------------------------
+
+
+def _libsndfile_version() -> tuple[int, ...]:
+    try:
+        text = _soundfile().__libsndfile_version__
+    except (ImportError, AttributeError):
+        return (0,)
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3]) or (0,)
+
+
+def _magic_kind(head: bytes) -> str | None:
+    """The format PyAV must decode, by the file's first bytes (None: libsndfile's, or unknown)."""
+    if head[4:8] == b"ftyp":
+        return "MP4/M4A (AAC)"
+    if head[:4] == b"\x1a\x45\xdf\xa3":
+        return "WebM/Matroska"
+    if head[:8] == b"\x30\x26\xb2\x75\x8e\x66\xcf\x11":
+        return "ASF/WMA"
+    if head[:5] == b"#!AMR":
+        return "AMR"
+    if len(head) >= 2 and head[0] == 0xFF and head[1] & 0xF6 == 0xF0:  # MPEG sync, layer 0: ADTS
+        return "ADTS AAC"
+    if _libsndfile_version() < (1, 1, 0) and (head[:3] == b"ID3" or (
+            len(head) >= 2 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0)):
+        return "MP3 (libsndfile < 1.1 lacks it)"
+    if _libsndfile_version() < (1, 0, 29) and head[:4] == b"OggS" and b"OpusHead" in head:
+        return "Ogg/Opus (libsndfile < 1.0.29 lacks it)"
+    return None
+
+
+_MP3 = "MP3"
+_mp3_warned: set[str] = set()
+
+
+def _mp3_kind(path: Path) -> str | None:
+    """``"MP3"`` for an MP3 file libsndfile reads (an ID3 tag, or an MPEG frame sync that is
+    not ADTS), else None."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head[:3] == b"ID3" or (len(head) >= 2 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0
+                              and head[1] & 0x06):
+        return _MP3
+    return None
+
+
+def _has_av() -> bool:
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _warn_mp3_whole(path: Path) -> None:
+    import logging
+
+    if not _mp3_warned:
+        logging.getLogger(__name__).warning(
+            "%s: long MP3 read whole (libsndfile garbles MP3 read in blocks); for bounded memory "
+            "pip install '%s'", path, AV_REQUIREMENT)
+    _mp3_warned.add(str(path))
+
+
+_SNDFILE_MAGIC = (b"RIFF", b"RIFX", b"RF64", b"BW64", b"fLaC", b"OggS", b"FORM", b".snd", b"caff",
+                  b"NIST_1A", b"ID3")
+
+
+def _av_kind(path: Path) -> str | None:
+    """What PyAV decodes this file as, or None when libsndfile reads it (its own formats are
+    never sent to PyAV: libsndfile detects truncation the way the rest of this module expects)."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if kind := _magic_kind(head):
+        return kind
+    suffix = path.suffix.lower()
+    if suffix in AV_EXTENSIONS and not head.startswith(_SNDFILE_MAGIC):
+        return f"{suffix[1:]} audio"
+    return None
+
+
+def _av_module(kind: str) -> Any:
+    """The ``av`` module, or a per-file :class:`AudioError` naming what to install."""
+    try:
+        import av
+    except ImportError:
+        raise AudioError(f"{kind} needs PyAV (FFmpeg), which is not installed: "
+                         f"pip install '{AV_REQUIREMENT}' (or 'polyaccel-asr[formats]')") from None
+    return av
+
+
+@contextlib.contextmanager
+def _av_open(path: Path, kind: str) -> Iterator[tuple[Any, Any]]:
+    """(container, its first audio stream), FFmpeg's errors as :class:`AudioError`."""
+    av = _av_module(kind)
+    name = os.fspath(path)
+    try:
+        name.encode("utf-8")
+        source: Any = name
+    except UnicodeEncodeError:  # a name that is not UTF-8: hand FFmpeg a Python file object
+        source = open(path, "rb")  # noqa: SIM115 (closed below)
+    try:
+        with av.open(source, "r") as c:
+            if not c.streams.audio:
+                raise AudioError("no audio stream in the file")
+            yield c, c.streams.audio[0]
+    except av.FFmpegError as e:
+        raise AudioError(_describe_decode_error(path, str(getattr(e, "strerror", None) or e))) from None
+    finally:
+        if source is not name:
+            source.close()
+
+
+def _av_declared_s(c: Any, s: Any) -> float | None:
+    """Seconds the container's header declares (MP4, Matroska, ASF store it; ADTS and AMR do
+    not, and FFmpeg's estimate from the bit rate is no promise)."""
+    fmt = c.format.name
+    if ("mp4" in fmt or "mov" in fmt) and s.duration:
+        return float(s.duration * s.time_base)
+    if ("matroska" in fmt or "asf" in fmt) and c.duration:
+        return c.duration / 1e6
+    return None
+
+
+def _av_duration(path: Path, kind: str) -> float:
+    with _av_open(path, kind) as (c, s):
+        seconds = _av_declared_s(c, s)
+        if seconds is None and c.duration:
+            seconds = c.duration / 1e6
+    if seconds is None:  # nothing says: decode (one block at a time) and count
+        seconds = sum(len(b) for b in _av_stream(path, kind, 16000, STREAM_BLOCK_S)) / 16000
+    if seconds <= 0:
+        raise AudioError("empty audio (0 samples)")
+    return float(seconds)
+
+
+_AV_TRUNCATION_SLACK_S = 0.1  # codec delay and frame granularity: what a complete file may miss
+
+
+def _av_stream(path: Path, kind: str, sample_rate: int, block_s: float) -> Iterator[np.ndarray]:
+    """:func:`stream_audio` through PyAV: FFmpeg frames, mixed to mono, gathered into blocks
+    of ``block_s`` seconds, resampled with soxr as libsndfile's blocks are. Samples past the
+    duration an MP4 header declares (the encoder's end padding) are dropped; a file that
+    holds less than its header declares is an error, as with libsndfile."""
+    with _av_open(path, kind) as (c, s):
+        av = _av_module(kind)
+        declared_s = _av_declared_s(c, s)
+        convert = av.AudioResampler(format="fltp")
+        rate = 0
+        resample: _Resampler | None = None
+        pending: list[np.ndarray] = []
+        n_pending = total = 0
+        cap = None
+        for frame in c.decode(s):
+            for f in convert.resample(frame):
+                x = f.to_ndarray()  # [C, n] float32
+                if not rate:
+                    rate = int(f.rate)
+                    resample = _Resampler(rate, sample_rate)
+                    cap = None if declared_s is None or "mp4" not in c.format.name else round(declared_s * rate)
+                elif int(f.rate) != rate:
+                    raise AudioError(f"sample rate changes mid-file ({rate} -> {f.rate} Hz)")
+                mono = x.mean(axis=0) if x.shape[0] > 1 else x[0]
+                if cap is not None:
+                    mono = mono[: max(0, cap - total)]
+                total += len(mono)
+                pending.append(mono)
+                n_pending += len(mono)
+                if n_pending >= block_s * rate:
+                    yield resample(_mono_finite(np.concatenate(pending)[:, None]))
+                    pending, n_pending = [], 0
+        if n_pending:
+            yield resample(_mono_finite(np.concatenate(pending)[:, None]))
+        if total == 0:
+            raise AudioError("empty audio (0 samples)")
+        if declared_s is not None and total / rate < declared_s - _AV_TRUNCATION_SLACK_S:
+            raise AudioError(f"truncated audio: header declares {declared_s:.2f} s, "
+                             f"file holds {total / rate:.2f} s")
+        if len(tail := resample(np.zeros(0, np.float32), last=True)):
+            yield tail
 
 
 # ---- long audio: windows and stitching ----------------------------------------------------
