@@ -27,6 +27,7 @@ examples:
   polyaccel-asr transcribe clips/ --refs transcription -o out.jsonl
   polyaccel-asr transcribe clips/ --ray --num-actors 4 -o out.jsonl
   ray job submit --address http://127.0.0.1:8265 -- polyaccel-asr transcribe --ray /data/clips -o /data/out.jsonl
+  polyaccel-asr transcribe clips/ --timestamps -o out.jsonl && polyaccel-asr export out.jsonl --format srt -d subs/
   polyaccel-asr wer --refs transcription --hyps out.jsonl
   polyaccel-asr bench clips/*.wav --batch-sizes 1,8,32
   polyaccel-asr convert path/to/ct2_model ./whisper-hf
@@ -115,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "arrives)")
     t.add_argument("--overlap", type=_seconds, default=3.0, help="seconds of overlap between long-audio windows")
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--timestamps", action=argparse.BooleanOptionalAction, default=False,
+                   help="decode with Whisper's timestamp tokens: each line gets \"segments\" "
+                        "[{start, end, text}] in seconds (for `export --format srt|vtt`; default: off)")
     t.add_argument("--ray", action="store_true", help="run as a Ray Data job (an actor per device)")
     t.add_argument("--address", default=None,
                    help="Ray cluster address (default: RAY_ADDRESS, the job's cluster under `ray job submit`, "
@@ -135,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="compile every shape bucket ahead of time")
     model_args(c)
 
+    from polyaccel.asr.export import add_parser as add_export_parser
+
+    add_export_parser(sub)
     sub.add_parser("convert", help="convert a CTranslate2 Whisper model to a Hugging Face directory",
                    add_help=False)
     return p
@@ -149,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return convert_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "export":
+            from polyaccel.asr.export import cmd_export
+
+            return cmd_export(args)
         return {"transcribe": cmd_transcribe, "wer": cmd_wer, "bench": cmd_bench,
                 "compile": cmd_compile}[args.command](args)
     except UsageError as e:
@@ -371,7 +382,7 @@ def _results(todo: list[Any], args: argparse.Namespace) -> Iterator[dict[str, An
             raise UsageError(f"unknown backend {args.backend!r}; known: {', '.join(backends())}")
         opts = RayJobOptions(model=args.model, backend=args.backend, replicas=args.replicas,
                              batch_size=args.batch_size, dtype=args.dtype, overlap_s=args.overlap,
-                             address=args.address, num_actors=args.num_actors)
+                             address=args.address, num_actors=args.num_actors, timestamps=args.timestamps)
         return transcribe_with_ray(todo, opts)
     return _local_records(_transcriber(args), todo, args.model)
 
@@ -396,7 +407,8 @@ def _transcriber(args: argparse.Namespace, batch_size: int | None = None) -> Any
     try:
         return Transcriber.from_pretrained(args.model, backend=args.backend, replicas=args.replicas,
                                            batch_size=batch_size or args.batch_size, dtype=_dtype(args.dtype),
-                                           overlap_s=getattr(args, "overlap", 3.0))
+                                           overlap_s=getattr(args, "overlap", 3.0),
+                                           timestamps=getattr(args, "timestamps", False))
     except (BackendUnavailable, KeyError, ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         raise UsageError(e.args[0] if isinstance(e, KeyError) and e.args else str(e)) from None
 

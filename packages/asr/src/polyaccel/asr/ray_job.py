@@ -39,6 +39,7 @@ class RayJobOptions:
     num_actors: int | None = None
     rows_per_call: int | None = None  # paths per map_batches call (default: 4 batches per replica)
     local_num_cpus: int | None = None  # CPUs of the in-process cluster (default: all)
+    timestamps: bool = False  # Whisper timestamp tokens: each record gets "segments"
 
 
 def import_ray() -> Any:
@@ -69,7 +70,7 @@ class TranscribeActor:
         self.model = opts.model
         self.transcriber = Transcriber.from_pretrained(opts.model, backend=backend, replicas=opts.replicas,
                                                        batch_size=opts.batch_size, dtype=dtype,
-                                                       overlap_s=opts.overlap_s)
+                                                       overlap_s=opts.overlap_s, timestamps=opts.timestamps)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         from polyaccel.asr.wer import wer

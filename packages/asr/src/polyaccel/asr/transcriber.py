@@ -41,6 +41,14 @@ from polyaccel.asr.audio import (
     window_bounds,
 )
 from polyaccel.asr.manifest import InputItem
+from polyaccel.asr.timestamps import (
+    TimedText,
+    decode_tail,
+    joined,
+    segment_records,
+    segments_of,
+    stitch_segments,
+)
 
 AudioInput = str | os.PathLike | np.ndarray | InputItem | tuple
 """A path, an :class:`InputItem`, a mono float32 array at the model's rate, or (array, rate)."""
@@ -74,6 +82,8 @@ class TranscriptResult:
         ref: the reference text, when one was given with the input.
         warnings: windows whose word rate is implausible for their speech (words may be
             missing, or the model looped); the text is still the best we have.
+        segments: with timestamps, ``[{"start", "end", "text"}]`` in seconds from the start
+            of the input (windows of long audio stitched); None without.
     """
 
     path: str
@@ -83,6 +93,7 @@ class TranscriptResult:
     windows: int = 1
     ref: str | None = None
     warnings: list[str] = dataclasses.field(default_factory=list)
+    segments: list[dict[str, Any]] | None = None
 
     @property
     def ok(self) -> bool:
@@ -96,6 +107,8 @@ class TranscriptResult:
             rec["ref"] = self.ref
         if self.warnings:
             rec["warnings"] = list(self.warnings)
+        if self.segments is not None:
+            rec["segments"] = self.segments
         rec.update(extra)
         return rec
 
@@ -219,13 +232,15 @@ class Transcriber:
     def from_pretrained(cls, path_or_name: str | os.PathLike = "whisper-tiny.en", *, backend: Any = "auto",
                         replicas: int | None = None, batch_size: int = 8, dtype: Any = None,
                         overlap_s: float = DEFAULT_OVERLAP_S, use_graphs: bool = True,
-                        max_new_tokens: int | None = None, **runner_options: Any) -> Transcriber:
+                        max_new_tokens: int | None = None, timestamps: bool = False,
+                        **runner_options: Any) -> Transcriber:
         """Load a model (a directory, or a known name such as ``"whisper-tiny.en"``) and build
         ``replicas`` runners on ``backend`` (``"auto"``, ``"cpu"``, ``"cuda"``, ``"neuron"``).
 
         ``replicas`` defaults to the backend's device count (1 on CPU). Replicas on one device
         share the weights; each owns its runner, graphs and caches. ``dtype`` defaults to the
         backend's. Extra keyword arguments go to the runner (e.g. ``batch_buckets``).
+        ``timestamps``: decode with Whisper's timestamp tokens; each result gets ``segments``.
         """
         from polyaccel.core import select_backend
 
@@ -245,16 +260,20 @@ class Transcriber:
                 return models[key]
 
         first = model_on(devices[0])  # loaded up front: its rate and window length shape the job
+        if timestamps and getattr(first, "timestamp_rules", lambda: None)() is None:
+            raise ValueError(f"{path_or_name}: this model does not predict timestamps")
 
         def make_runner(i: int) -> Any:
             from polyaccel.asr.runner import ASRRunner
 
             opts = {"batch_buckets": _batch_buckets(batch_size), **runner_options}
             return ASRRunner(model_on(devices[i % len(devices)]), backend=be,
-                             max_new_tokens=max_new_tokens, use_graphs=use_graphs, **opts)
+                             max_new_tokens=max_new_tokens, use_graphs=use_graphs, timestamps=timestamps, **opts)
 
         def replica_factory(i: int) -> Recognize:
             runner = make_runner(i)
+            if timestamps:
+                return lambda audio: [TimedText(h.text, h.segments or []) for h in runner.recognize(audio)]
             return lambda audio: [h.text for h in runner.recognize(audio)]
 
         def compile_replica(i: int) -> int:
@@ -348,6 +367,7 @@ class Transcriber:
         r.warnings.sort(key=lambda w: int(w.split()[1]))  # window order, whatever the finishing order
         if r.error is None:
             r.text = stitch([t or "" for t in p.texts], p.spans_s) if len(p.texts) > 1 else (p.texts[0] or "").strip()
+            r.segments = segment_records(stitch_segments([segments_of(t) for t in p.texts], p.spans_s))
             m.audio_s += r.duration_s
         else:
             r.text = ""
@@ -540,6 +560,8 @@ def _plausible(w: _Window, text: str, recognize: Recognize, sample_rate: int) ->
     if not isinstance(text, str):
         return text  # the pool reports it as a failure
     speech = speech_seconds(w.audio, sample_rate)
+    if w.long and isinstance(text, TimedText):  # with timestamps: seek past the last segment, as Whisper does
+        text = decode_tail(w.audio, text, recognize, sample_rate)
     if not w.long or not _too_few_words(text, speech):
         return _Decoded(text, speech)
     again = _decode_in_pieces(w.audio, recognize, sample_rate, skip_head=w.win > 0, depth=2)
@@ -563,13 +585,14 @@ def _decode_in_pieces(audio: np.ndarray, recognize: Recognize, sample_rate: int,
     audio = audio[start:]
     seconds = len(audio) / sample_rate
     cut = quietest_point(audio, sample_rate, seconds / 3, 2 * seconds / 3)
-    pieces = [p for p in (audio[:cut], audio[cut:]) if len(p) >= sample_rate // 10]
+    parts = [(o, p) for o, p in ((0, audio[:cut]), (cut, audio[cut:])) if len(p) >= sample_rate // 10]
+    pieces = [p for _, p in parts]
     texts = recognize(pieces)
     for k, (piece, text) in enumerate(zip(pieces, texts)):
         if depth > 1 and len(piece) >= 10 * sample_rate and _too_few_words(text, speech_seconds(piece, sample_rate)):
             again = _decode_in_pieces(piece, recognize, sample_rate, skip_head=False, depth=depth - 1)
             texts[k] = again if len(again.split()) > len(text.split()) else text
-    return " ".join(t.strip() for t in texts if t.strip())
+    return joined(texts, [(start + o) / sample_rate for o, _ in parts])  # segments: from the window's start
 
 
 # ---- helpers ----------------------------------------------------------------------------------

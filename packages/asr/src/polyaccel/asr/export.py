@@ -1,0 +1,202 @@
+"""``polyaccel-asr export``: subtitles (SRT, WebVTT) or plain text, one file per input, from a
+results JSONL written by ``transcribe``.
+
+Files are named after the input's stem (``clips/a.wav`` -> ``DIR/a.srt``); a file name that is
+not valid UTF-8 is rebuilt from the record's ``path_bytes`` so the subtitle sits next to the
+right name byte for byte. Two inputs with one stem get ``a.srt`` and ``a-2.srt`` (in record
+order, each said on stderr). An existing file is never replaced unless ``--overwrite``; a new
+one is created exclusively (``O_EXCL``), a replaced one written next to it and renamed over it.
+
+Exit status: 0 every transcribed input has its file; 1 some could not be written (the record
+failed, has no segments for srt/vtt, the file exists, a write error), each said on stderr;
+2 usage error (no such results file, not a results file, ``-d`` is not a folder), nothing
+written; 3 nothing written at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+FORMATS = ("srt", "vtt", "txt")
+EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_NOTHING_DONE = 0, 1, 2, 3
+
+
+# ---- formatting ----------------------------------------------------------------------------------
+
+
+def _clock(seconds: float, sep: str) -> str:
+    ms = max(0, round(float(seconds) * 1000))
+    h, ms = divmod(ms, 3_600_000)
+    m, ms = divmod(ms, 60_000)
+    s, ms = divmod(ms, 1000)
+    return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
+
+
+def _cues(segments: Sequence[dict[str, Any]]) -> list[tuple[float, float, str]]:
+    """(start, end, one-line text) per segment with text; end never before start."""
+    out = []
+    for s in segments:
+        text = " ".join(str(s.get("text", "")).split())  # a blank line inside a cue would end it
+        if text:
+            start = float(s["start"])
+            out.append((start, max(start, float(s["end"])), text))
+    return out
+
+
+def to_srt(segments: Sequence[dict[str, Any]]) -> str:
+    """SubRip: numbered cues, ``HH:MM:SS,mmm --> HH:MM:SS,mmm``, a blank line after each."""
+    return "".join(f"{i}\n{_clock(a, ',')} --> {_clock(b, ',')}\n{t}\n\n"
+                   for i, (a, b, t) in enumerate(_cues(segments), 1))
+
+
+def to_vtt(segments: Sequence[dict[str, Any]]) -> str:
+    """WebVTT: the ``WEBVTT`` header, cues ``HH:MM:SS.mmm --> HH:MM:SS.mmm``; ``&``, ``<``, ``>``
+    escaped (cue text is markup), so ``-->`` cannot appear in a cue."""
+    def esc(t: str) -> str:
+        return t.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+    return "WEBVTT\n\n" + "".join(f"{_clock(a, '.')} --> {_clock(b, '.')}\n{esc(t)}\n\n"
+                                  for a, b, t in _cues(segments))
+
+
+def render(record: dict[str, Any], fmt: str) -> str:
+    """The file for one record; ValueError if it cannot be made (no segments for srt/vtt)."""
+    if fmt == "txt":
+        return str(record.get("text", "")).strip() + "\n"
+    segments = record.get("segments")
+    if not isinstance(segments, list):
+        raise ValueError("no segments in the record (transcribe with --timestamps)")
+    return to_srt(segments) if fmt == "srt" else to_vtt(segments)
+
+
+# ---- the command -----------------------------------------------------------------------------------
+
+
+class ExportUsageError(Exception):
+    """Exit status 2."""
+
+
+def add_parser(sub: Any) -> None:
+    """The ``export`` subcommand on the CLI's subparsers."""
+    e = sub.add_parser("export", help="write SRT/VTT subtitles or text files, one per input, from a results JSONL",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("results", metavar="OUT.jsonl", help="results file written by `transcribe`")
+    e.add_argument("--format", "-f", choices=FORMATS, default="srt", help="output format (default: %(default)s)")
+    e.add_argument("-d", "--dir", required=True, help="folder for the files (created if missing)")
+    e.add_argument("--overwrite", action="store_true", help="replace files that already exist")
+    e.add_argument("-q", "--quiet", action="store_true", help="only errors on stderr")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write one file per transcribed input; see the module docstring for exit statuses."""
+    from polyaccel.asr.results_file import NotResultsFile, path_key, record_path, scan_results
+
+    try:
+        if not os.path.isfile(args.results):
+            raise ExportUsageError(f"no such results file: {args.results}")
+        try:
+            records = scan_results(args.results).records
+        except NotResultsFile as e:
+            raise ExportUsageError(f"{args.results} is not a polyaccel-asr results file ({e})") from None
+        except OSError as e:
+            raise ExportUsageError(f"cannot read {args.results}: {e.strerror or e}") from None
+        out_dir = _out_dir(args.dir)
+    except ExportUsageError as e:
+        print(f"polyaccel-asr export: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+    # A resumed file may hold a failed line and, later, the same input's good one: keep the
+    # good one; an input that only failed is reported once.
+    best: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        key = path_key(record_path(rec))
+        if key not in best or (best[key].get("error") and not rec.get("error")):
+            best[key] = rec
+    written, problems, taken = 0, 0, set()
+    for rec in best.values():
+        path = record_path(rec)
+        shown = rec.get("path", path)
+        if rec.get("error"):
+            problems += 1
+            print(f"  skipped {shown}: it failed ({rec['error']})", file=sys.stderr)
+            continue
+        try:
+            body = render(rec, args.format)
+        except ValueError as e:
+            problems += 1
+            print(f"  skipped {shown}: {e}", file=sys.stderr)
+            continue
+        target = _target(out_dir, path, args.format, taken)
+        try:
+            _write(target, body, args.overwrite)
+        except FileExistsError:
+            problems += 1
+            print(f"  skipped {shown}: {_show(target)} exists (--overwrite replaces it)", file=sys.stderr)
+            continue
+        except OSError as e:
+            problems += 1
+            print(f"  failed {shown}: cannot write {_show(target)}: {e.strerror or e}", file=sys.stderr)
+            continue
+        written += 1
+        if not args.quiet and os.path.basename(target) != _name(path, args.format):
+            print(f"  {shown} -> {_show(target)} (name taken by another input)", file=sys.stderr)
+    if not args.quiet or problems:
+        print(f"{written} written to {args.dir}, {problems} not", file=sys.stderr)
+    if problems and not written:
+        return EXIT_NOTHING_DONE
+    return EXIT_SOME_FAILED if problems else EXIT_OK
+
+
+def _show(name: bytes) -> str:
+    """A file name for messages: odd bytes as ``\\xNN``, as in the records' ``path``."""
+    return name.decode("utf-8", "backslashreplace")
+
+
+def _out_dir(d: str) -> bytes:
+    if os.path.lexists(d) and not os.path.isdir(d):
+        raise ExportUsageError(f"-d {d} exists and is not a folder")
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        raise ExportUsageError(f"-d {d}: cannot create it ({e.strerror})") from None
+    return os.fsencode(d)
+
+
+def _name(path: str, fmt: str) -> bytes:
+    """``stem.fmt`` of an input path, as bytes (exact for non-UTF-8 names)."""
+    base = os.path.basename(os.fsencode(path)) or b"audio"
+    stem = os.path.splitext(base)[0] if not base.startswith(b".") or base.count(b".") > 1 else base
+    return stem + b"." + fmt.encode()
+
+
+def _target(out_dir: bytes, path: str, fmt: str, taken: set[bytes]) -> bytes:
+    name = _name(path, fmt)
+    stem = name[: -len(fmt) - 1]
+    k = 1
+    while name in taken:
+        k += 1
+        name = stem + b"-%d." % k + fmt.encode()
+    taken.add(name)
+    return os.path.join(out_dir, name)
+
+
+def _write(target: bytes, body: str, overwrite: bool) -> None:
+    data = body.encode("utf-8")
+    if not overwrite:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        with open(fd, "wb") as f:
+            f.write(data)
+        return
+    tmp = target + b".tmp-%d" % os.getpid()
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise

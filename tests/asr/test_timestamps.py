@@ -1,0 +1,277 @@
+"""Whisper segment timestamps: our graph-capturable timestamp rules equal Hugging Face's
+``WhisperTimeStampLogitsProcessor`` step by step; segments on real speech (tiny.en, base) equal
+``generate(return_timestamps=True)``'s; a long file gets monotonic absolute times covering its
+speech; SRT/VTT/txt export (golden files, names, overwrite, exit codes). Negative controls show
+the comparisons catch a broken rule."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from polyaccel.asr import samples, weights
+from polyaccel.asr.decoding import GreedyBuffers, Segment, TimestampRules, greedy_update
+from polyaccel.asr.export import to_srt, to_vtt
+from polyaccel.asr.timestamps import TimedText, stitch_segments
+
+LIBRIVOX = samples.librivox_dir() or samples.DEBIAN_LIBRIVOX
+SR = 16000
+
+# A small vocabulary laid out like Whisper's: text < EOS <= specials < NO_TS < timestamps.
+V, EOS, NO_TS = 120, 50, 59
+BEGIN = NO_TS + 1
+
+
+# ---- the rules against Hugging Face's processor -------------------------------------------------
+
+
+def _hf_processor(max_initial: int | None = 5, detect: bool = True):
+    from transformers import GenerationConfig
+    from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
+
+    cfg = GenerationConfig(eos_token_id=EOS, no_timestamps_token_id=NO_TS, max_initial_timestamp_index=max_initial)
+    return WhisperTimeStampLogitsProcessor(cfg, begin_index=2, _detect_timestamp_from_logprob=detect)
+
+
+def _run_both(ours: TimestampRules, hf, seed: int, steps: int = 40, B: int = 6) -> tuple[int, int]:
+    """Greedy over random logits (timestamps made likely), ours through greedy_update's buffers,
+    HF's on the whole id history. Returns (steps where the processed scores differ, steps)."""
+    g = torch.Generator().manual_seed(seed)
+    buf = GreedyBuffers.allocate(B, steps, "cpu")
+    buf.reset(B, EOS)
+    ids = torch.full((B, 2), 7, dtype=torch.int64)  # a 2-token prompt: begin_index 2
+    differ = 0
+    for _ in range(steps):
+        logits = torch.randn(B, V, generator=g) * 3
+        logits[:, BEGIN:] += torch.randn(B, 1, generator=g) * 3  # some rows favour timestamps
+        logits[:, EOS] -= 6  # long sequences
+        expected = hf(ids, logits.clone())
+        got = ours.apply(logits.clone(), buf.out, buf.step)
+        differ += int(not torch.equal(got, expected))
+        nxt = expected.argmax(-1)
+        ids = torch.cat([ids, nxt[:, None]], 1)
+        buf.out[:, int(buf.step)] = nxt
+        buf.step += 1
+    return differ, steps
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_rules_equal_transformers_processor_step_by_step(seed):
+    differ, steps = _run_both(TimestampRules(BEGIN, NO_TS, EOS, 5), _hf_processor(5), seed)
+    assert differ == 0, f"{differ} of {steps} steps differ"
+
+
+def test_negative_controls_a_changed_rule_is_seen():
+    """Each rule matters to the comparison above: change one on either side and it fails."""
+    assert _run_both(TimestampRules(BEGIN, NO_TS, EOS, 5), _hf_processor(5, detect=False), 0)[0] > 0
+    assert _run_both(TimestampRules(BEGIN, NO_TS, EOS, None), _hf_processor(5), 0)[0] > 0
+    assert _run_both(TimestampRules(BEGIN, NO_TS, EOS + 1, 5), _hf_processor(5), 0)[0] > 0  # eos as text
+    assert sum(_run_both(TimestampRules(BEGIN, NO_TS - 1, EOS, 5), _hf_processor(5), s)[0] for s in range(4)) > 0
+
+
+def test_rules_inside_greedy_update_trace_as_one_graph():
+    """The greedy step with the rules traces as one graph (TorchDynamo, fullgraph=True): no
+    .item()/.tolist()/data-dependent branch or shape, which a CUDA graph capture also needs."""
+    rules = TimestampRules(BEGIN, NO_TS, EOS, 5)
+    buf = GreedyBuffers.allocate(4, 8, "cpu")
+    buf.reset(3, EOS)
+    bias = torch.zeros(V)
+
+    def step(logits, *tensors):
+        greedy_update(logits, bias, GreedyBuffers(*tensors), EOS, rules)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    for _ in range(8):
+        compiled(torch.randn(4, V), *buf.tensors())
+    out = buf.out[:3].tolist()
+    assert all(row[0] >= BEGIN for row in out)  # first token a timestamp
+
+
+def test_segments_cut_like_transformers():
+    r = TimestampRules(BEGIN, NO_TS, EOS, 50)
+
+    def dec(ids):
+        return " ".join(f"w{i}" for i in ids)
+
+    t = BEGIN
+    # pairs, then a final lone timestamp
+    assert r.segments([t, 1, 2, t + 50, t + 50, 3, t + 90], dec, 30.0) == [
+        Segment(0.0, 1.0, "w1 w2"), Segment(1.0, 1.8, "w3")]
+    # text cut off after the last pair: kept, ending at the window's end
+    assert r.segments([t, 1, t + 10, t + 10, 4, 5], dec, 12.5) == [Segment(0.0, 0.2, "w1"), Segment(0.2, 12.5, "w4 w5")]
+    # no pair: one segment to the last timestamp, or to the window's end
+    assert r.segments([t + 5, 1, 2, t + 100], dec, 30.0) == [Segment(0.0, 2.0, "w1 w2")]
+    assert r.segments([t, 1, 2], dec, 7.5) == [Segment(0.0, 7.5, "w1 w2")]
+    assert r.segments([], dec, 3.0) == []
+
+
+def test_stitched_segments_are_absolute_and_monotonic():
+    a = [Segment(0.0, 10.0, "one"), Segment(10.0, 25.0, "two"), Segment(25.0, 29.5, "cut")]
+    b = [Segment(0.0, 2.0, "cut again"), Segment(2.5, 20.0, "three")]
+    got = stitch_segments([a, b], [(0.0, 30.0), (27.0, 57.0)])  # seam at 28.5
+    assert [s.text for s in got] == ["one", "two", "cut", "three"]
+    assert got[-1] == Segment(29.5, 47.0, "three")
+    assert stitch_segments([a, None], [(0.0, 30.0), (27.0, 57.0)]) is None
+    assert TimedText("x", a).segments == a and str(TimedText("x", a)) == "x"
+
+
+# ---- real speech -----------------------------------------------------------------------------------
+
+
+def _clips() -> list[np.ndarray]:
+    import soundfile as sf
+
+    files = sorted(LIBRIVOX.glob("*.wav"))
+    if not files:
+        pytest.skip("LibriVox clips missing (make setup)")
+    return [sf.read(f, dtype="float32")[0] for f in files]
+
+
+def _hf_segments(path: Path, audio: list[np.ndarray], **kw) -> list[list[tuple[float, float, str]]]:
+    import transformers
+
+    proc = transformers.WhisperProcessor.from_pretrained(path)
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    feats = proc(audio, sampling_rate=SR, return_tensors="pt").input_features
+    with torch.inference_mode():
+        out = model.generate(feats, num_beams=1, do_sample=False, return_timestamps=True, return_segments=True, **kw)
+    return [[(float(s["start"]), float(s["end"]), proc.decode(s["tokens"], skip_special_tokens=True).strip())
+             for s in segs] for segs in out["segments"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["whisper-tiny.en", "whisper-base"])
+def test_segments_equal_transformers_on_real_speech(name, one_thread, monkeypatch):
+    """The five clips alone (batch 8 bucket, 3 padding rows) and all five in one 24.7 s window
+    (7 segments for base): same segment texts, times within 0.02 s."""
+    from polyaccel.asr.runner import ASRRunner
+    from polyaccel.asr.whisper import WhisperASR
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    clips = _clips()
+    audio = clips + [np.concatenate(clips)]
+    path = weights.resolve_model(name)
+    kw = {"language": "en", "task": "transcribe"} if name == "whisper-base" else {}
+    expected = _hf_segments(path, audio, **kw)
+    model = WhisperASR.from_pretrained(path, **kw)
+    hyps = ASRRunner(model, backend="cpu", batch_buckets=(1, 8), timestamps=True).recognize(audio)
+    for h, exp in zip(hyps, expected, strict=True):
+        got = [(s.start, s.end, s.text) for s in h.segments]
+        assert [g[2] for g in got] == [e[2] for e in exp]
+        assert np.allclose([g[:2] for g in got], [e[:2] for e in exp], atol=0.02, rtol=0)
+    assert len(hyps[-1].segments) >= 3
+
+
+@pytest.mark.slow
+def test_long_file_segments_are_absolute_monotonic_and_cover_the_speech(one_thread, tmp_path):
+    """~170 s of the clips with 1 s silences (7 windows): segments start at 0, never go back,
+    leave no gap longer than a clip's pause plus a little, and reach the last clip."""
+    import soundfile as sf
+
+    from polyaccel.asr.transcriber import Transcriber
+    from polyaccel.asr.wer import wer_counts
+
+    clips = _clips()
+    pieces, spans, t = [], [], 0.0
+    for k in range(28):
+        c = clips[k % len(clips)]
+        pieces += [c, np.zeros(SR, np.float32)]
+        spans.append((t, t + len(c) / SR))
+        t += len(c) / SR + 1.0
+    path = tmp_path / "long.wav"
+    sf.write(path, np.concatenate(pieces), SR)
+    with Transcriber.from_pretrained("whisper-tiny.en", backend="cpu", replicas=1, batch_size=4,
+                                     timestamps=True) as tr:
+        own = [r.text for r in tr.transcribe(clips)]
+        (r,) = tr.transcribe([str(path)])
+    assert r.ok and r.windows == 7
+    segs = r.segments
+    starts, ends = [s["start"] for s in segs], [s["end"] for s in segs]
+    assert starts[0] < 1.0 and ends[-1] > spans[-1][1] - 3.0
+    assert all(a <= b for a, b in zip(starts, ends))
+    assert all(e <= s2 + 1e-9 for e, s2 in zip(ends, starts[1:]))
+    # every clip's stretch of audio overlaps some segment
+    assert all(any(s["start"] < b and s["end"] > a for s in segs) for a, b in spans)
+    ref = " ".join(own[k % len(clips)] for k in range(28))
+    for hyp in (r.text, " ".join(s["text"] for s in segs)):  # 0.951 both (0.87 without decode_tail)
+        c = wer_counts([ref], [hyp])
+        assert 1 - (c.substitutions + c.deletions) / c.ref_words >= 0.94
+
+
+# ---- SRT / VTT / txt export -------------------------------------------------------------------------
+
+SEGS = [{"start": 0.0, "end": 2.5, "text": "Hello there."},
+        {"start": 2.5, "end": 3661.0456, "text": "A <b> & c\n\nd"}]
+
+
+def test_srt_and_vtt_golden():
+    assert to_srt(SEGS) == ("1\n00:00:00,000 --> 00:00:02,500\nHello there.\n\n"
+                            "2\n00:00:02,500 --> 01:01:01,046\nA <b> & c d\n\n")
+    assert to_vtt(SEGS) == ("WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nHello there.\n\n"
+                            "00:00:02.500 --> 01:01:01.046\nA &lt;b&gt; &amp; c d\n\n")
+    assert to_srt([]) == "" and to_vtt([]) == "WEBVTT\n\n"
+
+
+def _results(tmp_path: Path, records: list[dict]) -> Path:
+    p = tmp_path / "out.jsonl"
+    p.write_text("".join(json.dumps({"path": "", "text": "", "duration_s": 1.0, "error": None, **r}) + "\n"
+                         for r in records))
+    return p
+
+
+def test_export_files_names_overwrite_and_exit_codes(tmp_path, capsys):
+    from polyaccel.asr.cli import main
+
+    odd = b"/data/caf\xe9.wav"  # not UTF-8: the record's path shows \xNN, path_bytes is exact
+    res = _results(tmp_path, [
+        {"path": "clips/a.wav", "text": "Hello there.", "segments": SEGS[:1]},
+        {"path": "other/a.flac", "text": "Again.", "segments": [{"start": 1, "end": 2, "text": "Again."}]},
+        {"path": "/data/caf\\xe9.wav", "path_bytes": base64.b64encode(odd).decode(), "text": "Caf",
+         "segments": []},
+    ])
+    out = tmp_path / "subs"
+    assert main(["export", str(res), "--format", "srt", "-d", str(out), "-q"]) == 0
+    names = sorted(os.listdir(os.fsencode(out)))
+    assert names == [b"a-2.srt", b"a.srt", b"caf\xe9.srt"]
+    assert (out / "a.srt").read_text() == "1\n00:00:00,000 --> 00:00:02,500\nHello there.\n\n"
+    assert (out / "a-2.srt").read_text() == "1\n00:00:01,000 --> 00:00:02,000\nAgain.\n\n"
+    # never overwritten unless asked
+    (out / "a.srt").write_text("mine")
+    assert main(["export", str(res), "-f", "srt", "-d", str(out), "-q"]) == 3
+    assert (out / "a.srt").read_text() == "mine"
+    assert "exists (--overwrite replaces it)" in capsys.readouterr().err
+    assert main(["export", str(res), "-f", "srt", "-d", str(out), "--overwrite", "-q"]) == 0
+    assert (out / "a.srt").read_text().startswith("1\n")
+    assert main(["export", str(res), "-f", "txt", "-d", str(out), "-q"]) == 0
+    assert (out / "a.txt").read_text() == "Hello there.\n"
+    assert main(["export", str(res), "-f", "vtt", "-d", str(out), "-q"]) == 0
+    assert (out / "a.vtt").read_text().startswith("WEBVTT\n\n00:00:00.000 --> 00:00:02.500\n")
+
+
+def test_export_failed_records_and_usage_errors(tmp_path, capsys):
+    from polyaccel.asr.cli import main
+
+    res = _results(tmp_path, [
+        {"path": "bad.wav", "error": "missing file"},
+        {"path": "plain.wav", "text": "no timestamps"},        # transcribed without --timestamps
+        {"path": "good.wav", "text": "ok", "segments": [{"start": 0, "end": 1, "text": "ok"}]},
+    ])
+    out = tmp_path / "subs"
+    assert main(["export", str(res), "-f", "srt", "-d", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "skipped bad.wav: it failed (missing file)" in err
+    assert "skipped plain.wav: no segments in the record (transcribe with --timestamps)" in err
+    assert sorted(os.listdir(out)) == ["good.srt"]
+    assert main(["export", str(res), "-f", "txt", "-d", str(tmp_path / "t"), "-q"]) == 1  # bad.wav only
+    assert main(["export", str(tmp_path / "nope.jsonl"), "-d", str(out)]) == 2
+    tsv = tmp_path / "x.tsv"
+    tsv.write_text("a\tb\n")
+    assert main(["export", str(tsv), "-d", str(out)]) == 2
+    assert main(["export", str(res), "-d", str(res)]) == 2  # -d is a file
+    assert "not a folder" in capsys.readouterr().err
