@@ -392,7 +392,8 @@ def _local_records(tr: Any, todo: list[Any], model: str) -> Iterator[dict[str, A
 
     try:
         for r in tr.transcribe_iter(todo):
-            extra: dict[str, Any] = {"model": model, "rtfx": round(tr.running_rtfx(), 2)}
+            extra: dict[str, Any] = {"model": tr.model_name or model, "weights_sha256": tr.weights_sha256,
+                                     "rtfx": round(tr.running_rtfx(), 2)}
             if r.ref is not None and r.ok:
                 extra["wer"] = round(wer([r.ref], [r.text]), 4)
             yield r.to_record(**extra)

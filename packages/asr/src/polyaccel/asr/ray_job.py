@@ -79,7 +79,9 @@ class TranscribeActor:
         items = [InputItem(os.fsdecode(p), str(r) if r else None) for p, r in zip(batch["read_path"], batch["ref"])]
         records = []
         for shown, r in zip(batch["path"], self.transcriber.transcribe(items)):
-            extra: dict[str, Any] = {"model": self.model, "rtfx": round(self.transcriber.last_metrics.rtfx, 2),
+            extra: dict[str, Any] = {"model": self.transcriber.model_name or self.model,
+                                     "weights_sha256": self.transcriber.weights_sha256,
+                                     "rtfx": round(self.transcriber.last_metrics.rtfx, 2),
                                      "actor": os.getpid()}
             if r.ref is not None and r.ok:
                 extra["wer"] = round(wer([r.ref], [r.text]), 4)

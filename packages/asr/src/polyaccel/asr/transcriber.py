@@ -189,6 +189,10 @@ class Transcriber:
     """Transcribes many files fast: decoding on the caller's thread, recognition on a pool of
     replicas.
 
+    ``model_name`` is the model's resolved name (``whisper-tiny.en`` for ``openai/whisper-tiny.en``,
+    a directory's absolute path) and ``weights_sha256`` the hash of its weight files (set by
+    :meth:`from_pretrained`; None for a model plugged in as a replica factory).
+
     Build one with :meth:`from_pretrained`; the constructor takes a ready replica factory,
     which is also how another model (or a fake, in tests) is plugged in.
 
@@ -216,6 +220,7 @@ class Transcriber:
         self.batch_size = max(1, batch_size)
         self.overlap_s = overlap_s
         self.model_name = model_name
+        self.weights_sha256: str | None = None
         self.backend_name = backend_name
         self.metrics = TranscribeMetrics()
         self.last_metrics = TranscribeMetrics()
@@ -247,7 +252,8 @@ class Transcriber:
         be = select_backend(backend)
         n = replicas or max(1, be.device_count())
         dtype = dtype or be.default_dtype()
-        path = _resolve_model(path_or_name)
+        resolved = _resolve_model(path_or_name)  # offline: installed packages, directories, HF cache
+        path = resolved.path
         devices = be.replica_devices(n)
         models: dict[str, Any] = {}
         load_lock = threading.Lock()
@@ -282,10 +288,12 @@ class Transcriber:
         # Whisper pads every window to 30 s, so mixing lengths in a batch costs nothing; other
         # encoders batch windows of similar length (5 s buckets).
         bucket_s = None if _model_type(path) == "whisper" else 5.0
-        return cls(replica_factory, sample_rate=int(first.sample_rate),
-                   max_audio_seconds=float(first.max_audio_seconds()), replicas=n, batch_size=batch_size,
-                   overlap_s=overlap_s, bucket_s=bucket_s, model_name=str(path_or_name),
-                   backend_name=be.name, compile_fn=compile_replica)
+        tr = cls(replica_factory, sample_rate=int(first.sample_rate),
+                 max_audio_seconds=float(first.max_audio_seconds()), replicas=n, batch_size=batch_size,
+                 overlap_s=overlap_s, bucket_s=bucket_s, model_name=resolved.name,
+                 backend_name=be.name, compile_fn=compile_replica)
+        tr.weights_sha256 = _weights_sha256(path)  # once per transcriber; cached by path+size+mtime
+        return tr
 
     # ---- running ---------------------------------------------------------------------------
 
@@ -644,10 +652,16 @@ def _batch_buckets(batch_size: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def _resolve_model(path_or_name: str | os.PathLike) -> Path:
-    from polyaccel.asr.weights import resolve_model
+def _resolve_model(path_or_name: str | os.PathLike) -> Any:
+    from polyaccel.asr.weights import resolve
 
-    return Path(resolve_model(str(path_or_name)))
+    return resolve(str(path_or_name))
+
+
+def _weights_sha256(path: Path) -> str:
+    from polyaccel.asr.weights import weights_sha256
+
+    return weights_sha256(path)
 
 
 def _model_type(path: Path) -> str:

