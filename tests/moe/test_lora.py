@@ -2,16 +2,22 @@
 grouped expert path. Checked against PEFT's own implementation on plain Transformers (which
 materializes ``W + B·A``): logits and every adapter gradient in fp32; adapter files and merged
 checkpoints interchange both ways; ``compile=True`` runs; selective recomputation gives the
-same gradients; the memory estimate's parts match real parameter counts."""
+same gradients, runs each layer's forward exactly twice per step and, in a compiled layer,
+compiles with its checkpoint (the bug it guards: the checkpoint call disabled dynamo for the
+whole layer, so ``compile=True`` + ``selective`` ran eagerly); ``recompute="auto"``; the
+memory estimate's parts match real parameter counts."""
 
 from __future__ import annotations
 
+import collections
 import copy
+import logging
 
 import pytest
 import torch
 import transformers
 
+from polyaccel.core.kernels import registry
 from polyaccel.moe import AutoModelForCausalLM, BackendConfig, lora, presets
 from polyaccel.moe.lora import LoraSettings
 
@@ -225,3 +231,126 @@ def dataclasses_replace(settings: LoraSettings, **changes) -> LoraSettings:
     import dataclasses
 
     return dataclasses.replace(settings, **changes)
+
+
+# ---- selective recomputation: how often, and compiled -----------------------------------------
+def _count_layer_pieces(model) -> collections.Counter:
+    """Forward calls per (layer, piece): attention's q-norm, the router, the experts' base module."""
+    calls: collections.Counter = collections.Counter()
+    for layer_idx, layer in enumerate(model.base_model.model.model.layers):
+        pieces = {"q_norm": layer.self_attn.q_norm}
+        if hasattr(layer.mlp, "experts"):
+            pieces["router"] = lora.unwrap_peft(layer.mlp.gate)[0]
+            pieces["experts"] = lora.unwrap_peft(layer.mlp.experts)[0]
+        for piece, module in pieces.items():
+            module.register_forward_pre_hook(lambda m, a, key=(layer_idx, piece): calls.update([key]))
+    return calls
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_each_layer_forward_runs_once_or_twice_per_step(tmp_path, recompute):
+    ours, _ = _pair(tmp_path, BackendConfig(loss="standard", compile=False))
+    ours.train()
+    if recompute == "selective":
+        lora.enable_selective_recompute(ours)
+        lora.enable_selective_recompute(ours)  # idempotent: no nested checkpoint
+    calls = _count_layer_pieces(ours)
+    ids = _ids()
+    for _ in range(2):
+        calls.clear()
+        ours(input_ids=ids, labels=ids).loss.backward()
+        want = 2 if recompute == "selective" else 1  # forward (+ one recompute in the backward)
+        assert calls and set(calls.values()) == {want}, dict(calls)
+
+
+# ---- compiled layers ---------------------------------------------------------------------------
+
+
+def _groups(offsets: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.searchsorted(offsets.to(torch.int64), torch.arange(n, device=offsets.device), right=True)
+
+
+def _traceable_grouped_mm(x, w, offsets):
+    """core's ``grouped_mm`` without its host sync (``offsets.tolist()``), as CUDA's is: per-row
+    expert weights gathered (tiny shapes only)."""
+    g = _groups(offsets, x.shape[0])
+    y = torch.einsum("nk,nok->no", x, w[g.clamp(max=w.shape[0] - 1)])
+    return torch.where((g < w.shape[0])[:, None], y, 0)
+
+
+def _traceable_grouped_mm_wgrad(dy, x, offsets, out=None, accumulate=True):
+    assert out is None
+    g, E = _groups(offsets, dy.shape[0]), offsets.numel()
+    return dy.new_zeros(E + 1, dy.shape[1], x.shape[1]).index_add_(
+        0, g.clamp(max=E), dy[:, :, None] * x[:, None, :])[:E]
+
+
+@pytest.fixture
+def sync_free_cpu_ops():
+    """CPU stand-ins for the CUDA backend's device grouped GEMMs (no host sync), so dynamo can
+    trace a whole layer on CPU as it does on CUDA."""
+    registry.register("grouped_mm", "cpu", _traceable_grouped_mm, impl="test")
+    registry.register("grouped_mm_wgrad", "cpu", _traceable_grouped_mm_wgrad, impl="test")
+    yield
+    registry.unregister("grouped_mm", "cpu")
+    registry.unregister("grouped_mm_wgrad", "cpu")
+
+
+def test_compiled_selective_layer_compiles_with_its_checkpoint(tmp_path, sync_free_cpu_ops):
+    """Each compiled layer is one graph holding the checkpoint (dynamo's
+    ``tag_activation_checkpoint``), no graph break, no recompile after the first step; the
+    adapter gradients equal PEFT's reference. Before the fix dynamo traced no frame at all."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    # grad_accumulation="fused" (the default) used to route the experts through a
+    # torch.compiler.disable'd call: a graph break that sends the whole checkpoint to eager
+    ours, ref = _pair(tmp_path, BackendConfig(compile=False, loss="standard", grad_accumulation="fused"))
+    ours.train()
+    lora.enable_selective_recompute(ours)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    for layer in ours.base_model.model.model.layers:
+        layer.compile(backend=backend)
+    ids = _ids()
+    frames = []
+    for _ in range(3):
+        ours.zero_grad()
+        ours(input_ids=ids, labels=ids).loss.backward()
+        frames.append(counters["frames"]["total"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert frames[0] > 0, "dynamo traced nothing: the checkpointed layers ran eagerly"
+    assert frames[1] == frames[2] == frames[0], frames  # nothing recompiled after the first step
+    assert graphs and all("tag_activation_checkpoint" in str(gm.graph) for gm in graphs)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    got = _adapter_grads(ours)
+    for name, g in _adapter_grads(ref).items():
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ---- recompute: auto -----------------------------------------------------------------------------
+
+
+def test_auto_recompute_picks_by_the_estimate_and_says_why(caplog):
+    auto = LoraSettings(r=16, alpha=32, recompute="auto")
+    caplog.set_level(logging.INFO, logger="polyaccel.moe.lora")
+    for layers, want in ((24, "none"), (48, "selective")):  # 62.9 / 122.4 GiB without recomputation
+        config = presets.qwen3_30b_a3b(num_hidden_layers=layers)
+        got = lora.resolve_recompute(auto, config, 4096, device_memory_gib=139.8)
+        assert got.recompute == want and got.r == 16
+        assert f"lora.recompute=auto -> {want}" in caplog.text and "GiB" in caplog.text
+    fixed = LoraSettings(recompute="selective")
+    assert lora.resolve_recompute(fixed, presets.qwen3_30b_a3b(), 4096, device_memory_gib=1e6) is fixed
+
+
+def test_auto_recompute_on_cpu_is_none(caplog):
+    caplog.set_level(logging.INFO, logger="polyaccel.moe.lora")
+    model = AutoModelForCausalLM.from_config(presets.tiny("qwen3_moe"))
+    model = lora.apply_lora(model, LoraSettings(r=4, alpha=8, recompute="auto"), seq_len=16)
+    assert not any(getattr(m, "_polyaccel_selective", False) for m in model.modules())
+    assert "lora.recompute=auto -> none" in caplog.text

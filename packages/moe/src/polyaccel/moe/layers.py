@@ -480,8 +480,12 @@ def call_experts(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torc
     """``experts(x, idx, w)``; outside ``torch.compile`` under expert parallelism (there the
     experts are their own FSDP2 unit on another mesh, whose unshard hooks must run eagerly: a
     compiled decoder layer would otherwise trace the sharded DTensor weights) and with fused
-    weight-gradient accumulation (its backward writes ``.grad``, which a graph cannot)."""
-    if getattr(experts, "dispatcher", None) is not None or getattr(experts, "fuse_wgrad", False):
+    weight-gradient accumulation (its backward writes ``.grad``, which a graph cannot). With
+    LoRA factors the fused accumulation never applies (the frozen base has no weight gradient;
+    :meth:`Experts._forward_lora` ignores ``fuse_wgrad``), so the experts stay in the compiled
+    layer: a graph break there would also make a checkpointed layer (selective recomputation,
+    :mod:`polyaccel.moe.lora`) fall back to eager as a whole."""
+    if getattr(experts, "dispatcher", None) is not None or (getattr(experts, "fuse_wgrad", False) and not lora):
         return _call_eagerly(experts, x, idx, w, lora)
     return experts(x, idx, w, lora) if lora else experts(x, idx, w)
 

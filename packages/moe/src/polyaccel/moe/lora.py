@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,8 @@ import torch
 from torch import nn
 
 from polyaccel.core import ops
+
+logger = logging.getLogger("polyaccel.moe.lora")
 
 #: PEFT ``target_parameters`` for our models' (and Transformers v5's) fused experts and router
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -133,10 +136,24 @@ class _GroupedLora(torch.autograd.Function):
         dA = dB = None
         if ctx.needs_input_grad[1]:
             x_rows = x if rows is None else x.index_select(0, rows)
-            dA = ops.grouped_mm_wgrad(g, x_rows.to(g.dtype), offsets)
+            dA = _grouped_wgrad(g, x_rows.to(g.dtype), offsets)
         if ctx.needs_input_grad[2]:
-            dB = ops.grouped_mm_wgrad(dy, xa, offsets) * s
+            dB = _grouped_wgrad(dy, xa, offsets) * s
         return dx, dA, dB, None, None, None, None
+
+
+@torch.library.custom_op("polyaccel_lora::grouped_wgrad", mutates_args=())
+def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``ops.grouped_mm_wgrad(dy, x, offsets)`` [E, O, K] as one opaque op: a compiled layer
+    (the backward of :class:`_GroupedLora` is traced with the forward) calls the backend's
+    kernel (Triton on CUDA, a host-syncing loop in core's reference) instead of tracing into it,
+    which could graph-break and so send a checkpointed layer back to eager."""
+    return ops.grouped_mm_wgrad(dy, x, offsets)
+
+
+@_grouped_wgrad.register_fake
+def _(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return dy.new_empty(offsets.shape[0], dy.shape[1], x.shape[1])
 
 
 def grouped_lora(x: torch.Tensor, offsets: torch.Tensor, f: LoraFactors,
@@ -174,9 +191,10 @@ class LoraSettings:
         target_modules: linear modules by name suffix (default: the attention projections).
         experts: adapters on the fused experts (``mlp.experts.gate_up_proj`` / ``down_proj``).
         router: an adapter on the router weight (``mlp.gate.weight``).
-        recompute: ``"none"`` or ``"selective"``: checkpoint each decoder layer but keep the
-            outputs of the large GEMMs and attention, recomputing only the cheap parts
-            (:func:`selective_recompute_policy`).
+        recompute: ``"none"``, ``"selective"`` (checkpoint each decoder layer but keep the
+            outputs of the large GEMMs and attention, recomputing only the cheap parts:
+            :func:`selective_recompute_policy`) or ``"auto"`` (:func:`resolve_recompute`:
+            none when the estimate without recomputation fits 85% of the device's memory).
     """
 
     r: int = 16
@@ -195,8 +213,8 @@ class LoraSettings:
         if self.dropout and (self.experts or self.router):
             raise ValueError("lora.dropout needs lora.experts: false and lora.router: false (PEFT's adapters on "
                              "parameters have no dropout)")
-        if self.recompute not in ("none", "selective"):
-            raise ValueError(f"lora.recompute={self.recompute!r} must be 'none' or 'selective'")
+        if self.recompute not in ("none", "selective", "auto"):
+            raise ValueError(f"lora.recompute={self.recompute!r} must be 'none', 'selective' or 'auto'")
         if not (self.target_modules or self.experts or self.router):
             raise ValueError("lora: nothing to adapt (target_modules empty, experts and router false)")
 
@@ -218,27 +236,75 @@ def require_peft() -> Any:
     return peft
 
 
-def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+def apply_lora(model: nn.Module, settings: LoraSettings, *, seq_len: int | None = None, micro_batch: int = 1
+               ) -> nn.Module:
     """Wrap ``model`` with PEFT adapters as ``settings`` say; returns the ``PeftModel``.
 
     The base weights are frozen (no gradients, no optimizer state); adapters are kept in fp32
     (PEFT's ``autocast_adapter_dtype``) and cast to the compute dtype in the expert path.
+    ``seq_len`` / ``micro_batch``: the training shape, for ``recompute="auto"``.
     """
     peft = require_peft()
+    settings = _resolved(model, settings, seq_len, micro_batch)
     model = peft.get_peft_model(model, settings.peft_config())
     if settings.recompute == "selective":
         enable_selective_recompute(model)
     return model
 
 
-def load_adapter(model: nn.Module, path: str, *, trainable: bool = True, settings: LoraSettings | None = None
-                 ) -> nn.Module:
+def load_adapter(model: nn.Module, path: str, *, trainable: bool = True, settings: LoraSettings | None = None,
+                 seq_len: int | None = None, micro_batch: int = 1) -> nn.Module:
     """Load a PEFT adapter directory (ours or plain PEFT's) onto ``model``; returns the ``PeftModel``."""
     peft = require_peft()
+    if settings is not None:
+        settings = _resolved(model, settings, seq_len, micro_batch)
     model = peft.PeftModel.from_pretrained(model, path, is_trainable=trainable)
     if settings is not None and settings.recompute == "selective":
         enable_selective_recompute(model)
     return model
+
+
+def _resolved(model: nn.Module, settings: LoraSettings, seq_len: int | None, micro_batch: int) -> LoraSettings:
+    if settings.recompute != "auto":
+        return settings
+    config = model.config
+    if seq_len is None:
+        seq_len = config.max_position_embeddings
+        logger.info("lora.recompute=auto: no training sequence length given; sizing for the model's "
+                    "max_position_embeddings=%d", seq_len)
+    param = next(model.parameters())
+    return resolve_recompute(settings, config, seq_len, micro_batch=micro_batch, device=param.device,
+                             weight_bytes=param.element_size())
+
+
+def resolve_recompute(settings: LoraSettings, config: Any, seq_len: int, *, micro_batch: int = 1,
+                      device: torch.device | str | None = None, weight_bytes: int = 2,
+                      device_memory_gib: float | None = None, budget: float = 0.85) -> LoraSettings:
+    """``settings`` with ``recompute="auto"`` decided: ``"none"`` when
+    :func:`estimate_lora_memory` without recomputation is under ``budget`` of the device's
+    memory (``device_memory_gib``, else the CUDA device's total), else ``"selective"``. Logs
+    which and why. Without a CUDA device (or a given size) it is ``"none"``; a config the
+    estimate cannot read gets ``"selective"``."""
+    if settings.recompute != "auto":
+        return settings
+    if device_memory_gib is None:
+        device = torch.device(device) if device is not None else None
+        if device is None or device.type != "cuda":
+            logger.info("lora.recompute=auto -> none: %s is not a CUDA device (no device memory to fit)", device)
+            return dataclasses.replace(settings, recompute="none")
+        device_memory_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    try:
+        need = estimate_lora_memory(config, seq_len, dataclasses.replace(settings, recompute="none"),
+                                    micro_batch=micro_batch, weight_bytes=weight_bytes)["total"]
+    except (AttributeError, TypeError) as e:
+        logger.info("lora.recompute=auto -> selective: no memory estimate for this config (%s)", e)
+        return dataclasses.replace(settings, recompute="selective")
+    limit = budget * device_memory_gib
+    choice = "none" if need < limit else "selective"
+    logger.info("lora.recompute=auto -> %s: estimated peak without recomputation %.1f GiB %s %.0f%% of %.1f GiB "
+                "(seq %d x micro-batch %d)", choice, need, "<" if choice == "none" else ">=", budget * 100,
+                device_memory_gib, seq_len, micro_batch)
+    return dataclasses.replace(settings, recompute=choice)
 
 
 def settings_from(section: Any) -> LoraSettings:
@@ -267,10 +333,11 @@ def finetune_setup(model: nn.Module, section: Any, train: Any, resume_from: Any,
         raise ConfigError("lora: expert parallelism (parallel.ep > 1) with LoRA is not supported")
     if train.cuda_graph is True:
         raise ConfigError("lora: train.cuda_graph=true is not supported with LoRA (set it to auto or false)")
+    shape = dict(seq_len=train.seq_len, micro_batch=train.micro_batch)
     if resume_from is not None:
-        model = load_adapter(model, str(resume_from), trainable=True, settings=settings)
+        model = load_adapter(model, str(resume_from), trainable=True, settings=settings, **shape)
     else:
-        model = apply_lora(model, settings)
+        model = apply_lora(model, settings, **shape)
     return model, dataclasses.replace(train, cuda_graph=False, wgrad_window=1)
 
 
@@ -427,6 +494,6 @@ def _base_param_counts(config: Any) -> list[int]:
 
 __all__ = [
     "LoraFactors", "LoraSettings", "apply_lora", "dense_lora", "estimate_lora_memory", "finetune_setup", "grouped_lora",
-    "is_peft_param_wrapper", "load_adapter", "lora_param_count", "merged_weight", "selective_recompute_policy",
+    "is_peft_param_wrapper", "load_adapter", "lora_param_count", "merged_weight", "resolve_recompute", "selective_recompute_policy",
     "unwrap_peft",
 ]
