@@ -428,9 +428,9 @@ def lora_param_count(config: Any, settings: LoraSettings) -> int:
     widths = {"q_proj": (H, config.num_attention_heads * D), "k_proj": (H, config.num_key_value_heads * D),
               "v_proj": (H, config.num_key_value_heads * D), "o_proj": (config.num_attention_heads * D, H)}
     per_layer = sum(r * (i + o) for name, (i, o) in widths.items() if name in settings.target_modules)
-    E, I = getattr(config, "num_experts", 0) or 0, getattr(config, "moe_intermediate_size", 0) or 0
+    E, inter = getattr(config, "num_experts", 0) or 0, getattr(config, "moe_intermediate_size", 0) or 0
     if settings.experts:
-        per_layer += r * E * (H + 2 * I) + r * E * (I + H)
+        per_layer += r * E * (H + 2 * inter) + r * E * (inter + H)
     if settings.router:
         per_layer += r * (H + E)
     return L * per_layer
@@ -449,23 +449,23 @@ def estimate_lora_memory(config: Any, seq_len: int, settings: LoraSettings, *, m
     H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     D = getattr(config, "head_dim", None) or H // config.num_attention_heads
     NH, NKV = config.num_attention_heads, config.num_key_value_heads
-    E, k, I = config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
+    E, k, inter = config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
     T, r, b = micro_batch * seq_len, settings.r, 2
     n_params = sum(p for p in _base_param_counts(config))
     adapters = lora_param_count(config, settings)
     attn_lora = any(m in settings.target_modules for m in ATTENTION_MODULES)
     # GEMM and attention outputs (kept under selective recomputation)
     gemm = T * (NH * D + 2 * NKV * D + H) * b + T * NH * D * b + T * E * b  # q k v o, sdpa out, router
-    gemm += T * k * (2 * I + H) * b  # expert GEMMs
+    gemm += T * k * (2 * inter + H) * b  # expert GEMMs
     gemm += (T * 4 * r * 4 if attn_lora else 0) + (T * k * 2 * r * b if settings.experts else 0)  # x·A
     # what eager autograd saves besides: norm inputs in fp32, RoPE'd q/k, gathered copies,
     # SwiGLU output, fp32 input copies of PEFT's attention adapters, LoRA ·B outputs
     cheap = 2 * T * H * (4 + b) + T * NH * D * (4 + 2 * b) + T * NKV * D * (4 + 2 * b)
-    cheap += T * k * (H + I) * b + T * E * 4 * 2
+    cheap += T * k * (H + inter) * b + T * E * 4 * 2
     if attn_lora:
         cheap += T * (3 * H + NH * D) * 4
     if settings.experts:
-        cheap += T * k * (2 * I + H) * b
+        cheap += T * k * (2 * inter + H) * b
     full_layer = gemm + cheap
     saved_layer = T * H * b + gemm if settings.recompute == "selective" else full_layer
     gib = 2**30
@@ -485,9 +485,9 @@ def _base_param_counts(config: Any) -> list[int]:
     H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     D = getattr(config, "head_dim", None) or H // config.num_attention_heads
     NH, NKV = config.num_attention_heads, config.num_key_value_heads
-    E, I = config.num_experts, config.moe_intermediate_size
+    E, inter = config.num_experts, config.moe_intermediate_size
     attn = H * NH * D * 2 + H * NKV * D * 2 + 2 * D + 2 * H
-    moe = E * 3 * H * I + E * H
+    moe = E * 3 * H * inter + E * H
     head = V * H * (1 if getattr(config, "tie_word_embeddings", False) else 2) + H
     return [L * (attn + moe), head]
 

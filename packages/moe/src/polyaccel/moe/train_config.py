@@ -225,7 +225,7 @@ class LoraConfig:
     target_modules: Any = ("q_proj", "k_proj", "v_proj", "o_proj")
     experts: bool = True
     router: bool = False
-    recompute: Literal["none", "selective"] = "none"
+    recompute: Literal["none", "selective", "auto"] = "none"
 
 
 @dataclass(kw_only=True, slots=True)
