@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -595,15 +596,16 @@ def moe_malicious_pickle(ctx: Ctx, c: Checks) -> None:
     marker = d / "PAYLOAD_RAN"
     step8 = d / CKPTS / "step_00000008"
     state = torch.load(step8 / "trainer_state.pt", map_location="cpu", weights_only=True)
-    torch.save({**state, "scheduler": _Payload(PAYLOAD.format(default=str(marker)))}, step8 / "trainer_state.pt")
+    payload = _Payload(PAYLOAD.format(default=str(marker)))
+    torch.save({**state, "scheduler": payload}, step8 / "trainer_state.pt")
     _write_manifest(step8, 8)  # its manifest matches its bytes: only loading can refuse it
-    # The payload is live: loading it the unsafe way runs it (in a throwaway process).
+    # The payload is live: plain unpickling runs it (in a throwaway process).
     armed = d / "armed_check"
     env = {**ctx.env, "CHAOS_MARKER": str(armed)}
-    ctx.run([sys.executable, "-c", "import sys, torch; torch.load(sys.argv[1], weights_only=False)",
-             str(step8 / "trainer_state.pt")], d, env=env)
-    c(armed.exists(), "payload live (torch.load(weights_only=False) runs it)" if armed.exists()
-      else "payload did not run even unsafely: the scenario proves nothing")
+    ctx.run([sys.executable, "-c", "import pickle, sys; pickle.loads(bytes.fromhex(sys.argv[1]))",
+             pickle.dumps(payload).hex()], d, env=env)
+    c(armed.exists(), "payload live (unpickling runs it)" if armed.exists()
+      else "payload did not run even unpickled: the scenario proves nothing")
     p = ctx.run(ctx.moe_cmd("train.max_steps=12"), d)
     refused = "trainer_state.pt: refused" in p.err
     c(p.rc == 2, f"continuing from it (max_steps=12): exit {p.rc}")
