@@ -250,7 +250,11 @@ def profile_step(model, opt, ids, a, micro_step=None) -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         train_step(model, opt, ids, a.accum, micro_step, **forward_kwargs(a.one))
         torch.cuda.synchronize()
-    path = os.path.join(a.out_dir, f"profile_{a.one}.txt")
+    return write_profile(prof, os.path.join(a.out_dir, f"profile_{a.one}.txt"))
+
+
+def write_profile(prof, path: str) -> str:  # noqa: ANN001
+    """The profiler's kernel tables (self and total CUDA time) to ``path``."""
     averages = prof.key_averages()
     with open(path, "w") as f:
         for key in ("self_cuda_time_total", "cuda_time_total"):

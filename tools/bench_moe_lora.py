@@ -12,7 +12,8 @@ Each row runs in its own process; one JSON line per row (tokens/s, peak GiB), th
 
 Rows are ``variant@layers``; variants: ``hf-peft`` (Transformers v5, grouped_mm experts, sdpa,
 PEFT materializing ``W + B·A``), ``ours`` / ``ours-compile`` (polyaccel, PEFT's adapters
-computed in the grouped expert path), ``-selective`` (selective recomputation).
+computed in the grouped expert path), ``-selective`` (selective recomputation), ``-auto``
+(``recompute="auto"``: selective only where the memory estimate says it is needed).
 """
 
 from __future__ import annotations
@@ -41,12 +42,17 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def build(variant: str, cfg, device: torch.device):
-    """The base model of ``variant`` in bf16 on ``device`` with PEFT adapters."""
+def _recompute(variant: str) -> str:
+    return next((r for r in ("selective", "auto") if variant.endswith("-" + r)), "none")
+
+
+def build(variant: str, cfg, device: torch.device, seq: int = 4096, mbs: int = 1):
+    """The base model of ``variant`` in bf16 on ``device`` with PEFT adapters (``seq``/``mbs``:
+    the training shape, for ``-auto``'s memory estimate)."""
     from polyaccel.moe import lora
 
     torch.manual_seed(0)
-    settings = lora.LoraSettings(**LORA, recompute="selective" if "selective" in variant else "none")
+    settings = lora.LoraSettings(**LORA, recompute=_recompute(variant))
     if variant.startswith("hf"):
         from transformers import Qwen3MoeForCausalLM
 
@@ -56,7 +62,7 @@ def build(variant: str, cfg, device: torch.device):
         model.set_experts_implementation("grouped_mm" if device.type == "cuda" else "eager")
         peft = lora.require_peft()
         model = peft.get_peft_model(model, settings.peft_config())
-        if settings.recompute == "selective":
+        if lora.resolve_recompute(settings, cfg, seq, micro_batch=mbs, device=device).recompute == "selective":
             lora.enable_selective_recompute(model)
     else:
         from polyaccel.moe import AutoModelForCausalLM, BackendConfig
@@ -65,7 +71,7 @@ def build(variant: str, cfg, device: torch.device):
                                 compile="compile" in variant)
         with device:
             model = AutoModelForCausalLM.from_config(cfg, backend=backend, dtype=torch.bfloat16)
-        model = lora.apply_lora(model.to(device), settings)
+        model = lora.apply_lora(model.to(device), settings, seq_len=seq, micro_batch=mbs)
     return model.train()
 
 
@@ -77,7 +83,7 @@ def run_row(variant: str, layers: int, a) -> dict:  # noqa: ANN001
     select_backend("auto")
     cfg = _config(layers, a.tiny)
     t0 = time.perf_counter()
-    model = build(variant, cfg, device)
+    model = build(variant, cfg, device, a.seq, a.mbs)
     build_s = time.perf_counter() - t0
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4, fused=device.type == "cuda")
@@ -99,13 +105,29 @@ def run_row(variant: str, layers: int, a) -> dict:  # noqa: ANN001
         if i >= a.warmup:
             times.append(dt)
     med = sorted(times)[len(times) // 2]
+    profile_path = None
+    if a.profile and device.type == "cuda":
+        from bench_moe import write_profile
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.accum):
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+        profile_path = write_profile(prof, os.path.join(a.out_dir, f"profile_lora-{variant}@{layers}.txt"))
+    from polyaccel.moe import lora
+
+    settings = lora.LoraSettings(**LORA, recompute=_recompute(variant))
+    resolved = lora.resolve_recompute(settings, cfg, a.seq, micro_batch=a.mbs, device=device).recompute
     tokens = a.mbs * a.seq * a.accum
     return {"variant": f"lora-{variant}@{layers}", "layers": layers, "seq": a.seq, "mbs": a.mbs, "accum": a.accum,
-            "lora": LORA, "adapter_params_m": round(sum(p.numel() for p in trainable) / 1e6, 2),
+            "lora": LORA, "recompute": resolved, "adapter_params_m": round(sum(p.numel() for p in trainable) / 1e6, 2),
             "step_s_median": round(med, 4), "step_s_all": [round(x, 4) for x in times],
             "first_step_s": round(first_s, 2), "build_s": round(build_s, 1), "tokens_per_s": round(tokens / med, 1),
             "peak_gib": round(_peak_gib(device), 2), "loss": round(float(loss), 4), "device": device.type,
-            "torch": torch.__version__}
+            "torch": torch.__version__, **({"profile": profile_path} if profile_path else {})}
 
 
 def _sync(device: torch.device) -> None:
@@ -126,7 +148,7 @@ def parse_rows(rows: str, default_layers: int) -> list[tuple[str, int]]:
     for item in filter(None, rows.split(",")):
         variant, _, layers = item.partition("@")
         if not (variant.startswith("hf-peft") or variant.startswith("ours")):
-            raise SystemExit(f"unknown LoRA variant {variant!r} (hf-peft, ours, ours-compile, ...-selective)")
+            raise SystemExit(f"unknown LoRA variant {variant!r} (hf-peft, ours, ours-compile, ...-selective, ...-auto)")
         out.append((variant, int(layers) if layers else default_layers))
     return out
 
@@ -144,7 +166,7 @@ def main(a) -> None:  # noqa: ANN001
         print(json.dumps(run_row(variant, layers, a)), flush=True)
         return
     common = ["--seq", str(a.seq), "--mbs", str(a.mbs), "--accum", str(a.accum), "--steps", str(a.steps),
-              "--warmup", str(a.warmup)] + (["--tiny"] if a.tiny else [])
+              "--warmup", str(a.warmup)] + (["--tiny"] if a.tiny else []) + (["--profile"] if a.profile else [])
     recs = []
     for variant, layers in rows:
         cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_moe.py"), "--lora",

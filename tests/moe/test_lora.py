@@ -119,6 +119,37 @@ def test_compile_with_lora_runs_forward_and_backward(tmp_path, grad_accumulation
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_expert_factor_layout_survives_inductor():
+    """PEFT's expert ``lora_B`` [O, r*E] reordered to [E, O, r] and fed to ``_grouped_mm``
+    inside an inductor-compiled function: traced as ``permute().contiguous()`` inductor dropped
+    the copy and ``_grouped_mm`` got an operand with no unit stride ("Invalid strides/sizes";
+    the whole 48-layer LoRA run crashed on the H200). Forward and gradients equal eager."""
+    E, r, O, K, N = 4, 8, 16, 16, 32
+    gen = torch.Generator().manual_seed(0)
+    b_weight = torch.randn(O, r * E, generator=gen, requires_grad=True)
+    x = torch.randn(N, K, generator=gen).to(torch.bfloat16)
+    a = torch.randn(E, r, K, generator=gen).to(torch.bfloat16)
+    w = torch.randn(N, O, generator=gen).to(torch.bfloat16)
+    offsets = torch.arange(1, E + 1, dtype=torch.int32) * (N // E)
+
+    def delta(b_weight):
+        b = lora._expert_major(b_weight.to(torch.bfloat16), E)
+        xa = torch._grouped_mm(x, a.transpose(1, 2), offsets)
+        return torch._grouped_mm(xa, b.transpose(1, 2), offsets)
+
+    want = delta(b_weight)
+    (want * w).sum().backward()
+    want_grad, b_weight.grad = b_weight.grad, None
+    torch._dynamo.reset()
+    got = torch.compile(delta, backend="inductor", fullgraph=True)(b_weight)
+    (got * w).sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(b_weight.grad, want_grad)
+    per_expert = b_weight.detach().view(O, r, E)
+    for e in range(E):
+        torch.testing.assert_close(lora._expert_major(b_weight.detach(), E)[e], per_expert[:, :, e])
+
+
 def test_selective_recompute_gives_the_same_gradients(tmp_path, monkeypatch):
     ours, ref = _pair(tmp_path, BackendConfig(loss="standard"))
     ours.train()

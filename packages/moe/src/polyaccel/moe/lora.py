@@ -96,8 +96,32 @@ def _factors(wrapper: nn.Module, adapter: str, dtype: torch.dtype | None) -> Lor
         if not wrapper._did_swap_in_out_features:
             raise NotImplementedError("LoRA on expert weights stored [E, in, out] (is_transposed) is not supported")
         a = a.view(E, r, a.shape[-1])
-        b = b.view(b.shape[0], r, E).permute(2, 0, 1).contiguous()
+        b = _expert_major(b, E)
     return LoraFactors(a, b, float(wrapper.scaling[adapter]))
+
+
+@torch.library.custom_op("polyaccel_lora::expert_major", mutates_args=())
+def _expert_major(b: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """PEFT's expert ``lora_B`` weight [O, r * E] (expert fastest) as a contiguous [E, O, r].
+
+    An opaque op so that its output's layout is fixed: traced as ``permute().contiguous()``,
+    inductor (torch 2.11 on CUDA, 2.13 on CPU) is free to drop the copy and hands
+    ``_grouped_mm`` an operand with no unit stride ("Invalid strides/sizes").
+    """
+    return b.view(b.shape[0], -1, num_experts).permute(2, 0, 1).contiguous()
+
+
+@_expert_major.register_fake
+def _(b: torch.Tensor, num_experts: int) -> torch.Tensor:
+    return b.new_empty(num_experts, b.shape[0], b.shape[1] // num_experts)
+
+
+def _expert_major_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    # grad [E, O, r] -> [O, r, E] -> [O, r * E]
+    return grad.permute(1, 2, 0).reshape(grad.shape[1], -1), None
+
+
+_expert_major.register_autograd(_expert_major_backward)
 
 
 def merged_weight(weight: torch.Tensor, factors: Sequence[LoraFactors]) -> torch.Tensor:
