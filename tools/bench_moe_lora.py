@@ -116,7 +116,7 @@ def run_row(variant: str, layers: int, a) -> dict:  # noqa: ANN001
             opt.step()
             opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
-        profile_path = write_profile(prof, os.path.join(os.getcwd(), f"profile_lora-{variant}@{layers}.txt"))
+        profile_path = write_profile(prof, os.path.join(os.getcwd(), f"profile_lora-{variant}_{layers}.txt"))
     from polyaccel.moe import lora
 
     settings = lora.LoraSettings(**LORA, recompute=_recompute(variant))

@@ -139,6 +139,39 @@ def test_runner_equals_naive_greedy_at_every_batch_size(model):
     assert [h.tokens for h in short] == [r[:3] for r in ref]
 
 
+class _RefusingBackend(type(select_backend("cpu"))):
+    """The CPU reference, except that "capturing" the fused greedy step fails as a CUDA capture
+    of a non-capturable op does; counts the graphs it hands out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.compiled: list[str] = []
+
+    def compile_graph(self, fn, example_inputs, *, name="graph"):
+        if name.startswith("greedy_step"):
+            raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+        self.compiled.append(name)
+        return super().compile_graph(fn, example_inputs, name=name)
+
+
+def test_a_refused_capture_decodes_eagerly_not_fails(model, caplog):
+    """The H200 run of ``transcribe --timestamps``: one refused capture left the bucket's decode
+    graph bound to buffers the next batch re-allocated, so every later batch failed with
+    "compiled over other input tensors". Now the bucket falls back to eager decoding (logged
+    once) with the same tokens, batch after batch."""
+    import logging
+
+    audio = _random_audio(np.random.default_rng(4), 3)
+    want = [h.tokens for h in ASRRunner(model, backend="cpu", batch_buckets=(4,), use_graphs=False).recognize(audio)]
+    backend = _RefusingBackend()
+    runner = ASRRunner(model, backend=backend, batch_buckets=(4,))
+    caplog.set_level(logging.WARNING, logger="polyaccel.asr.runner")
+    for _ in range(3):
+        assert [h.tokens for h in runner.recognize(audio)] == want
+    assert sum("without graphs" in r.getMessage() for r in caplog.records) == 1
+    assert backend.compiled.count("decode_step{'batch': 4}") == 1
+
+
 def test_padding_rows_do_not_change_real_rows(model):
     """Garbage in padding rows of a bucket leaves the real rows' tokens unchanged."""
     torch.manual_seed(4)

@@ -93,6 +93,33 @@ def test_rules_inside_greedy_update_trace_as_one_graph():
     assert all(row[0] >= BEGIN for row in out)  # first token a timestamp
 
 
+class _NoHostData(torch.utils._python_dispatch.TorchDispatchMode):
+    """Refuses what a CUDA graph capture refuses but a trace does not see: tensors made from
+    host data (``torch.tensor(x, device=...)`` is a pageable host-to-device copy) and reads
+    back to the host."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        kwargs = kwargs or {}
+        to_other_device = name == "_to_copy" and kwargs.get("device") not in (None, args[0].device)
+        if name in ("lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "nonzero") or to_other_device:
+            raise AssertionError(f"{name}: not capturable in a CUDA graph")
+        return func(*args, **kwargs)
+
+
+def test_rules_make_no_tensor_from_host_data():
+    """The H200 run of ``transcribe --timestamps`` failed every batch: the rules built their
+    ``-inf`` with ``torch.tensor(...)`` on the device, a host copy a CUDA graph capture refuses.
+    Run the greedy step with the rules under a mode that refuses such ops."""
+    rules = TimestampRules(BEGIN, NO_TS, EOS, 5)
+    buf = GreedyBuffers.allocate(4, 8, "cpu")
+    buf.reset(3, EOS)
+    logits, bias = torch.randn(4, V), torch.zeros(V)
+    with _NoHostData():
+        for _ in range(3):
+            greedy_update(logits, bias, buf, EOS, rules)
+
+
 def test_segments_cut_like_transformers():
     r = TimestampRules(BEGIN, NO_TS, EOS, 50)
 

@@ -69,7 +69,6 @@ class TimestampRules:
         the generated ids of the first ``step`` steps (the rest is ``eos``)."""
         B, V = logits_BV.shape
         T = out_BT.shape[1]
-        neg = torch.tensor(float("-inf"), dtype=logits_BV.dtype, device=logits_BV.device)
         vocab = torch.arange(V, device=logits_BV.device)[None, :]                       # [1, V]
         step = step_1.reshape(1, 1)                                                     # [1, 1]
         cols = torch.arange(T, device=out_BT.device)[None, :]
@@ -89,11 +88,11 @@ class TimestampRules:
         mask |= first & (vocab < self.begin)                                            # start with a timestamp
         if self.max_initial_index is not None:
             mask |= first & (vocab > self.begin + self.max_initial_index)
-        logits_BV = torch.where(mask, neg, logits_BV)
+        logits_BV = logits_BV.masked_fill(mask, float("-inf"))  # no host tensor: graph-capturable
         logprobs = torch.log_softmax(logits_BV.float(), dim=-1)
         ts_mass = logprobs[:, self.begin:].logsumexp(dim=-1, keepdim=True)
         best_text = logprobs[:, :self.begin].amax(dim=-1, keepdim=True)
-        return torch.where((ts_mass > best_text) & (vocab < self.begin), neg, logits_BV)
+        return logits_BV.masked_fill((ts_mass > best_text) & (vocab < self.begin), float("-inf"))
 
     def segments(self, tokens: Sequence[int], decode: Callable[[list[int]], str],
                  window_s: float) -> list[Segment]:

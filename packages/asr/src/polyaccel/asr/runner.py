@@ -20,6 +20,7 @@ launches a replay per token and looks at the ``finished`` flags every few steps.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -31,6 +32,8 @@ from polyaccel.asr.interface import ASRModel, DecoderState
 from polyaccel.core import Backend, GraphCache, GraphSpec, ShapeBuckets, select_backend
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+logger = logging.getLogger(__name__)
 
 
 class ASRRunner:
@@ -175,27 +178,35 @@ class ASRRunner:
             # One batch runs at a time, so the frame buckets of one batch size share the
             # self-attention cache (the big tensors) and the greedy buffers.
             state.self_k, state.self_v, buf = twin.state.self_k, twin.state.self_v, twin.buffers
-        if self.graphs is None:
+        slot = None
+        if self.graphs is not None:
+            try:
+                slot = self._graphed_slot(bucket, state, buf)
+            except RuntimeError as e:  # a capture the backend refuses: this bucket decodes eagerly
+                logger.warning("decoding batch bucket %s without graphs: capture failed (%s)", bucket, e)
+        if slot is None:
             def step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
                 return self.model.decode_step(tokens, position, state)
             slot = _Slot(state, buf, step, None)
-        else:
-            decode = self.graphs.get("decode_step", bucket, example_inputs=[buf.tokens, buf.position, *state.tensors()])
-            bias = torch.zeros(self.vocab_size, device=self.device)
-            greedy = self.graphs.get("greedy_step", bucket, example_inputs=[*buf.tensors(), bias, *state.tensors()])
-            last: list[torch.Tensor | None] = [None]
-
-            def step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-                return decode(tokens, position, *state.tensors())
-
-            def advance(bias_V: torch.Tensor) -> None:
-                if bias_V is not last[0]:  # the rules hand out one tensor per kind of step
-                    bias.copy_(bias_V)
-                    last[0] = bias_V
-                greedy(*buf.tensors(), bias, *state.tensors())
-            slot = _Slot(state, buf, step, advance)
         self._slots[key] = slot
         return slot
+
+    def _graphed_slot(self, bucket: dict[str, int], state: DecoderState, buf: GreedyBuffers) -> _Slot:
+        """The graphed step functions of a decode bucket, compiled over ``state`` and ``buf``."""
+        decode = self.graphs.get("decode_step", bucket, example_inputs=[buf.tokens, buf.position, *state.tensors()])
+        bias = torch.zeros(self.vocab_size, device=self.device)
+        greedy = self.graphs.get("greedy_step", bucket, example_inputs=[*buf.tensors(), bias, *state.tensors()])
+        last: list[torch.Tensor | None] = [None]
+
+        def step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+            return decode(tokens, position, *state.tensors())
+
+        def advance(bias_V: torch.Tensor) -> None:
+            if bias_V is not last[0]:  # the rules hand out one tensor per kind of step
+                bias.copy_(bias_V)
+                last[0] = bias_V
+            greedy(*buf.tensors(), bias, *state.tensors())
+        return _Slot(state, buf, step, advance)
 
     def _greedy_step(self, tokens, position, finished, logprob_sum, counted, out, step, bias, *state) -> torch.Tensor:
         """Decoder step + logits rules + argmax + bookkeeping, all in place (one graph)."""
