@@ -13,7 +13,8 @@ Each row runs in its own process; one JSON line per row (tokens/s, peak GiB), th
 Rows are ``variant@layers``; variants: ``hf-peft`` (Transformers v5, grouped_mm experts, sdpa,
 PEFT materializing ``W + B·A``), ``ours`` / ``ours-compile`` (polyaccel, PEFT's adapters
 computed in the grouped expert path), ``-selective`` (selective recomputation), ``-auto``
-(``recompute="auto"``: selective only where the memory estimate says it is needed).
+(``recompute="auto"``: selective only where the memory estimate says it is needed),
+``-graphed`` (the micro-step as a :class:`polyaccel.moe.GraphedMicroStep`, CUDA only).
 """
 
 from __future__ import annotations
@@ -90,15 +91,26 @@ def run_row(variant: str, layers: int, a) -> dict:  # noqa: ANN001
     ids = torch.randint(0, cfg.vocab_size, (a.mbs, a.seq), device=device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    if "graphed" in variant:  # the documented loop change: one graphed micro-step
+        from polyaccel.moe import GraphedMicroStep
+
+        graphed = GraphedMicroStep(model, grad_accum=a.accum, use_cache=False)
+
+        def micro_step():
+            return graphed(input_ids=ids, labels=ids)
+    else:
+        def micro_step():
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            return loss
     times, first_s, loss = [], None, None
     for i in range(a.warmup + a.steps):
         _sync(device)
         t = time.perf_counter()
         for _ in range(a.accum):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
+            loss = micro_step()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none="graphed" not in variant)
         _sync(device)
         dt = time.perf_counter() - t
         first_s = dt if first_s is None else first_s

@@ -271,6 +271,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, *, seq_len: int | None 
     peft = require_peft()
     settings = _resolved(model, settings, seq_len, micro_batch)
     model = peft.get_peft_model(model, settings.peft_config())
+    compute_linear_lora_in_input_dtype(model)
     if settings.recompute == "selective":
         enable_selective_recompute(model)
     return model
@@ -283,9 +284,47 @@ def load_adapter(model: nn.Module, path: str, *, trainable: bool = True, setting
     if settings is not None:
         settings = _resolved(model, settings, seq_len, micro_batch)
     model = peft.PeftModel.from_pretrained(model, path, is_trainable=trainable)
+    compute_linear_lora_in_input_dtype(model)
     if settings is not None and settings.recompute == "selective":
         enable_selective_recompute(model)
     return model
+
+
+def _plain_linear_lora(module: nn.Module) -> bool:
+    """PEFT's ``lora.Linear`` with plain LoRA only (no DoRA, no LoRA bias)."""
+    if not (hasattr(module, "lora_A") and hasattr(module, "base_layer") and isinstance(module.base_layer, nn.Linear)):
+        return False
+    return all(not module.use_dora.get(n, False) and getattr(module.lora_B[n], "bias", None) is None
+               for n in module.lora_A)
+
+
+def _linear_lora_forward(module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``base(x) + scale * dropout(x) @ A.T @ B.T`` with the fp32 adapters cast to ``x``'s dtype
+    (PEFT casts ``x`` up to fp32 instead: fp32 GEMMs and an fp32 copy of every input)."""
+    if args or kwargs or module.disable_adapters or module.merged:
+        return type(module).forward(module, x, *args, **kwargs)
+    out = module.base_layer(x)
+    for name in _active(module):
+        if name in module.lora_A:
+            f = LoraFactors(module.lora_A[name].weight.to(x.dtype), module.lora_B[name].weight.to(x.dtype),
+                            float(module.scaling[name]))
+            out = out + dense_lora(module.lora_dropout[name](x), f)
+    return out
+
+
+def compute_linear_lora_in_input_dtype(model: nn.Module) -> int:
+    """Make each plain PEFT ``lora.Linear`` of ``model`` (attention projections) compute its
+    adapter in the input's dtype (bf16) from its fp32 weights; returns how many. The weights,
+    their gradients (fp32, through the cast) and PEFT's saved files are unchanged."""
+    import types
+
+    n = 0
+    for module in model.modules():
+        if _plain_linear_lora(module) and not getattr(module, "_polyaccel_lora_forward", False):
+            module.forward = types.MethodType(_linear_lora_forward, module)
+            module._polyaccel_lora_forward = True
+            n += 1
+    return n
 
 
 def _resolved(model: nn.Module, settings: LoraSettings, seq_len: int | None, micro_batch: int) -> LoraSettings:
