@@ -65,7 +65,7 @@ def graph_blockers(*, device: torch.device, fsdp: bool, optimizer: str, activati
     if activation_checkpointing:
         why.append("activation checkpointing saves RNG state on the host")
     if peft:
-        why.append("PEFT adapters are trained eagerly")
+        why.append("PEFT adapters under Trainer are trained eagerly (the finetune CLI and GraphedMicroStep graph them)")
     return why
 
 

@@ -337,7 +337,8 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
     if cfg.lora is not None:  # PEFT adapters on the frozen model (a checkpoint holds only the adapters)
         from polyaccel.moe.lora import finetune_setup
 
-        model, t = finetune_setup(model, cfg.lora, t, resume_from, world_size=rt.world_size, ep=cfg.parallel.ep)
+        model, t = finetune_setup(model, cfg.lora, t, resume_from, world_size=rt.world_size, ep=cfg.parallel.ep,
+                                  graph_asked=cfg.train.cuda_graph is True)
     sharded = rt.world_size > 1
     grad_sync = None
     if fsdp:
