@@ -217,7 +217,7 @@ class LoraSettings:
         router: an adapter on the router weight (``mlp.gate.weight``).
         recompute: ``"none"``, ``"selective"`` (checkpoint each decoder layer but keep the
             outputs of the large GEMMs and attention, recomputing only the cheap parts:
-            :func:`selective_recompute_policy`) or ``"auto"`` (:func:`resolve_recompute`:
+            :func:`selective_recompute_policy`) or ``"auto"`` (the default; :func:`resolve_recompute`:
             none when the estimate without recomputation fits 85% of the device's memory).
     """
 
@@ -227,7 +227,7 @@ class LoraSettings:
     target_modules: list[str] = dataclasses.field(default_factory=lambda: list(ATTENTION_MODULES))
     experts: bool = True
     router: bool = False
-    recompute: str = "none"
+    recompute: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or self.r < 1:

@@ -216,7 +216,8 @@ class LoraConfig:
     ``output_dir`` (a PEFT adapter directory). ``target_modules``: linear modules by name
     (default q/k/v/o); ``experts`` / ``router``: adapters on the fused experts / router
     weight; ``dropout`` only without those two; ``recompute: selective`` checkpoints each
-    layer keeping the GEMM and attention outputs.
+    layer keeping the GEMM and attention outputs, ``auto`` (the default) only where the memory
+    estimate without it exceeds 85% of the GPU.
     """
 
     r: int = 16
@@ -225,7 +226,7 @@ class LoraConfig:
     target_modules: Any = ("q_proj", "k_proj", "v_proj", "o_proj")
     experts: bool = True
     router: bool = False
-    recompute: Literal["none", "selective", "auto"] = "none"
+    recompute: Literal["none", "selective", "auto"] = "auto"
 
 
 @dataclass(kw_only=True, slots=True)
