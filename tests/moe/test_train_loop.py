@@ -324,6 +324,10 @@ def test_flops_of_the_reference_workload():
     dense = dict(no_layers, num_hidden_layers=1, num_experts=0)
     attn = 2 * 2048 * (32 * 128 + 2 * 4 * 128) + 2 * 32 * 128 * 2048 + 2 * 32 * 128 * 4096
     assert train_flops_per_token(dense, 4096) == 3 * (2 * 2048 * 151936 + attn + 6 * 2048 * 6144)
+    # LoRA (frozen base): weight matmuls forward + input gradient, attention scores 3x
+    scores = 2 * 32 * 128 * 4096
+    assert train_flops_per_token(dense, 4096, frozen_base=True) == (
+        2 * (2 * 2048 * 151936 + attn - scores + 6 * 2048 * 6144) + 3 * scores)
     assert peak_flops("cpu") is None and peak_flops("cpu", 800) == 800e12
     assert mfu(1000.0, 1e9, None) is None and mfu(1000.0, 1e9, 1e13) == pytest.approx(0.1)
 

@@ -35,8 +35,9 @@ def _get(config: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
-def forward_flops_per_token(config: Any, seq_len: int) -> float:
-    """Forward matmul FLOPs per token of a dense or MoE decoder for sequences of ``seq_len``.
+def forward_flops_per_token(config: Any, seq_len: int, *, weights_only: bool = False) -> float:
+    """Forward matmul FLOPs per token of a dense or MoE decoder for sequences of ``seq_len``
+    (``weights_only``: the matmuls with weights, attention's score matmuls left out).
 
     ``config`` is a Hugging Face config (or its dict): Qwen2/3-MoE, Mixtral, OLMoE,
     DeepSeek-V3-style (shared experts, first dense layers) and dense Llama-likes are read.
@@ -65,13 +66,18 @@ def forward_flops_per_token(config: Any, seq_len: int) -> float:
     total = 0.0
     for i in range(layers):
         is_moe = experts > 0 and i not in mlp_only and i >= first_dense and (i + 1) % sparse_step == 0
-        total += attn_proj + attn_scores + (moe_mlp if is_moe else dense_mlp)
+        total += attn_proj + (attn_scores if not weights_only else 0) + (moe_mlp if is_moe else dense_mlp)
     return total + 2 * h * vocab
 
 
-def train_flops_per_token(config: Any, seq_len: int) -> float:
-    """Forward + backward model FLOPs per token (3x forward)."""
-    return 3.0 * forward_flops_per_token(config, seq_len)
+def train_flops_per_token(config: Any, seq_len: int, *, frozen_base: bool = False) -> float:
+    """Forward + backward model FLOPs per token: 3x forward; with ``frozen_base`` (LoRA) the
+    weights get no gradients, so their matmuls count twice (forward, input gradient) and only
+    attention's score matmuls three times (adapters' rank-r matmuls are left out)."""
+    forward = forward_flops_per_token(config, seq_len)
+    if not frozen_base:
+        return 3.0 * forward
+    return 2.0 * forward + (forward - forward_flops_per_token(config, seq_len, weights_only=True))
 
 
 def peak_flops(device: torch.device | str, override_tflops: float | None = None) -> float | None:

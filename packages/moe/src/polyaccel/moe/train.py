@@ -380,7 +380,7 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
     start_step = step
 
     tokens_per_step = batches.samples_per_step * t.seq_len
-    flops_tok = train_flops_per_token(model_config, t.seq_len)
+    flops_tok = train_flops_per_token(model_config, t.seq_len, frozen_base=cfg.lora is not None)
     peak = peak_flops(rt.device, cfg.log.peak_tflops)
     bar = _progress_bar(cfg, rt, start_step)
     metrics_file = _open_metrics(cfg.log.metrics_jsonl, start_step) if cfg.log.metrics_jsonl and rt.rank == 0 else None
@@ -492,8 +492,7 @@ def _param_dtype(t: TrainConfig) -> torch.dtype:
 
 def _fast_path_summary(model: nn.Module, optimizer: torch.optim.Optimizer, t: TrainConfig) -> dict[str, Any]:
     """Which parts of the fast path this run took (see :mod:`polyaccel.moe.fast_path`)."""
-    layers = getattr(getattr(model, "model", None), "layers", [])
-    return {"compiled_layers": any(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers),
+    return {"compiled_layers": any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
             "optimizer": type(optimizer).__name__, "cuda_graph": bool(t.cuda_graph), "wgrad_window": t.wgrad_window}
 
 
@@ -634,7 +633,7 @@ def _already_finished(cfg: FinetuneConfig, rt: Runtime, model_config: Any, check
     return TrainResult(
         start_step=done, steps=done, losses=[], step_times=[],
         tokens_per_step=t.micro_batch * t.grad_accum * rt.world_size * t.seq_len, tokens_per_s_per_device=None,
-        flops_per_token=train_flops_per_token(model_config, t.seq_len),
+        flops_per_token=train_flops_per_token(model_config, t.seq_len, frozen_base=cfg.lora is not None),
         peak_flops=peak_flops(rt.device, cfg.log.peak_tflops), mfu=None, peak_memory_gib=None,
         world_size=rt.world_size, output_dir=cfg.output_dir, last_checkpoint=str(checkpoint), note=note)
 
