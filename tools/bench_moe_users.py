@@ -1,6 +1,7 @@
 """MoE fine-tuning as users run it: every entry point beside its free peers, per shape, one run.
 
-For each shape (a ``polyaccel-moe`` preset: ``qwen3-30b-a3b-L8``, ``olmoe-1b-7b``,
+For each shape (a ``polyaccel-moe`` preset: ``qwen3-30b-a3b-L8``, ``olmoe-1b-7b``, ``qwen3-235b-a22b-L2``,
+``moonlight-16b-a3b-L8`` (DeepSeek-V3 architecture),
 ``mixtral-8x7b-L4``, ...) and each entry point, one process (a clean allocator and peak
 counter) trains ``--warmup + --steps`` optimizer steps of ``--accum`` micro-batches of
 ``1 x --seq`` random tokens, bf16, learned router, lr 1e-5, and reports the median step:

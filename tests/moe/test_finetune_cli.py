@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from polyaccel.moe.cli import main
@@ -91,6 +92,31 @@ def test_presets_and_help(capsys):
     with pytest.raises(SystemExit):
         main(["finetune", "--help"])
     assert "torchrun --nproc-per-node" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, full, billions, layers", [
+    ("moonlight-16b-a3b-L8", "moonlight_16b_a3b", 15.96, 8),   # DeepSeek-V3 architecture (MLA, shared experts)
+    ("qwen3-235b-a22b-L2", "qwen3_235b_a22b", 235.09, 2),
+    ("mixtral-8x7b-L4", "mixtral_8x7b", 46.70, 4),
+])
+def test_benchmark_presets_have_the_published_sizes_and_get_our_layers(name, full, billions, layers):
+    """Each benchmark preset's full model has its published parameter count (counted on the meta
+    device by Transformers' own class), and the preset builds our model class with the same
+    parameters as Transformers' at the preset's depth."""
+    import transformers
+
+    from polyaccel.moe import AutoModelForCausalLM, presets
+    from polyaccel.moe.models.base import MoeForCausalLM
+    from polyaccel.moe.train import resolve_model_config
+    from polyaccel.moe.train_config import preset
+
+    with torch.device("meta"):
+        whole = transformers.AutoModelForCausalLM.from_config(getattr(presets, full)())
+        hf = transformers.AutoModelForCausalLM.from_config(resolve_model_config(preset(name).model))
+        ours = AutoModelForCausalLM.from_config(resolve_model_config(preset(name).model))
+    assert sum(p.numel() for p in whole.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
+    assert isinstance(ours, MoeForCausalLM) and ours.config.num_hidden_layers == layers
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
 
 
 def test_example_configs_load(tmp_path):

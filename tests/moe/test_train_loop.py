@@ -313,6 +313,35 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
     assert [lin(s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
 
 
+@pytest.mark.parametrize("q_lora_rank", [16, None], ids=["q-low-rank", "q-full"])
+def test_deepseek_weight_flops_equal_two_per_weight_each_token_touches(q_lora_rank):
+    """DeepSeek-V3 (latent attention, shared experts, a dense first layer): the weight matmul
+    FLOPs per token equal 2 x the weights one token multiplies, counted from Transformers' own
+    modules (attention linears, the dense MLP, top-k of the routed experts, shared experts,
+    router, LM head). The count before read a plain q/k/v/o of ``head_dim`` (rope dims only)."""
+    import transformers
+
+    from polyaccel.moe import presets
+    from polyaccel.moe.flops import forward_flops_per_token
+
+    cfg = presets.tiny("deepseek_v3", q_lora_rank=q_lora_rank)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+
+    def linears(module):
+        return sum(2 * m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+    want = 2 * model.lm_head.weight.numel()
+    for layer in model.model.layers:
+        want += linears(layer.self_attn)
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):
+            per_expert = sum(p.numel() for p in mlp.experts.parameters()) // cfg.n_routed_experts
+            want += 2 * per_expert * cfg.num_experts_per_tok + linears(mlp.shared_experts) + 2 * mlp.gate.weight.numel()
+        else:
+            want += linears(mlp)
+    assert forward_flops_per_token(cfg, 16, weights_only=True) == want
+
+
 def test_flops_of_the_reference_workload():
     cfg = qwen3_30b_a3b_l8()
     per_token = train_flops_per_token(cfg.model.config, cfg.train.seq_len)

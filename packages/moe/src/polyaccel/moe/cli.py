@@ -76,7 +76,8 @@ def _presets(args: argparse.Namespace) -> int:
         mc, t = cfg.model.config, cfg.train
         gflop = train_flops_per_token(mc, t.seq_len) / 1e9
         print(f"{name:<20} {mc.get('model_type')}: {mc.get('num_hidden_layers')} layers, hidden "
-              f"{mc.get('hidden_size')}, {mc.get('num_experts') or mc.get('num_local_experts', 0)} experts top-{mc.get('num_experts_per_tok', 0)}; "
+              f"{mc.get('hidden_size')}, {mc.get('num_experts') or mc.get('num_local_experts') or mc.get('n_routed_experts', 0)} experts "
+              f"top-{mc.get('num_experts_per_tok', 0)}{f' + {shared} shared' if (shared := mc.get('n_shared_experts')) else ''}; "
               f"seq {t.seq_len} x micro-batch {t.micro_batch} x accum {t.grad_accum}, {t.dtype}; "
               f"{gflop:.3g} GFLOP/token fwd+bwd")
         if args.verbose:

@@ -40,7 +40,8 @@ def forward_flops_per_token(config: Any, seq_len: int, *, weights_only: bool = F
     (``weights_only``: the matmuls with weights, attention's score matmuls left out).
 
     ``config`` is a Hugging Face config (or its dict): Qwen2/3-MoE, Mixtral, OLMoE,
-    DeepSeek-V3-style (shared experts, first dense layers) and dense Llama-likes are read.
+    DeepSeek-V3-style (latent attention, shared experts, first dense layers) and dense
+    Llama-likes are read.
     """
     h = _get(config, "hidden_size")
     layers = _get(config, "num_hidden_layers")
@@ -60,6 +61,13 @@ def forward_flops_per_token(config: Any, seq_len: int, *, weights_only: bool = F
 
     attn_proj = 2 * h * (nq * d + 2 * nkv * d) + 2 * nq * d * h
     attn_scores = 2 * nq * d * seq_len  # (2 matmuls x 2 FLOPs x S/2 keys on average) x nq x d
+    kv_rank = _get(config, "kv_lora_rank")
+    if kv_rank:  # DeepSeek's multi-head latent attention: low-rank K/V (and Q), rope dims apart
+        nope, rope, v = (_get(config, k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        q_rank = _get(config, "q_lora_rank")
+        q_proj = 2 * h * q_rank + 2 * q_rank * nq * (nope + rope) if q_rank else 2 * h * nq * (nope + rope)
+        attn_proj = q_proj + 2 * h * (kv_rank + rope) + 2 * kv_rank * nq * (nope + v) + 2 * nq * v * h
+        attn_scores = nq * seq_len * (nope + rope + v)  # QK^T over nope+rope dims, PV over v, S/2 keys
     dense_mlp = 2 * 3 * h * dense_ffn  # gate, up, down
     moe_mlp = 2 * 3 * h * expert_ffn * top_k + 2 * 3 * h * shared_ffn + 2 * h * experts
 

@@ -77,3 +77,31 @@ def mixtral_8x7b(num_hidden_layers: int = 32, **overrides: Any) -> transformers.
                   tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
     fields.update(overrides)
     return transformers.MixtralConfig(**fields)
+
+
+def qwen3_235b_a22b(num_hidden_layers: int = 94, **overrides: Any) -> transformers.Qwen3MoeConfig:
+    """Qwen3-235B-A22B's shapes (hidden 4096, 128 experts top-8, expert FFN 1536, 64 q / 4 kv
+    heads of 128, vocab 151936); ``num_hidden_layers=2`` is a benchmark workload (6.2B parameters)."""
+    fields = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                  num_hidden_layers=num_hidden_layers, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+                  num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    fields.update(overrides)
+    return transformers.Qwen3MoeConfig(**fields)
+
+
+def moonlight_16b_a3b(num_hidden_layers: int = 27, **overrides: Any) -> transformers.DeepseekV3Config:
+    """Moonlight-16B-A3B's shapes, a DeepSeek-V3-architecture model: multi-head latent attention
+    (16 heads, KV rank 512, no query compression), 64 routed experts top-6 plus 2 shared (FFN
+    1408), sigmoid router with score correction, first layer dense (FFN 11264), vocab 163840;
+    ``num_hidden_layers=8`` is a benchmark workload (4.8B parameters)."""
+    fields = dict(vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+                  num_hidden_layers=num_hidden_layers, num_attention_heads=16, num_key_value_heads=16,
+                  n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1,
+                  first_k_dense_replace=1, routed_scaling_factor=2.446, norm_topk_prob=True,
+                  q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                  max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 50_000.0})
+    fields.update(overrides)
+    return transformers.DeepseekV3Config(**fields)

@@ -310,11 +310,29 @@ def mixtral_8x7b_l4() -> FinetuneConfig:
     return _benchmark_preset("mixtral-8x7b-L4", shape(num_hidden_layers=4))
 
 
+def qwen3_235b_a22b_l2() -> FinetuneConfig:
+    """Qwen3-235B-A22B's layer shapes with 2 layers (6.2B parameters): few tokens per expert
+    at a wide hidden size, as a benchmark workload."""
+    from polyaccel.moe.presets import qwen3_235b_a22b as shape
+
+    return _benchmark_preset("qwen3-235b-a22b-L2", shape(num_hidden_layers=2))
+
+
+def moonlight_16b_a3b_l8() -> FinetuneConfig:
+    """Moonlight-16B-A3B's shapes (DeepSeek-V3 architecture) with 8 layers (4.8B parameters),
+    as a benchmark workload."""
+    from polyaccel.moe.presets import moonlight_16b_a3b as shape
+
+    return _benchmark_preset("moonlight-16b-a3b-L8", shape(num_hidden_layers=8))
+
+
 PRESETS: dict[str, Callable[[], FinetuneConfig]] = {
     "qwen3-moe-tiny": qwen3_moe_tiny,
     "qwen3-30b-a3b-L8": qwen3_30b_a3b_l8,
     "olmoe-1b-7b": olmoe_1b_7b,
     "mixtral-8x7b-L4": mixtral_8x7b_l4,
+    "qwen3-235b-a22b-L2": qwen3_235b_a22b_l2,
+    "moonlight-16b-a3b-L8": moonlight_16b_a3b_l8,
 }
 
 
