@@ -11,6 +11,9 @@ Sections (``--sections``):
   anchor   the peer baseline script anchor_asr_hf.py from ``--anchor-dir`` (not in this repository)
   runtime  ReplicaPool vs a threaded shared-queue loop vs a process pool, same model/graphs
   exact    greedy tokens of graphs == eager at several batch sizes (must print "exact": true)
+  fp8      real weights (``--fp8-models``) on real speech (``--fp8-corpus`` or the LibriVox
+           clips): token agreement and WER of FP8 encoder GEMMs against bf16, and (CUDA) the
+           encoder's time per batch of ``--fp8-batch`` in both
 
 Run on a GPU machine (packages on PYTHONPATH, not installed):
   PYTHONPATH=packages/core/src:packages/backend_cuda/src:packages/asr/src \
@@ -250,6 +253,60 @@ def section_profile(args, device, dtype):
     out = os.environ.get("OUT")
     if out:
         Path(out, "asr_profile.txt").write_text(table)
+
+
+def _speech(args) -> tuple[list[np.ndarray], list[str | None]]:
+    """(waveforms at 16 kHz, references or None): ``--fp8-corpus`` (tools/make_asr_corpus.py,
+    files up to 30 s, at most ``--fp8-files``) or the five LibriVox clips."""
+    from polyaccel.asr.audio import load_audio
+
+    if args.fp8_corpus:
+        paths, refs, durations = corpus_items(Path(args.fp8_corpus), None)
+        keep = [p for p in paths if durations[Path(p).stem] <= 30.0][: args.fp8_files]
+        return [load_audio(p, 16000) for p in keep], [refs.get(Path(p).stem) for p in keep]
+    import re
+
+    from polyaccel.asr import samples
+
+    folder = samples.librivox_dir()
+    refs = dict((m.group(2), m.group(1).strip()) for line in (folder / "transcription").read_text().splitlines()
+                if (m := re.match(r"<s>(.*)</s>\s*\((\S+)\)", line.strip())))
+    names = sorted(refs)
+    return [load_audio(str(folder / f"{n}.wav"), 16000) for n in names], [refs[n] for n in names]
+
+
+def section_fp8(args, device):
+    """FP8 encoder GEMMs (polyaccel.asr.fp8) against bf16 on real weights and speech."""
+    from polyaccel.asr.fp8 import fp8_encoder
+    from polyaccel.asr.runner import ASRRunner
+    from polyaccel.asr.text import wer
+    from polyaccel.asr.whisper import WhisperASR
+
+    audio, refs = _speech(args)
+    scored = [i for i, r in enumerate(refs) if r]
+    for name in args.fp8_models.split(","):
+        model = WhisperASR.from_pretrained(name, device=device, dtype=torch.bfloat16)
+        rows = {}
+        for label in ("bf16", "fp8"):
+            if label == "fp8":
+                fp8_encoder(model)
+            runner = ASRRunner(model, backend=args.backend, batch_buckets=(args.fp8_batch,),
+                               use_graphs=device == "cuda")
+            hyps = runner.recognize(audio)
+            enc_s = None
+            if device == "cuda":  # the encoder alone, one batch of --fp8-batch windows
+                feats, lengths = model.compute_features([audio[i % len(audio)] for i in range(args.fp8_batch)])
+                with torch.inference_mode():
+                    enc_s = time_it(lambda m=model, f=feats, n=lengths: m.encode(f, n), args.repeats)
+            rows[label] = (hyps, enc_s)
+        (ref_h, ref_s), (fp8_h, fp8_s) = rows["bf16"], rows["fp8"]
+        same = sum(a.tokens == b.tokens for a, b in zip(ref_h, fp8_h, strict=True))
+        emit(system="fp8_encoder", model=name, files=len(audio), identical=same,
+             agreement=round(same / len(audio), 4),
+             wer_bf16=round(wer([refs[i] for i in scored], [ref_h[i].text for i in scored]), 4) if scored else None,
+             wer_fp8=round(wer([refs[i] for i in scored], [fp8_h[i].text for i in scored]), 4) if scored else None,
+             batch=args.fp8_batch, encoder_ms_bf16=None if ref_s is None else round(ref_s * 1e3, 3),
+             encoder_ms_fp8=None if fp8_s is None else round(fp8_s * 1e3, 3), device=_device_name())
 
 
 def section_anchor(args):
@@ -595,6 +652,11 @@ def main(argv=None) -> int:
     p.add_argument("--runtime-rounds", type=int, default=4)
     p.add_argument("--runtime-systems", default="replica_pool,threaded_queue,process_pool")
     p.add_argument("--replicas", type=int, default=2)
+    f8 = p.add_argument_group("fp8 section")
+    f8.add_argument("--fp8-models", default="whisper-tiny.en,whisper-base", help="real checkpoints (names or folders)")
+    f8.add_argument("--fp8-corpus", help="a tools/make_asr_corpus.py folder (default: the five LibriVox clips)")
+    f8.add_argument("--fp8-files", type=int, default=64, help="at most this many corpus files (up to 30 s each)")
+    f8.add_argument("--fp8-batch", type=int, default=8, help="batch size of the runs and the encoder timing")
     e2e = p.add_argument_group("end to end (--e2e DIR; corpus from tools/make_asr_corpus.py)")
     e2e.add_argument("--e2e", metavar="DIR", help="run the end-to-end section on this corpus (alone)")
     e2e.add_argument("--e2e-model", default="whisper-base", help="model name or directory (ours and the pipeline)")
@@ -644,6 +706,8 @@ def main(argv=None) -> int:
         section_runtime(args, device, dtype)
     if "profile" in sections and device == "cuda":
         section_profile(args, device, dtype)
+    if "fp8" in sections:
+        section_fp8(args, device)
     return 0
 
 

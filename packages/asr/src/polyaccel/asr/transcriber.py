@@ -221,6 +221,7 @@ class Transcriber:
         self.overlap_s = overlap_s
         self.model_name = model_name
         self.weights_sha256: str | None = None
+        self.fp8_encoder = False  # Whisper encoder GEMMs in FP8 (set by from_pretrained)
         self.backend_name = backend_name
         self.metrics = TranscribeMetrics()
         self.last_metrics = TranscribeMetrics()
@@ -238,7 +239,7 @@ class Transcriber:
                         replicas: int | None = None, batch_size: int = 8, dtype: Any = None,
                         overlap_s: float = DEFAULT_OVERLAP_S, use_graphs: bool = True,
                         max_new_tokens: int | None = None, timestamps: bool = False,
-                        **runner_options: Any) -> Transcriber:
+                        fp8_encoder: bool = False, **runner_options: Any) -> Transcriber:
         """Load a model (a directory, or a known name such as ``"whisper-tiny.en"``) and build
         ``replicas`` runners on ``backend`` (``"auto"``, ``"cpu"``, ``"cuda"``, ``"neuron"``).
 
@@ -246,6 +247,8 @@ class Transcriber:
         share the weights; each owns its runner, graphs and caches. ``dtype`` defaults to the
         backend's. Extra keyword arguments go to the runner (e.g. ``batch_buckets``).
         ``timestamps``: decode with Whisper's timestamp tokens; each result gets ``segments``.
+        ``fp8_encoder``: Whisper's encoder GEMMs in FP8 (:mod:`polyaccel.asr.fp8`; tokens may
+        differ from bf16's; ``ValueError`` where the device or model cannot).
         """
         from polyaccel.core import select_backend
 
@@ -263,6 +266,10 @@ class Transcriber:
                 key = str(device)
                 if key not in models:
                     models[key] = _load_model(path, device, dtype)
+                    if fp8_encoder:
+                        from polyaccel.asr.fp8 import fp8_encoder as to_fp8
+
+                        to_fp8(models[key])
                 return models[key]
 
         first = model_on(devices[0])  # loaded up front: its rate and window length shape the job
@@ -293,6 +300,7 @@ class Transcriber:
                  overlap_s=overlap_s, bucket_s=bucket_s, model_name=resolved.name,
                  backend_name=be.name, compile_fn=compile_replica)
         tr.weights_sha256 = _weights_sha256(path)  # once per transcriber; cached by path+size+mtime
+        tr.fp8_encoder = fp8_encoder
         return tr
 
     # ---- running ---------------------------------------------------------------------------

@@ -216,7 +216,9 @@ def _layer_norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     return ops.layer_norm(x, ln.weight, ln.bias, ln.eps)
 
 
-def _mlp(fc1: nn.Linear, fc2: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _mlp(fc1: nn.Module, fc2: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(fc1, nn.Linear):  # FP8 layers (polyaccel.asr.fp8) run their own GEMMs
+        return fc2(F.gelu(fc1(x)))
     return ops.ffn(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, activation="gelu")
 
 
