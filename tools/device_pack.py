@@ -1,0 +1,126 @@
+"""Carry files over the device tool's per-call limit: pack here, stage there, unpack there.
+
+The device machine takes at most 64 MiB of git-ignored files per call, and only folders that
+the repository's ``.gitignore`` ignores survive between back-to-back calls. So:
+
+  # here: one tar of the given files/folders, cut into parts of at most --part-mib
+  python3 tools/device_pack.py pack OUTDIR SRC... [--part-mib 60]
+      -> OUTDIR/part-000 ... and OUTDIR/manifest.json (sizes and sha256 of the tar and parts)
+
+  # there, once per call, carrying one part (e.g. carry=["OUTDIR/part-001"]): keep it
+  python3 tools/device_pack.py stage OUTDIR            # moves OUTDIR/part-* into .cache/device_pack/
+
+  # there, in the last call: check every part and the whole, then unpack
+  python3 tools/device_pack.py unpack DEST             # -> DEST/<the packed names>
+
+Real Whisper weights for the GPU runs (docs/benchmarks.md, "Getting the weights there"): pack the
+model folder, the LibriVox clips and the wheels the GPU image lacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import tarfile
+from pathlib import Path
+
+STAGE = Path(".cache/device_pack")  # ignored by .gitignore: survives between calls
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def pack(outdir: Path, sources: list[Path], part_bytes: int) -> dict:
+    """Tar ``sources`` (each under its own name) and cut the tar into parts in ``outdir``."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    whole = outdir / "pack.tar"
+    with tarfile.open(whole, "w") as tar:
+        for src in sources:
+            tar.add(src, arcname=src.name)
+    parts = []
+    with open(whole, "rb") as f:
+        for i, chunk in enumerate(iter(lambda: f.read(part_bytes), b"")):
+            part = outdir / f"part-{i:03d}"
+            part.write_bytes(chunk)
+            parts.append({"name": part.name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
+    manifest = {"tar_sha256": _sha256(whole), "tar_bytes": whole.stat().st_size, "parts": parts}
+    whole.unlink()
+    (outdir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def stage(outdir: Path, stage_dir: Path = STAGE) -> list[str]:
+    """Move the parts (and the manifest) found in ``outdir`` into ``stage_dir``."""
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for p in sorted(outdir.glob("part-*")) + sorted(outdir.glob("manifest.json")):
+        shutil.move(str(p), stage_dir / p.name)
+        moved.append(p.name)
+    return moved
+
+
+def unpack(dest: Path, stage_dir: Path = STAGE) -> list[str]:
+    """Check each staged part and the joined tar against the manifest, then extract to ``dest``.
+    Raises ``SystemExit`` naming what is missing or corrupt; nothing is extracted then."""
+    manifest_path = stage_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise SystemExit(f"{manifest_path} missing: stage the manifest with one of the parts")
+    manifest = json.loads(manifest_path.read_text())
+    h = hashlib.sha256()
+    for part in manifest["parts"]:
+        path = stage_dir / part["name"]
+        if not path.is_file():
+            raise SystemExit(f"{part['name']} not staged yet ({len(manifest['parts'])} parts in all)")
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest() != part["sha256"]:
+            raise SystemExit(f"{part['name']}: sha256 differs from the manifest (corrupt or from another pack)")
+        h.update(data)
+    if h.hexdigest() != manifest["tar_sha256"]:
+        raise SystemExit("the joined parts' sha256 differs from the manifest")
+    dest.mkdir(parents=True, exist_ok=True)
+    whole = stage_dir / "pack.tar"
+    with open(whole, "wb") as out:
+        for part in manifest["parts"]:
+            out.write((stage_dir / part["name"]).read_bytes())
+    with tarfile.open(whole) as tar:
+        names = sorted({m.name.split("/")[0] for m in tar.getmembers()})
+        tar.extractall(dest, filter="data")
+    whole.unlink()
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pk = sub.add_parser("pack", help="tar SRC... and cut it into parts in OUTDIR")
+    pk.add_argument("outdir", type=Path)
+    pk.add_argument("sources", type=Path, nargs="+")
+    pk.add_argument("--part-mib", type=float, default=60.0, help="largest part (the carry limit is 64 MiB a call)")
+    st = sub.add_parser("stage", help="move OUTDIR's parts into .cache/device_pack (kept between calls)")
+    st.add_argument("outdir", type=Path)
+    up = sub.add_parser("unpack", help="check the staged parts and extract them into DEST")
+    up.add_argument("dest", type=Path)
+    a = p.parse_args(argv)
+    if a.cmd == "pack":
+        missing = [str(s) for s in a.sources if not s.exists()]
+        if missing:
+            raise SystemExit(f"no such file or folder: {', '.join(missing)}")
+        m = pack(a.outdir, a.sources, int(a.part_mib * 2**20))
+        print(json.dumps({"parts": len(m["parts"]), "tar_bytes": m["tar_bytes"], "tar_sha256": m["tar_sha256"]}))
+    elif a.cmd == "stage":
+        print(json.dumps({"staged": stage(a.outdir)}))
+    else:
+        print(json.dumps({"unpacked": unpack(a.dest)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
