@@ -47,9 +47,11 @@ class Fp8Linear(nn.Module):
         if pad:
             x_MK = F.pad(x_MK, (0, 0, 0, pad))
         x_fp8, x_scale = _rowwise_fp8(x_MK)
+        # CUDA's row-wise-scaled kernels write bf16 only; cast after (fp16 / fp32 models)
+        out_dtype = x.dtype if x.device.type == "cpu" else torch.bfloat16
         y = torch._scaled_mm(x_fp8, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale,
-                             out_dtype=x.dtype)
-        y = y[:M] if pad else y
+                             out_dtype=out_dtype)
+        y = (y[:M] if pad else y).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
