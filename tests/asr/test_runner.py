@@ -261,3 +261,17 @@ def test_encoder_residual_stream_is_contiguous(model):
         for h in hooks:
             h.remove()
     assert seen == [True] * len(model.encoder.layers)
+
+
+def test_features_pad_on_the_device_exactly_as_on_the_host(model):
+    """``compute_features`` sends only the real samples and pads where the features are made;
+    the log-mel equals the one of each clip zero-padded (or cut) to 30 s on the host."""
+    rng = np.random.default_rng(9)
+    n = model.config.n_samples
+    audio = [rng.standard_normal(k).astype(np.float32) for k in (48000, 1, n, n + 777, 12345)]
+    feats, lengths = model.compute_features(audio)
+    padded = np.zeros((len(audio), n), np.float32)
+    for i, a in enumerate(audio):
+        padded[i, : min(len(a), n)] = a[:n]
+    assert torch.equal(feats, model.log_mel(torch.from_numpy(padded)).to(feats.dtype))
+    assert lengths.tolist() == [300, 1, 3000, 3000, 78]

@@ -384,13 +384,17 @@ class WhisperASR(ASRModel):
         n = self.config.n_samples
         if num_frames not in (None, self.config.n_frames):
             raise ValueError(f"Whisper takes {self.config.n_frames} frames per window, not {num_frames}")
-        batch = np.zeros((len(audio), n), dtype=np.float32)
-        lengths = []
-        for i, a in enumerate(audio):
-            a = np.asarray(a, dtype=np.float32).reshape(-1)[:n]
-            batch[i, : a.shape[0]] = a
-            lengths.append(-(-a.shape[0] // self.config.hop_length))
-        feats = self.log_mel(torch.from_numpy(batch).to(self.device))
+        clips = [np.asarray(a, dtype=np.float32).reshape(-1)[:n] for a in audio]
+        samples = [c.shape[0] for c in clips]
+        lengths = [-(-k // self.config.hop_length) for k in samples]
+        # Only the real samples cross to the device (real clips are mostly 2-15 s, the windows
+        # 30 s), from pinned memory without blocking the host; the padding is made there.
+        flat = torch.from_numpy(np.concatenate(clips) if clips else np.zeros(0, np.float32))
+        if self.device.type == "cuda":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        valid = torch.arange(n, device=self.device) < torch.tensor(samples, device=self.device)[:, None]
+        batch = torch.zeros(len(clips), n, device=self.device).masked_scatter_(valid, flat)
+        feats = self.log_mel(batch)
         return feats.to(self.dtype), torch.tensor(lengths, dtype=torch.int64, device=self.device)
 
     # ---- encoder -------------------------------------------------------------------------
