@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from polyaccel.asr import samples
 from polyaccel.asr.audio import (
     AudioError,
     audio_duration,
@@ -26,7 +27,7 @@ from polyaccel.asr.transcriber import Transcriber
 from polyaccel.asr.wer import wer_counts
 
 SR = 16000
-LIBRIVOX = "/usr/share/pocketsphinx/test/data/librivox"
+LIBRIVOX = str(samples.librivox_dir() or samples.DEBIAN_LIBRIVOX)  # make setup installs them from PyPI
 
 
 def _noise(seconds: float, rate: int, channels: int = 1, seed: int = 0) -> np.ndarray:
@@ -178,7 +179,7 @@ def test_tiny_en_long_concatenation_keeps_the_clips_words(one_thread: None, tmp_
     (word recall 0.80 against the clips' own transcripts); now >= 0.95 of those words are kept."""
     files = sorted(glob.glob(f"{LIBRIVOX}/*.wav"))
     if not files:
-        pytest.skip("LibriVox clips missing: apt-get install pocketsphinx-testdata")
+        pytest.skip(f"LibriVox clips missing: {samples.INSTALL_HINT}")
     try:
         tr = Transcriber.from_pretrained("whisper-tiny.en", backend="cpu", replicas=1, batch_size=4)
     except (ImportError, FileNotFoundError) as e:
