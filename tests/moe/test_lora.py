@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import shutil
 
 import pytest
 import torch
@@ -161,6 +162,8 @@ def test_attention_lora_computes_in_the_input_dtype(tmp_path):
     assert all(p.grad.dtype == torch.float32 for n, p in ours.named_parameters() if "lora_" in n)
 
 
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
+                    reason="inductor on the CPU needs a C++ compiler")
 def test_expert_factor_layout_survives_inductor():
     """PEFT's expert ``lora_B`` [O, r*E] reordered to [E, O, r] and fed to ``_grouped_mm``
     inside an inductor-compiled function: traced as ``permute().contiguous()`` inductor dropped
