@@ -26,7 +26,7 @@ import time
 
 import torch
 
-DEFAULT_ROWS = "hf-peft@24,ours-compile@24,ours@24,hf-peft@48,ours-compile-selective@48"
+DEFAULT_ROWS = "hf-peft@24,ours-compile-graphed@24,ours-compile@24,hf-peft@48,ours-compile-graphed@48"
 LORA = dict(r=16, alpha=32)
 
 
