@@ -48,8 +48,8 @@ def _recompute(variant: str) -> str:
 
 
 def build(variant: str, cfg, device: torch.device, seq: int = 4096, mbs: int = 1):
-    """The base model of ``variant`` in bf16 on ``device`` with PEFT adapters (``seq``/``mbs``:
-    the training shape, for ``-auto``'s memory estimate)."""
+    """(the base model of ``variant`` in bf16 on ``device`` with PEFT adapters, the recompute
+    mode it runs); ``seq``/``mbs``: the training shape, for ``-auto``'s memory estimate."""
     from polyaccel.moe import lora
 
     torch.manual_seed(0)
@@ -61,9 +61,9 @@ def build(variant: str, cfg, device: torch.device, seq: int = 4096, mbs: int = 1
         with device:
             model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
         model.set_experts_implementation("grouped_mm" if device.type == "cuda" else "eager")
-        peft = lora.require_peft()
-        model = peft.get_peft_model(model, settings.peft_config())
-        if lora.resolve_recompute(settings, cfg, seq, micro_batch=mbs, device=device).recompute == "selective":
+        settings = lora.resolve_recompute_for(model, settings, seq, mbs)
+        model = lora.require_peft().get_peft_model(model, settings.peft_config())
+        if settings.recompute == "selective":
             lora.enable_selective_recompute(model)
     else:
         from polyaccel.moe import AutoModelForCausalLM, BackendConfig
@@ -72,8 +72,10 @@ def build(variant: str, cfg, device: torch.device, seq: int = 4096, mbs: int = 1
                                 compile="compile" in variant)
         with device:
             model = AutoModelForCausalLM.from_config(cfg, backend=backend, dtype=torch.bfloat16)
-        model = lora.apply_lora(model.to(device), settings, seq_len=seq, micro_batch=mbs)
-    return model.train()
+        model = model.to(device)
+        settings = lora.resolve_recompute_for(model, settings, seq, mbs)
+        model = lora.apply_lora(model, settings)
+    return model.train(), settings.recompute
 
 
 def run_row(variant: str, layers: int, a) -> dict:  # noqa: ANN001
@@ -84,7 +86,7 @@ def run_row(variant: str, layers: int, a) -> dict:  # noqa: ANN001
     select_backend("auto")
     cfg = _config(layers, a.tiny)
     t0 = time.perf_counter()
-    model = build(variant, cfg, device, a.seq, a.mbs)
+    model, recompute = build(variant, cfg, device, a.seq, a.mbs)
     build_s = time.perf_counter() - t0
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4, fused=device.type == "cuda")
@@ -103,14 +105,18 @@ def run_row(variant: str, layers: int, a) -> dict:  # noqa: ANN001
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
             return loss
+    def optimizer_step():
+        for _ in range(a.accum):
+            loss = micro_step()
+        opt.step()
+        opt.zero_grad(set_to_none="graphed" not in variant)  # a graph accumulates into the same .grad
+        return loss
+
     times, first_s, loss = [], None, None
     for i in range(a.warmup + a.steps):
         _sync(device)
         t = time.perf_counter()
-        for _ in range(a.accum):
-            loss = micro_step()
-        opt.step()
-        opt.zero_grad(set_to_none="graphed" not in variant)
+        loss = optimizer_step()
         _sync(device)
         dt = time.perf_counter() - t
         first_s = dt if first_s is None else first_s
@@ -123,19 +129,12 @@ def run_row(variant: str, layers: int, a) -> dict:  # noqa: ANN001
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(a.accum):
-                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimizer_step()  # the row's own step (graph replays for -graphed)
             torch.cuda.synchronize()
         profile_path = write_profile(prof, os.path.join(os.getcwd(), f"profile_lora-{variant}_{layers}.txt"))
-    from polyaccel.moe import lora
-
-    settings = lora.LoraSettings(**LORA, recompute=_recompute(variant))
-    resolved = lora.resolve_recompute(settings, cfg, a.seq, micro_batch=a.mbs, device=device).recompute
     tokens = a.mbs * a.seq * a.accum
     return {"variant": f"lora-{variant}@{layers}", "layers": layers, "seq": a.seq, "mbs": a.mbs, "accum": a.accum,
-            "lora": LORA, "recompute": resolved, "adapter_params_m": round(sum(p.numel() for p in trainable) / 1e6, 2),
+            "lora": LORA, "recompute": recompute, "adapter_params_m": round(sum(p.numel() for p in trainable) / 1e6, 2),
             "step_s_median": round(med, 4), "step_s_all": [round(x, 4) for x in times],
             "first_step_s": round(first_s, 2), "build_s": round(build_s, 1), "tokens_per_s": round(tokens / med, 1),
             "peak_gib": round(_peak_gib(device), 2), "loss": round(float(loss), 4), "device": device.type,

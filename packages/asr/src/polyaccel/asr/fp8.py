@@ -41,8 +41,8 @@ class Fp8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead, M = x.shape[:-1], x[..., 0].numel()
-        x_MK = x.reshape(M, self.in_features)
+        x_MK = x.reshape(-1, self.in_features)
+        M = x_MK.shape[0]
         pad = -M % _ALIGN
         if pad:
             x_MK = F.pad(x_MK, (0, 0, 0, pad))
@@ -54,7 +54,7 @@ class Fp8Linear(nn.Module):
         y = (y[:M] if pad else y).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 row-wise"
@@ -80,14 +80,15 @@ def fp8_encoder(model: nn.Module) -> int:
     """Swap every ``nn.Linear`` inside ``model.encoder`` for an :class:`Fp8Linear` (weights
     quantized once, in place); returns how many. Raises ``ValueError`` where the device cannot
     run FP8 GEMMs or a layer's shape does not fit them."""
-    encoder = getattr(model, "encoder", None)
-    if encoder is None or type(model).__name__ != "WhisperASR":
+    from polyaccel.asr.whisper import WhisperASR
+
+    if not isinstance(model, WhisperASR):
         raise ValueError(f"FP8 encoder GEMMs are built for Whisper; {type(model).__name__} reads its "
                          "encoder weights directly")
     ok, why = fp8_supported(next(model.parameters()).device)
     if not ok:
         raise ValueError(why)
-    targets = [(parent, name, child) for parent in encoder.modules()
+    targets = [(parent, name, child) for parent in model.encoder.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
         setattr(parent, name, Fp8Linear(child))

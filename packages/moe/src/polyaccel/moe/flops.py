@@ -85,7 +85,8 @@ def train_flops_per_token(config: Any, seq_len: int, *, frozen_base: bool = Fals
     forward = forward_flops_per_token(config, seq_len)
     if not frozen_base:
         return 3.0 * forward
-    return 2.0 * forward + (forward - forward_flops_per_token(config, seq_len, weights_only=True))
+    weights = forward_flops_per_token(config, seq_len, weights_only=True)
+    return 2.0 * weights + 3.0 * (forward - weights)
 
 
 def peak_flops(device: torch.device | str, override_tflops: float | None = None) -> float | None:

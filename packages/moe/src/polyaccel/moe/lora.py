@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -269,7 +270,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, *, seq_len: int | None 
     ``seq_len`` / ``micro_batch``: the training shape, for ``recompute="auto"``.
     """
     peft = require_peft()
-    settings = _resolved(model, settings, seq_len, micro_batch)
+    settings = resolve_recompute_for(model, settings, seq_len, micro_batch)
     model = peft.get_peft_model(model, settings.peft_config())
     compute_linear_lora_in_input_dtype(model)
     if settings.recompute == "selective":
@@ -282,7 +283,7 @@ def load_adapter(model: nn.Module, path: str, *, trainable: bool = True, setting
     """Load a PEFT adapter directory (ours or plain PEFT's) onto ``model``; returns the ``PeftModel``."""
     peft = require_peft()
     if settings is not None:
-        settings = _resolved(model, settings, seq_len, micro_batch)
+        settings = resolve_recompute_for(model, settings, seq_len, micro_batch)
     model = peft.PeftModel.from_pretrained(model, path, is_trainable=trainable)
     compute_linear_lora_in_input_dtype(model)
     if settings is not None and settings.recompute == "selective":
@@ -316,8 +317,6 @@ def compute_linear_lora_in_input_dtype(model: nn.Module) -> int:
     """Make each plain PEFT ``lora.Linear`` of ``model`` (attention projections) compute its
     adapter in the input's dtype (bf16) from its fp32 weights; returns how many. The weights,
     their gradients (fp32, through the cast) and PEFT's saved files are unchanged."""
-    import types
-
     n = 0
     for module in model.modules():
         if _plain_linear_lora(module) and not getattr(module, "_polyaccel_lora_forward", False):
@@ -327,7 +326,10 @@ def compute_linear_lora_in_input_dtype(model: nn.Module) -> int:
     return n
 
 
-def _resolved(model: nn.Module, settings: LoraSettings, seq_len: int | None, micro_batch: int) -> LoraSettings:
+def resolve_recompute_for(model: nn.Module, settings: LoraSettings, seq_len: int | None,
+                          micro_batch: int = 1) -> LoraSettings:
+    """:func:`resolve_recompute` for ``model`` as it is: its config, device, weight size and
+    whether its layers compile (ours with ``compile`` on this device; anything else is eager)."""
     if settings.recompute != "auto":
         return settings
     config = model.config
@@ -335,18 +337,13 @@ def _resolved(model: nn.Module, settings: LoraSettings, seq_len: int | None, mic
         seq_len = config.max_position_embeddings
         logger.info("lora.recompute=auto: no training sequence length given; sizing for the model's "
                     "max_position_embeddings=%d", seq_len)
-    param = next(model.parameters())
-    return resolve_recompute(settings, config, seq_len, micro_batch=micro_batch, device=param.device,
-                             weight_bytes=param.element_size(), compiled=_compiles_layers(model))
-
-
-def _compiles_layers(model: nn.Module) -> bool:
-    """Whether ``model`` (ours) compiles its decoder layers on this device."""
     from polyaccel.moe.config import compiles_layers
 
-    backend = getattr(model, "backend_config", None)
     param = next(model.parameters())
-    return backend is not None and compiles_layers(backend, param.device.type)
+    backend = getattr(model, "backend_config", None)
+    compiled = backend is not None and compiles_layers(backend, param.device.type)
+    return resolve_recompute(settings, config, seq_len, micro_batch=micro_batch, device=param.device,
+                             weight_bytes=param.element_size(), compiled=compiled)
 
 
 def resolve_recompute(settings: LoraSettings, config: Any, seq_len: int, *, micro_batch: int = 1,
@@ -408,7 +405,7 @@ def finetune_setup(model: nn.Module, section: Any, train: Any, resume_from: Any,
     if ep > 1:
         raise ConfigError("lora: expert parallelism (parallel.ep > 1) with LoRA is not supported")
     shape = dict(seq_len=train.seq_len, micro_batch=train.micro_batch)
-    settings = _resolved(model, settings, shape["seq_len"], shape["micro_batch"])
+    settings = resolve_recompute_for(model, settings, shape["seq_len"], shape["micro_batch"])
     if settings.recompute == "selective" and train.cuda_graph:
         if graph_asked:
             raise ConfigError("lora: train.cuda_graph=true does not run with lora.recompute=selective "
@@ -545,16 +542,17 @@ def estimate_lora_memory(config: Any, seq_len: int, settings: LoraSettings, *, m
     gemm = T * (NH * D + 2 * NKV * D + H) * b + T * NH * D * b + T * E * b  # q k v o, sdpa out, router
     gemm += T * k * (2 * inter + H) * b  # expert GEMMs
     gemm += (T * 4 * r * 4 if attn_lora else 0) + (T * k * 2 * r * b if settings.experts else 0)  # x·A
-    # what eager autograd saves besides: norm inputs in fp32, RoPE'd q/k, gathered copies,
-    # SwiGLU output, fp32 input copies of PEFT's attention adapters, LoRA ·B outputs
-    cheap = 2 * T * H * (4 + b) + T * NH * D * (4 + 2 * b) + T * NKV * D * (4 + 2 * b)
-    cheap += T * k * (H + inter) * b + T * E * 4 * 2
-    if attn_lora:
-        cheap += T * (3 * H + NH * D) * 4
-    if settings.experts:
-        cheap += T * k * (2 * inter + H) * b
-    if compiled:
-        cheap = T * k * (H + inter) * b
+    gathered = T * k * (H + inter) * b  # the experts' gathered inputs and SwiGLU outputs
+    if compiled:  # inductor's partitioner recomputes the rest of the elementwise work
+        cheap = gathered
+    else:  # what eager autograd saves besides: norm inputs in fp32, RoPE'd q/k, router
+        # probabilities, fp32 input copies of PEFT's attention adapters, LoRA ·B outputs
+        cheap = 2 * T * H * (4 + b) + T * NH * D * (4 + 2 * b) + T * NKV * D * (4 + 2 * b)
+        cheap += gathered + T * E * 4 * 2
+        if attn_lora:
+            cheap += T * (3 * H + NH * D) * 4
+        if settings.experts:
+            cheap += T * k * (2 * inter + H) * b
     full_layer = gemm + cheap
     saved_layer = T * H * b + gemm if settings.recompute == "selective" else full_layer
     gib = 2**30
