@@ -410,11 +410,27 @@ class Transcriber:
                     streams.append((idx, source))
                 idx += 1
             m.windows += len(numbered)
-            for j in bucket_order([len(w.audio) for w in numbered], self.batch_size):
-                yield numbered[j]
-            del numbered
-            for i, path in streams:
-                yield from self._stream(i, path, pending[i], m)
+            # long files decode on their own threads while the short ones are recognized
+            ahead = _StreamsAhead(streams, self._stream_source)
+            try:
+                for j in bucket_order([len(w.audio) for w in numbered], self.batch_size):
+                    yield numbered[j]
+                del numbered
+                for i, kind, x in ahead.windows():
+                    p = pending[i]
+                    if kind == "window":
+                        win = _Window(i, x.index, x.audio, x.start_s, long=True)
+                        p.add(win, self.sample_rate)
+                        p.result.duration_s = p.spans_s[-1][1]
+                        m.windows += 1
+                        yield win
+                        continue
+                    if kind == "error":
+                        self._stream_failed(p.result, x)
+                    p.read = True
+                    p.result.windows = len(p.texts)
+            finally:
+                ahead.close()
             if len(items) < block:
                 return
 
@@ -427,26 +443,18 @@ class Transcriber:
         p.result.windows = len(out)
         return out
 
-    def _stream(self, idx: int, path: str, p: _Pending, m: TranscribeMetrics) -> Iterator[_Window]:
-        """Yield a long file's windows as it is decoded; a read error at any point (a corrupt
-        block, a truncated end) becomes the file's error."""
-        try:
-            blocks = stream_audio(path, self.sample_rate)
-            for w in stream_windows(blocks, self.sample_rate, self.max_audio_seconds, self.overlap_s):
-                win = _Window(idx, w.index, w.audio, w.start_s, long=True)
-                p.add(win, self.sample_rate)
-                p.result.duration_s = p.spans_s[-1][1]
-                m.windows += 1
-                yield win
-        except AudioError as e:
-            self._read_failed(p.result, str(e))
-        except ImportError:
-            raise
-        except Exception as e:  # never let one input stop the job
-            self._read_failed(p.result, f"could not read: {_short(e)}")
-        finally:
-            p.read = True
-            p.result.windows = len(p.texts)
+    def _stream_source(self, path: str) -> Iterator[Any]:
+        """A long file's windows (``audio.StreamWindow``) as it is decoded."""
+        blocks = stream_audio(path, self.sample_rate)
+        return stream_windows(blocks, self.sample_rate, self.max_audio_seconds, self.overlap_s)
+
+    @classmethod
+    def _stream_failed(cls, result: TranscriptResult, e: BaseException) -> None:
+        """A read error at any point of a long file (a corrupt block, a truncated end) is the
+        file's error; a missing decoder is not a bad file (it is raised, once)."""
+        if isinstance(e, ImportError) or not isinstance(e, Exception):
+            raise e
+        cls._read_failed(result, str(e) if isinstance(e, AudioError) else f"could not read: {_short(e)}")
 
     def _open_block(self, first: int, items: list[AudioInput]) -> list[tuple[TranscriptResult, np.ndarray | str | None]]:
         """:meth:`_open` of each of ``items`` (numbered from ``first``), in input order, on the
@@ -634,6 +642,94 @@ def _decode_pool() -> Any:
 
 
 _DECODE_LOCK = threading.Lock()
+
+
+STREAM_AHEAD_WINDOWS = 2
+"""Windows each long file may decode ahead of the replicas (30 s of 16 kHz float32: 1.9 MB each)."""
+_STREAM_POOL: Any = None
+
+
+class _StreamsAhead:
+    """Decodes a block's long files on their own threads, :data:`DECODE_THREADS` files at a time,
+    each at most :data:`STREAM_AHEAD_WINDOWS` windows ahead of the consumer, and hands out
+    their windows as they come (files interleave: windows are independent work, and results
+    are put back in input order downstream). Workers only decode; every bookkeeping step
+    stays with the consumer. With one decode thread the consumer decodes the files in turn.
+
+    :meth:`windows` yields ``(idx, kind, payload)``: ``"window"`` with a
+    ``audio.StreamWindow``, then one ``"end"`` or ``"error"`` (the exception) per file."""
+
+    def __init__(self, streams: list[tuple[int, str]], source: Callable[[str], Iterator[Any]]) -> None:
+        import queue
+
+        self._todo = list(streams)
+        self._source = source
+        self._q: Any = queue.Queue()
+        self._stop = threading.Event()
+        self._credits: dict[int, threading.Semaphore] = {}
+        self._live = 0
+        self._pool = _stream_pool()
+        if self._pool is not None:
+            for _ in range(min(DECODE_THREADS, len(self._todo))):
+                self._start_next()
+
+    def _start_next(self) -> None:
+        if self._todo:
+            idx, path = self._todo.pop(0)
+            self._credits[idx] = threading.Semaphore(STREAM_AHEAD_WINDOWS)
+            self._live += 1
+            self._pool.submit(self._run, idx, path)
+
+    def _run(self, idx: int, path: str) -> None:
+        credit = self._credits[idx]
+        try:
+            for w in self._source(path):
+                while not credit.acquire(timeout=0.1):
+                    if self._stop.is_set():
+                        return
+                if self._stop.is_set():
+                    return
+                self._q.put((idx, "window", w))
+            self._q.put((idx, "end", None))
+        except BaseException as e:  # handed to the consumer, which decides what it means
+            self._q.put((idx, "error", e))
+
+    def windows(self) -> Iterator[tuple[int, str, Any]]:
+        if self._pool is None:
+            for idx, path in self._todo:
+                try:
+                    for w in self._source(path):
+                        yield idx, "window", w
+                except Exception as e:
+                    yield idx, "error", e
+                else:
+                    yield idx, "end", None
+            return
+        while self._live:
+            idx, kind, x = self._q.get()
+            if kind == "window":
+                self._credits[idx].release()
+            else:
+                self._live -= 1
+                self._start_next()
+            yield idx, kind, x
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _stream_pool() -> Any:
+    """The process-wide long-file decode threads (None with one decode thread)."""
+    global _STREAM_POOL
+    if DECODE_THREADS <= 1:
+        return None
+    if _STREAM_POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with _DECODE_LOCK:
+            if _STREAM_POOL is None:
+                _STREAM_POOL = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="polyaccel-stream")
+    return _STREAM_POOL
 
 
 def _take(it: Iterator[Any], n: int) -> list[Any]:
