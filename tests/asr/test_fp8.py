@@ -12,13 +12,14 @@ from torch import nn
 from polyaccel.asr import fp8
 from polyaccel.asr.whisper import WhisperASR, WhisperConfig
 
-pytestmark = pytest.mark.skipif(not fp8.fp8_supported("cpu")[0], reason="torch._scaled_mm e4m3 not on this CPU build")
+needs_cpu_fp8 = pytest.mark.skipif(not fp8.fp8_supported("cpu")[0], reason="torch._scaled_mm e4m3 not on this CPU build")
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
+@needs_cpu_fp8
 @pytest.mark.parametrize("rows", [1500, 32, 7])  # 1500 and 7: not multiples of 16 (padded)
 def test_fp8_linear_matches_the_linear_it_replaces(rows):
     gen = torch.Generator().manual_seed(0)
@@ -33,6 +34,7 @@ def test_fp8_linear_matches_the_linear_it_replaces(rows):
     assert _rel_err(got, want) < 0.06  # e4m3 keeps 3 mantissa bits: a few percent per product
 
 
+@needs_cpu_fp8
 def test_row_wise_scales_keep_small_rows_precise():
     """One token 1e5 times louder than the rest (e4m3 spans ~2^-9..448): with a scale per row the other rows keep their
     precision (with one scale for the whole tensor they would be flushed towards zero)."""
@@ -59,6 +61,7 @@ def _small_whisper() -> WhisperASR:
     return WhisperASR(cfg).eval().requires_grad_(False)
 
 
+@needs_cpu_fp8
 def test_fp8_encoder_swaps_the_encoder_linears_only_and_stays_close():
     model = _small_whisper()
     feats = torch.randn(2, 16, 3000)
@@ -71,6 +74,7 @@ def test_fp8_encoder_swaps_the_encoder_linears_only_and_stays_close():
     assert _rel_err(got, want) < 0.05
 
 
+@needs_cpu_fp8
 def test_fp8_encoder_refuses_what_it_cannot_run():
     from polyaccel.asr import conformer_config
     from polyaccel.asr.conformer import ConformerAED
@@ -81,6 +85,7 @@ def test_fp8_encoder_refuses_what_it_cannot_run():
         fp8.Fp8Linear(nn.Linear(40, 24))
 
 
+@needs_cpu_fp8
 @pytest.mark.slow
 def test_tiny_en_fp8_encoder_on_real_speech():
     """Real weights and speech: FP8 encoder tokens agree with bf16's on most clips and the WER
@@ -109,6 +114,7 @@ def test_tiny_en_fp8_encoder_on_real_speech():
     assert wer([h.text for h in bf16], [h.text for h in got]) < 0.1  # a word or two of 71 differ
 
 
+@needs_cpu_fp8
 @pytest.mark.slow
 def test_cli_fp8_encoder_says_so_in_each_record(tmp_path):
     """``transcribe --fp8-encoder``: every record carries ``"encoder_gemms": "fp8"`` (its tokens

@@ -16,6 +16,7 @@ import pytest
 import soundfile as sf
 
 from polyaccel.asr import samples
+from polyaccel.asr import transcriber as transcriber_mod
 from polyaccel.asr.audio import (
     AudioError,
     audio_duration,
@@ -24,7 +25,6 @@ from polyaccel.asr.audio import (
     stream_audio,
     stream_windows,
 )
-from polyaccel.asr import transcriber as transcriber_mod
 from polyaccel.asr.transcriber import STREAM_AHEAD_WINDOWS, Transcriber
 from polyaccel.asr.wer import wer_counts
 

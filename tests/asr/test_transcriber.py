@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from polyaccel.asr import samples
+from polyaccel.asr import samples, weights
 from polyaccel.asr.manifest import InputItem
 from polyaccel.asr.transcriber import Transcriber
 from polyaccel.asr.wer import wer
@@ -179,7 +179,7 @@ def tiny(one_thread: None) -> Transcriber:
     try:
         tr = Transcriber.from_pretrained(os.environ.get("POLYACCEL_TEST_WHISPER_TINY", "whisper-tiny.en"),
                                          backend="cpu", replicas=1, batch_size=4)
-    except (ImportError, FileNotFoundError) as e:
+    except (ImportError, FileNotFoundError, weights.ModelNotInstalled) as e:
         pytest.skip(f"whisper-tiny.en not available: {e}")
     yield tr
     tr.close()

@@ -21,10 +21,14 @@ The remedies here hold on any device and cost little where they apply (CUDA):
   im2col view), the same kernel at every batch once the rows run into the thousands.
 
 They act only on CUDA tensors (:func:`applies`): elsewhere they are the plain op, so CPU
-numerics do not move.
+numerics do not move. ``POLYACCEL_BATCH_INVARIANT=0`` (or :data:`ENABLED` = False before the
+graphs are captured) turns them off: the plain kernels, faster at some batch sizes, and
+tokens that may differ between batch sizes.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +37,13 @@ ROWS = 128
 """Rows per GEMM block of :func:`fixed_rows_linear` (the largest default batch bucket)."""
 
 
+ENABLED = os.environ.get("POLYACCEL_BATCH_INVARIANT", "1") != "0"
+"""Use the invariant forms on CUDA (``$POLYACCEL_BATCH_INVARIANT``, default on)."""
+
+
 def applies(t: torch.Tensor) -> bool:
-    """Whether ``t``'s device needs the invariant forms (CUDA)."""
-    return t.is_cuda
+    """Whether ``t`` takes the invariant forms: enabled, and on CUDA."""
+    return ENABLED and t.is_cuda
 
 
 def fixed_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
