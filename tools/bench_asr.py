@@ -8,7 +8,7 @@ then, as the anchor's ``min_new_tokens``), random weights, bf16, greedy.
 
 Sections (``--sections``):
   ours     our ASRRunner per model and batch (CUDA graphs on cuda; ``--eager`` adds eager rows,
-           ``--plain`` rows without the batch-invariant kernels)
+           ``--invariant`` rows with Whisper's batch-invariant kernels)
   anchor   the peer baseline script anchor_asr_hf.py from ``--anchor-dir`` (not in this repository)
   runtime  ReplicaPool vs a threaded shared-queue loop vs a process pool, same model/graphs
   exact    greedy tokens of graphs == eager at several batch sizes (must print "exact": true)
@@ -113,8 +113,6 @@ def time_it(fn, repeats: int) -> float:
 
 
 def section_ours(args, device, dtype):
-    from polyaccel.asr import batch_invariant
-
     for name in args.models.split(","):
         model = build_model(name, device, dtype)
         for b in [int(x) for x in args.batches.split(",")]:
@@ -122,11 +120,11 @@ def section_ours(args, device, dtype):
             modes = [("graphs", True, args.new_tokens)] + ([("eager", False, args.new_tokens)] if args.eager else [])
             if args.breakdown:  # one decode step: encoder + features + setup, the rest is decoding
                 modes.append(("graphs_1tok", True, 1))
-            if args.plain:  # the plain kernels: what batch invariance costs
-                modes.append(("graphs_plain", True, args.new_tokens))
+            if args.invariant:  # what batch invariance costs
+                modes.append(("graphs_invariant", True, args.new_tokens))
             for mode, graphs, new_tokens in modes:
                 try:
-                    batch_invariant.ENABLED = mode != "graphs_plain"
+                    model.batch_invariant = mode == "graphs_invariant"
                     runner = make_runner(model, args.backend, b, new_tokens, graphs)
                     hyps = []
                     dt = time_it(lambda r=runner, a=audio, h=hyps: h.append(r.recognize(a)), args.repeats)
@@ -137,7 +135,7 @@ def section_ours(args, device, dtype):
                     emit(system=f"polyaccel_{mode}", model=name, batch=b, error=repr(e)[:400])
                 finally:
                     runner = None
-                    batch_invariant.ENABLED = True
+                    model.batch_invariant = False
                     torch.cuda.empty_cache() if torch.cuda.is_available() else None
         del model
 
@@ -653,8 +651,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eager", action="store_true", help="also time the eager (no graphs) path")
     p.add_argument("--breakdown", action="store_true", help="also time 1-token decoding (encoder share)")
-    p.add_argument("--plain", action="store_true",
-                   help="also time the plain kernels (no batch invariance, polyaccel.asr.batch_invariant)")
+    p.add_argument("--invariant", action="store_true",
+                   help="also time Whisper with batch-invariant kernels (polyaccel.asr.batch_invariant)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--anchor-dir", default=".anchors")

@@ -232,3 +232,42 @@ def test_manifest_with_refs_gives_wer(one_thread: None, tmp_path: Path, capsys: 
     assert total["files"] == 2 and total["failed"] == 0 and total["without_ref"] == 1
     assert total["wer"] == pytest.approx(sum(r["wer"] * len(r["ref"].split()) for r in lines[:-1])
                                          / total["ref_words"], abs=1e-3)
+
+
+# ---- batch-invariant kernels ------------------------------------------------------------------------
+
+
+def test_batch_invariant_flag_reaches_the_model_and_each_record(fake: None, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[dict] = []
+    plain = Transcriber.from_pretrained
+
+    def recording(path_or_name="fake", **kw):
+        seen.append(kw)
+        tr = plain(path_or_name, **{k: v for k, v in kw.items() if k in ("batch_size", "replicas")})
+        tr.batch_invariant = kw.get("batch_invariant", False)
+        return tr
+
+    monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(recording))
+    wavs = _wavs(tmp_path / "w", 2)
+    out = tmp_path / "o.jsonl"
+    assert cli.main(["transcribe", *wavs, "-o", str(out), "--batch-invariant", "-q"]) == 0
+    assert seen[-1]["batch_invariant"] is True
+    assert all(r["batch_invariant"] is True for r in _lines(out))
+    assert cli.main(["transcribe", *wavs, "-o", str(tmp_path / "p.jsonl"), "-q"]) == 0
+    assert seen[-1]["batch_invariant"] is False
+    assert all("batch_invariant" not in r for r in _lines(tmp_path / "p.jsonl"))
+    assert cli.main(["transcribe", *wavs, "-o", str(tmp_path / "r.jsonl"), "--batch-invariant", "--ray"]) == 2
+
+
+def test_batch_invariant_is_refused_for_models_without_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from polyaccel.asr.conformer import ConformerAED
+    from polyaccel.asr.conformer_config import tiny
+
+    model = tmp_path / "tiny-conformer"
+    ConformerAED.from_config(tiny(), seed=1).save_pretrained(model)
+    wav = _wavs(tmp_path / "w", 1)[0]
+    args = ["transcribe", wav, "-o", str(tmp_path / "o.jsonl"), "--backend", "cpu", "--model", str(model)]
+    assert cli.main([*args, "--batch-invariant"]) == 2
+    assert "batch-invariant kernels exist for Whisper only" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists() or (tmp_path / "o.jsonl").read_text() == ""

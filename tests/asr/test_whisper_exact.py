@@ -216,15 +216,17 @@ def test_real_weights_on_cuda_fp32_equal_generate_at_batch_1_8_32_128(name, mode
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", _gpu_models())
 def test_real_weights_bf16_tokens_identical_across_batch_sizes(name, model_cache, clips):
-    """bf16 on CUDA: each input gets the same tokens whatever batch it is decoded in (1..128):
-    the decoder's GEMMs on fixed row blocks, one-pass attention, GEMM convolutions
-    (:mod:`polyaccel.asr.batch_invariant`; with plain cuBLAS one input of 24 flipped)."""
+    """bf16 on CUDA with ``batch_invariant``: each input gets the same tokens whatever batch it
+    is decoded in (1..128): the decoder's GEMMs on fixed row blocks, one-pass attention, GEMM
+    convolutions (:mod:`polyaccel.asr.batch_invariant`; with the plain kernels one input of 24
+    flipped on the H200)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     path = _resolve_or_skip(name, model_cache)
     model_kw, _ = _prompt_kwargs(path)
     audio = _variants(clips[0], 128)
     model = WhisperASR.from_pretrained(path, **model_kw).cuda().to(torch.bfloat16).eval()
+    model.batch_invariant = True
     runner = ASRRunner(model, backend="cuda", batch_buckets=(1, 3, 8, 32, 128))
     full = [h.tokens for h in runner.recognize(audio)]
     assert sum(len(t) for t in full) > 128 * 5  # real transcripts, not one token

@@ -9,7 +9,7 @@ an H200 (bf16, Whisper shapes; ``tests/asr/test_batch_invariance.py``): the voca
 convolutions gave other bits at other batch sizes; the other GEMMs, LayerNorm and masked
 attention did not.
 
-The remedies here hold on any device and cost little where they apply (CUDA):
+The remedies here hold on any device:
 
 - :func:`fixed_rows_linear`: a GEMM always run on blocks of exactly :data:`ROWS` rows (the
   rows zero-padded up), so the kernel never changes with the batch. Decoder-step GEMMs are
@@ -21,14 +21,12 @@ The remedies here hold on any device and cost little where they apply (CUDA):
   im2col view), the same kernel at every batch once the rows run into the thousands.
 
 They act only on CUDA tensors (:func:`applies`): elsewhere they are the plain op, so CPU
-numerics do not move. ``POLYACCEL_BATCH_INVARIANT=0`` (or :data:`ENABLED` = False before the
-graphs are captured) turns them off: the plain kernels, faster at some batch sizes, and
-tokens that may differ between batch sizes.
+numerics do not move. Whisper takes them where ``WhisperASR.batch_invariant`` is set
+(``polyaccel-asr transcribe --batch-invariant``); they are slower (flash attention's key split
+is what makes one-token attention fast at small batch), so they are opt-in.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -37,13 +35,9 @@ ROWS = 128
 """Rows per GEMM block of :func:`fixed_rows_linear` (the largest default batch bucket)."""
 
 
-ENABLED = os.environ.get("POLYACCEL_BATCH_INVARIANT", "1") != "0"
-"""Use the invariant forms on CUDA (``$POLYACCEL_BATCH_INVARIANT``, default on)."""
-
-
 def applies(t: torch.Tensor) -> bool:
-    """Whether ``t`` takes the invariant forms: enabled, and on CUDA."""
-    return ENABLED and t.is_cuda
+    """Whether ``t``'s device needs the invariant forms (CUDA)."""
+    return t.is_cuda
 
 
 def fixed_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--batch-size", type=_positive_int, default=8, help="items per replica batch (default: %(default)s)")
         sp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="model dtype (default: the backend's)")
+        sp.add_argument("--batch-invariant", action="store_true",
+                        help="Whisper in bf16/fp16 on a GPU: the same tokens whatever batch a file lands in "
+                             "(kernels that do not change with the batch; slower, measured in docs/asr_whisper.md)")
         sp.add_argument("--fp8-encoder", action="store_true",
                         help="Whisper's encoder GEMMs in FP8 (e4m3, row-wise scales; sm_89+ GPUs): faster, "
                              "tokens may differ from bf16's (agreement measured in docs/asr_whisper.md)")
@@ -377,8 +380,9 @@ def _results(todo: list[Any], args: argparse.Namespace) -> Iterator[dict[str, An
         from polyaccel.asr.ray_job import RayJobOptions, import_ray, transcribe_with_ray
         from polyaccel.core import backends
 
-        if getattr(args, "fp8_encoder", False):
-            raise UsageError("--fp8-encoder does not run with --ray yet: run without --ray")
+        for flag in ("fp8_encoder", "batch_invariant"):
+            if getattr(args, flag, False):
+                raise UsageError(f"--{flag.replace('_', '-')} does not run with --ray yet: run without --ray")
 
         try:
             import_ray()
@@ -402,6 +406,8 @@ def _local_records(tr: Any, todo: list[Any], model: str) -> Iterator[dict[str, A
                                      "rtfx": round(tr.running_rtfx(), 2)}
             if tr.fp8_encoder:
                 extra["encoder_gemms"] = "fp8"  # not bf16's exact tokens: say so in each record
+            if tr.batch_invariant:
+                extra["batch_invariant"] = True
             if r.ref is not None and r.ok:
                 extra["wer"] = round(wer([r.ref], [r.text]), 4)
             yield r.to_record(**extra)
@@ -418,7 +424,8 @@ def _transcriber(args: argparse.Namespace, batch_size: int | None = None) -> Any
                                            batch_size=batch_size or args.batch_size, dtype=_dtype(args.dtype),
                                            overlap_s=getattr(args, "overlap", 3.0),
                                            timestamps=getattr(args, "timestamps", False),
-                                           fp8_encoder=getattr(args, "fp8_encoder", False))
+                                           fp8_encoder=getattr(args, "fp8_encoder", False),
+                                           batch_invariant=getattr(args, "batch_invariant", False))
     except (BackendUnavailable, KeyError, ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         raise UsageError(e.args[0] if isinstance(e, KeyError) and e.args else str(e)) from None
 

@@ -222,6 +222,7 @@ class Transcriber:
         self.model_name = model_name
         self.weights_sha256: str | None = None
         self.fp8_encoder = False  # Whisper encoder GEMMs in FP8 (set by from_pretrained)
+        self.batch_invariant = False  # Whisper's batch-invariant kernels (set by from_pretrained)
         self.backend_name = backend_name
         self.metrics = TranscribeMetrics()
         self.last_metrics = TranscribeMetrics()
@@ -239,7 +240,8 @@ class Transcriber:
                         replicas: int | None = None, batch_size: int = 8, dtype: Any = None,
                         overlap_s: float = DEFAULT_OVERLAP_S, use_graphs: bool = True,
                         max_new_tokens: int | None = None, timestamps: bool = False,
-                        fp8_encoder: bool = False, **runner_options: Any) -> Transcriber:
+                        fp8_encoder: bool = False, batch_invariant: bool = False,
+                        **runner_options: Any) -> Transcriber:
         """Load a model (a directory, or a known name such as ``"whisper-tiny.en"``) and build
         ``replicas`` runners on ``backend`` (``"auto"``, ``"cpu"``, ``"cuda"``, ``"neuron"``).
 
@@ -249,6 +251,9 @@ class Transcriber:
         ``timestamps``: decode with Whisper's timestamp tokens; each result gets ``segments``.
         ``fp8_encoder``: Whisper's encoder GEMMs in FP8 (:mod:`polyaccel.asr.fp8`; tokens may
         differ from bf16's; ``ValueError`` where the device or model cannot).
+        ``batch_invariant``: Whisper in bf16/fp16 on CUDA gives the same tokens whatever batch
+        a window lands in (:mod:`polyaccel.asr.batch_invariant`; slower; ``ValueError`` for
+        other models).
         """
         from polyaccel.core import select_backend
 
@@ -266,6 +271,10 @@ class Transcriber:
                 key = str(device)
                 if key not in models:
                     models[key] = _load_model(path, device, dtype)
+                    if batch_invariant:
+                        if not hasattr(models[key], "batch_invariant"):
+                            raise ValueError(f"{path_or_name}: batch-invariant kernels exist for Whisper only")
+                        models[key].batch_invariant = True
                     if fp8_encoder:
                         from polyaccel.asr.fp8 import fp8_encoder as to_fp8
 
@@ -301,6 +310,7 @@ class Transcriber:
                  backend_name=be.name, compile_fn=compile_replica)
         tr.weights_sha256 = _weights_sha256(path)  # once per transcriber; cached by path+size+mtime
         tr.fp8_encoder = fp8_encoder
+        tr.batch_invariant = batch_invariant
         return tr
 
     # ---- running ---------------------------------------------------------------------------

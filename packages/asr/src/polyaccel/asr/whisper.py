@@ -193,42 +193,42 @@ class WhisperAttention(nn.Module):
         B, T, _ = x_BTD.shape
         return x_BTD.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def query(self, x_BTD: torch.Tensor, step: bool = False) -> torch.Tensor:
-        """[B, T, D] -> q [B, NH, T, Dh]. ``step``: a decoder step (batch-invariant GEMM)."""
-        return self._heads(_proj(self.q_proj, x_BTD, step))
+    def query(self, x_BTD: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """[B, T, D] -> q [B, NH, T, Dh]. ``invariant``: batch-invariant kernels (decoder steps)."""
+        return self._heads(_proj(self.q_proj, x_BTD, invariant))
 
-    def key_value(self, x_BTD: torch.Tensor, step: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def key_value(self, x_BTD: torch.Tensor, invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, T, D] -> (k, v) [B, NH, T, Dh]."""
-        return self._heads(_proj(self.k_proj, x_BTD, step)), self._heads(_proj(self.v_proj, x_BTD, step))
+        return self._heads(_proj(self.k_proj, x_BTD, invariant)), self._heads(_proj(self.v_proj, x_BTD, invariant))
 
     def attend(self, q_BHTd: torch.Tensor, k_BHSd: torch.Tensor, v_BHSd: torch.Tensor,
-               mask: torch.Tensor | None = None, causal: bool = False, step: bool = False) -> torch.Tensor:
+               mask: torch.Tensor | None = None, causal: bool = False, invariant: bool = False) -> torch.Tensor:
         """Softmax attention then the output projection: -> [B, T, D].
 
         SDPA rather than ``ops.attention``: it is the fused kernel every backend already has,
         and the reference op's explicit fp32 scores would cost [B, NH, S, S] memory here.
-        A decoder ``step`` takes the batch-invariant kernels (:mod:`polyaccel.asr.batch_invariant`).
+        ``invariant``: the batch-invariant kernels (:mod:`polyaccel.asr.batch_invariant`).
         """
-        if step:
+        if invariant:
             o_BHTd = one_pass_attention(q_BHTd, k_BHSd, v_BHSd, mask)
         else:
             o_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BHSd, v_BHSd, attn_mask=mask, is_causal=causal)
         B, _, T, _ = o_BHTd.shape
-        return _proj(self.out_proj, o_BHTd.transpose(1, 2).reshape(B, T, -1), step)
+        return _proj(self.out_proj, o_BHTd.transpose(1, 2).reshape(B, T, -1), invariant)
 
 
-def _proj(linear: nn.Module, x: torch.Tensor, step: bool) -> torch.Tensor:
-    """``linear(x)``; in a decoder step, on fixed row blocks (the same bits at every batch)."""
-    return fixed_rows_linear(x, linear.weight, linear.bias) if step else linear(x)
+def _proj(linear: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """``linear(x)``; ``invariant``: on fixed row blocks (the same bits at every batch size)."""
+    return fixed_rows_linear(x, linear.weight, linear.bias) if invariant else linear(x)
 
 
 def _layer_norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     return ops.layer_norm(x, ln.weight, ln.bias, ln.eps)
 
 
-def _mlp(fc1: nn.Module, fc2: nn.Module, x: torch.Tensor, step: bool = False) -> torch.Tensor:
-    if step:
-        return _proj(fc2, F.gelu(_proj(fc1, x, step)), step)
+def _mlp(fc1: nn.Module, fc2: nn.Module, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    if invariant:
+        return _proj(fc2, F.gelu(_proj(fc1, x, True)), True)
     if not isinstance(fc1, nn.Linear):  # FP8 layers (polyaccel.asr.fp8) run their own GEMMs
         return fc2(F.gelu(fc1(x)))
     return ops.ffn(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, activation="gelu")
@@ -267,10 +267,11 @@ class WhisperDecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps)
 
     def _cross_and_mlp(self, x_BTD: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor,
-                       step: bool = False) -> torch.Tensor:
+                       invariant: bool = False) -> torch.Tensor:
         h = _layer_norm(self.encoder_attn_layer_norm, x_BTD)
-        x_BTD = x_BTD + self.encoder_attn.attend(self.encoder_attn.query(h, step), cross_k, cross_v, step=step)
-        return x_BTD + _mlp(self.fc1, self.fc2, _layer_norm(self.final_layer_norm, x_BTD), step)
+        q = self.encoder_attn.query(h, invariant)
+        x_BTD = x_BTD + self.encoder_attn.attend(q, cross_k, cross_v, invariant=invariant)
+        return x_BTD + _mlp(self.fc1, self.fc2, _layer_norm(self.final_layer_norm, x_BTD), invariant)
 
     def forward(self, x_BTD: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor) -> torch.Tensor:
         """Whole sequence at once (teacher forcing), causal self-attention."""
@@ -279,18 +280,18 @@ class WhisperDecoderLayer(nn.Module):
         return self._cross_and_mlp(x_BTD, cross_k, cross_v)
 
     def step(self, x_B1D: torch.Tensor, position_B: torch.Tensor, visible_B11C: torch.Tensor,
-             cache_k: torch.Tensor, cache_v: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor
-             ) -> torch.Tensor:
+             cache_k: torch.Tensor, cache_v: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor,
+             invariant: bool = False) -> torch.Tensor:
         """One token per sequence. Writes this token's K/V into ``cache_k``/``cache_v``
         [B, NH, C, Dh] at ``position_B`` and attends to the positions ``visible_B11C`` marks."""
         h = _layer_norm(self.self_attn_layer_norm, x_B1D)
-        k_BH1d, v_BH1d = self.self_attn.key_value(h, step=True)
+        k_BH1d, v_BH1d = self.self_attn.key_value(h, invariant)
         where = position_B.view(-1, 1, 1, 1).expand_as(k_BH1d)
         cache_k.scatter_(2, where, k_BH1d)
         cache_v.scatter_(2, where, v_BH1d)
-        x_B1D = x_B1D + self.self_attn.attend(self.self_attn.query(h, step=True), cache_k, cache_v,
-                                              mask=visible_B11C, step=True)
-        return self._cross_and_mlp(x_B1D, cross_k, cross_v, step=True)
+        x_B1D = x_B1D + self.self_attn.attend(self.self_attn.query(h, invariant), cache_k, cache_v,
+                                              mask=visible_B11C, invariant=invariant)
+        return self._cross_and_mlp(x_B1D, cross_k, cross_v, invariant)
 
 
 # ---- encoder and decoder -------------------------------------------------------------------
@@ -306,11 +307,15 @@ class WhisperEncoder(nn.Module):
         self.layers = nn.ModuleList(WhisperEncoderLayer(c) for _ in range(c.encoder_layers))
         self.layer_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps)
 
-    def forward(self, features_BMF: torch.Tensor) -> torch.Tensor:
-        # channels-last convolutions (GEMMs on CUDA: the same kernel at every batch size); a
-        # transposed [B, D, S] view here would make every residual add a strided kernel
-        x_BFD = F.gelu(conv1d_as_gemm(features_BMF.transpose(1, 2), self.conv1.weight, self.conv1.bias))
-        x_BSD = F.gelu(conv1d_as_gemm(x_BFD, self.conv2.weight, self.conv2.bias, stride=2))
+    def forward(self, features_BMF: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """``invariant``: the convolutions as GEMMs on CUDA (the same kernel at every batch)."""
+        if invariant:
+            x_BFD = F.gelu(conv1d_as_gemm(features_BMF.transpose(1, 2), self.conv1.weight, self.conv1.bias))
+            x_BSD = F.gelu(conv1d_as_gemm(x_BFD, self.conv2.weight, self.conv2.bias, stride=2))
+        else:
+            x_BSD = F.gelu(self.conv2(F.gelu(self.conv1(features_BMF)))).transpose(1, 2)
+        # contiguous: a transposed view here would make the whole residual stream keep the
+        # [B, D, S] memory layout, and every residual add a strided, unvectorized kernel
         x_BSD = x_BSD.contiguous() + self.embed_positions.weight[: x_BSD.shape[1]]
         for layer in self.layers:
             x_BSD = layer(x_BSD)
@@ -327,10 +332,10 @@ class WhisperDecoder(nn.Module):
         self.layers = nn.ModuleList(WhisperDecoderLayer(c) for _ in range(c.decoder_layers))
         self.layer_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps)
 
-    def logits(self, x: torch.Tensor, step: bool = False) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """Final norm and the output projection tied to ``embed_tokens``: [..., D] -> [..., V] fp32."""
-        h = _layer_norm(self.layer_norm, x)
-        return (fixed_rows_linear(h, self.embed_tokens.weight) if step else F.linear(h, self.embed_tokens.weight)).float()
+        h, w = _layer_norm(self.layer_norm, x), self.embed_tokens.weight
+        return (fixed_rows_linear(h, w) if invariant else F.linear(h, w)).float()
 
 
 # ---- the model ---------------------------------------------------------------------------------
@@ -352,6 +357,10 @@ class WhisperASR(ASRModel):
         self.max_decode_len = config.max_target_positions
         self.eos_token_id = config.eos_token_id
         self.language, self.task = language, task
+        self.batch_invariant = False
+        """bf16/fp16 on CUDA: the same tokens at every batch size, through kernels that do not
+        change with the batch (:mod:`polyaccel.asr.batch_invariant`; slower, measured in
+        docs/asr_whisper.md). fp32 and the CPU need no help. Set before graphs are captured."""
         self.encoder = WhisperEncoder(config)
         self.decoder = WhisperDecoder(config)
         self.log_mel = LogMel(config.num_mel_bins, config.n_fft, config.hop_length, config.sample_rate)
@@ -417,7 +426,7 @@ class WhisperASR(ASRModel):
     def encode(self, features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, M, 3000] -> (enc [B, S, D], mask [B, S] all True: Whisper attends to
         the whole 30 s window, padding included, as it was trained)."""
-        enc_BSD = self.encoder(features)
+        enc_BSD = self.encoder(features, invariant=self.batch_invariant)
         return enc_BSD, torch.ones(enc_BSD.shape[:2], dtype=torch.bool, device=enc_BSD.device)
 
     # ---- decoder ---------------------------------------------------------------------------
@@ -468,8 +477,8 @@ class WhisperASR(ASRModel):
         visible_B11C = (torch.arange(C, device=position.device) <= position[:, None])[:, None, None, :]
         for i, layer in enumerate(dec.layers):
             x_B1D = layer.step(x_B1D, position, visible_B11C, state.self_k[i], state.self_v[i],
-                               state.cross_k[i], state.cross_v[i])
-        return dec.logits(x_B1D[:, 0], step=True)
+                               state.cross_k[i], state.cross_v[i], invariant=self.batch_invariant)
+        return dec.logits(x_B1D[:, 0], invariant=self.batch_invariant)
 
     def forward(self, features: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits without a cache: features [B, M, F], ids [B, T] -> [B, T, V].
