@@ -163,6 +163,9 @@ def render(audio: np.ndarray, rng: np.random.Generator, formats: list[tuple[str,
     return audio, rate, channels, fmt
 
 
+WRITE_BLOCK = 1 << 16  # frames per libsndfile write
+
+
 def make_file(index: int, seed: int, clips: list[Clip], out: Path, formats: list[tuple[str, str, str, str]],
               long_s: float | None) -> dict:
     """Write corpus file ``index``; returns its manifest record."""
@@ -178,7 +181,9 @@ def make_file(index: int, seed: int, clips: list[Clip], out: Path, formats: list
     duration = len(audio) / SOURCE_RATE
     data, rate, channels, (name, ext, major, subtype) = render(audio, rng, formats)
     path = out / "audio" / f"{index:04d}.{ext}"
-    sf.write(path, data, rate, format=major, subtype=subtype)
+    with sf.SoundFile(path, "w", rate, channels, format=major, subtype=subtype) as f:
+        for start in range(0, len(data), WRITE_BLOCK):  # one 10-minute Vorbis write crashes libsndfile
+            f.write(data[start:start + WRITE_BLOCK])
     return {"id": path.stem, "path": f"audio/{path.name}", "duration_s": round(duration, 3), "sample_rate": rate,
             "channels": channels, "format": name, "text": ref}
 

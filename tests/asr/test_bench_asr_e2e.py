@@ -191,3 +191,23 @@ def test_transcriber_decodes_on_the_decode_threads(small_corpus, monkeypatch, th
         assert len(used) > 1 and all(n.startswith("polyaccel-decode") for n in used)
     if tr_mod._DECODE_POOL is not None:
         tr_mod._DECODE_POOL.shutdown()
+
+
+@needs_clips
+def test_a_ten_minute_ogg_file_is_written(tmp_path) -> None:
+    """Seed 0's file 2002 is 10 minutes of Ogg Vorbis at 22.05 kHz: written in one call,
+    libsndfile crashed the process (the 2,000-file corpus died with it); in blocks it is whole.
+    In a subprocess, so a crash fails this test instead of ending the run."""
+    import subprocess
+
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tools')!r}); import make_asr_corpus as m; "
+            f"from pathlib import Path; out = Path({str(tmp_path)!r}); (out / 'audio').mkdir(); "
+            f"r = m.make_file(2002, 0, m.read_sources(Path({str(LIBRIVOX)!r})), out, m.writable_formats(), 600.0); "
+            "print(r['path'], r['duration_s'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-500:]
+    path, seconds = done.stdout.split()
+    assert path.endswith(".ogg")
+    import soundfile as sf
+
+    assert sf.info(str(tmp_path / path)).duration == pytest.approx(float(seconds), abs=0.05)
