@@ -47,15 +47,6 @@ def test_conv1d_as_gemm_is_conv1d(forced, stride, frames):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_one_pass_attention_is_attention(forced):
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(3, 2, 1, 8, generator=g), torch.randn(3, 2, 9, 8, generator=g),
-               torch.randn(3, 2, 9, 8, generator=g))
-    mask = torch.arange(9)[None, None, None, :] <= torch.tensor([0, 4, 8])[:, None, None, None]
-    torch.testing.assert_close(bi.one_pass_attention(q, k, v, mask),
-                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-
-
 def _model(cfg: WhisperConfig, device: str, dtype: torch.dtype, seed: int = 0) -> WhisperASR:
     torch.manual_seed(seed)
     m = WhisperASR(cfg)

@@ -136,18 +136,30 @@ def test_cli_fp8_encoder_says_so_in_each_record(tmp_path):
     assert cli.main(["transcribe", wav, "-o", str(tmp_path / "r.jsonl"), "--fp8-encoder", "--ray"]) == 2
 
 
-@pytest.mark.gpu
-def test_fp8_linear_on_cuda_matches_and_encoder_is_faster():
-    """On an sm_89+ GPU: the e4m3 GEMM matches the bf16 linear and a large-v3-turbo-sized encoder
-    layer's GEMMs (1280 -> 5120 -> 1280, 64 x 1500 rows) take less time than in bf16."""
+def _turbo_mlp():
+    """A large-v3-turbo-sized encoder MLP in bf16 and its FP8 twin, with 64 x 1500 rows of input."""
     if not torch.cuda.is_available() or not fp8.fp8_supported("cuda")[0]:
         pytest.skip("needs an FP8-capable GPU")
     torch.manual_seed(0)
     fc1, fc2 = nn.Linear(1280, 5120).cuda().bfloat16(), nn.Linear(5120, 1280).cuda().bfloat16()
     x = torch.randn(64, 1500, 1280, device="cuda", dtype=torch.bfloat16)
-    f1, f2 = fp8.Fp8Linear(fc1), fp8.Fp8Linear(fc2)
+    return fc1, fc2, fp8.Fp8Linear(fc1), fp8.Fp8Linear(fc2), x
+
+
+@pytest.mark.gpu
+def test_fp8_linear_on_cuda_matches_the_bf16_linear():
+    fc1, _, f1, _, x = _turbo_mlp()
     assert _rel_err(f1(x), fc1(x)) < 0.06
     assert f1(x.half()).dtype == torch.float16  # CUDA writes bf16; cast back for fp16 models
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="on the H200 (2026-12-01) the FP8 MLP took 105.7 ms per 10 calls against "
+                   "bf16's 39.9: the per-token input quantization is five unfused passes over the activations")
+def test_fp8_encoder_mlp_is_faster_than_bf16():
+    """The FP8 GEMMs pay only once quantizing the input costs less than the GEMM time they save
+    (strict xfail: it fails the day they do, to be promoted)."""
+    fc1, fc2, f1, f2, x = _turbo_mlp()
 
     def timed(fn) -> float:
         for _ in range(3):

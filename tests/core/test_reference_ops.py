@@ -101,6 +101,15 @@ def test_attention_matches_sdpa(gen):
     assert rel_err(ops.attention(q, k, v, causal=True), ref) < 1e-5
 
 
+def test_decode_attention_is_one_query_attention(gen):
+    q, k, v = rnd(gen, 3, 2, 1, 8), rnd(gen, 3, 2, 7, 8), rnd(gen, 3, 2, 7, 8)
+    mask = (torch.arange(7) <= torch.tensor([0, 3, 6])[:, None])[:, None, None, :]
+    expected = ops.attention(q, k, v, mask=mask)
+    assert ops.decode_attention(q, k, v, mask).shape == (3, 2, 1, 8)
+    assert rel_err(ops.decode_attention(q, k, v, mask), expected) < 1e-5
+    assert rel_err(ops.decode_attention(q, k, v), ops.attention(q, k, v)) < 1e-5
+
+
 def test_depthwise_conv1d(gen):
     B, C, T, K = 2, 6, 11, 5
     x, w, b = rnd(gen, B, C, T), rnd(gen, C, K), rnd(gen, C)

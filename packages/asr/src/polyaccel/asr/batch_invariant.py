@@ -15,15 +15,15 @@ The remedies here hold on any device:
   rows zero-padded up), so the kernel never changes with the batch. Decoder-step GEMMs are
   bound by reading the weights at these sizes, so a block of 128 rows costs about what one
   row does.
-- :func:`one_pass_attention`: SDPA restricted to kernels that read a query's keys in one
-  pass (memory-efficient attention, else the math path), never flash's split keys.
+- attention: core's ``decode_attention`` op, which backends implement with the same key split
+  at every batch size (the CUDA backend: a Triton kernel that cuts every row's keys into 8
+  pieces and combines them in a fixed order).
 - :func:`conv1d_as_gemm`: a 1-D convolution as one GEMM over every frame of the batch (an
   im2col view), the same kernel at every batch once the rows run into the thousands.
 
 They act only on CUDA tensors (:func:`applies`): elsewhere they are the plain op, so CPU
 numerics do not move. Whisper takes them where ``WhisperASR.batch_invariant`` is set
-(``polyaccel-asr transcribe --batch-invariant``); they are slower (flash attention's key split
-is what makes one-token attention fast at small batch), so they are opt-in.
+(``polyaccel-asr transcribe --batch-invariant``).
 """
 
 from __future__ import annotations
@@ -53,17 +53,6 @@ def fixed_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     blocks = [F.linear(b, weight, bias) for b in x_MK.split(ROWS)]
     y = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     return y[:M].reshape(*lead, -1)
-
-
-def one_pass_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` without kernels that split the keys (CUDA)."""
-    if not applies(q):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def conv1d_as_gemm(x_BTC: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from polyaccel.asr.batch_invariant import conv1d_as_gemm, fixed_rows_linear, one_pass_attention
+from polyaccel.asr.batch_invariant import conv1d_as_gemm, fixed_rows_linear
 from polyaccel.asr.decoding import TimestampRules
 from polyaccel.asr.interface import ASRModel, DecoderState
 from polyaccel.core import ops
@@ -209,8 +209,8 @@ class WhisperAttention(nn.Module):
         and the reference op's explicit fp32 scores would cost [B, NH, S, S] memory here.
         ``invariant``: the batch-invariant kernels (:mod:`polyaccel.asr.batch_invariant`).
         """
-        if invariant:
-            o_BHTd = one_pass_attention(q_BHTd, k_BHSd, v_BHSd, mask)
+        if invariant and q_BHTd.shape[2] == 1:  # a decoder step: the same key split at every batch
+            o_BHTd = ops.decode_attention(q_BHTd, k_BHSd, v_BHSd, mask)
         else:
             o_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BHSd, v_BHSd, attn_mask=mask, is_causal=causal)
         B, _, T, _ = o_BHTd.shape

@@ -10,6 +10,7 @@
 | ``linear_cross_entropy`` / ``linear_cross_entropy_grads`` | chunked LM head + CE with in-forward gradients (:mod:`.cross_entropy`) |
 | ``add_scaled_`` | one Triton pass, the scale read from device memory (:mod:`.add_scaled`) |
 | ``attention`` | ``F.scaled_dot_product_attention`` (flash / cuDNN / mem-efficient) (:mod:`.attention`) |
+| ``decode_attention`` | Triton, one query token, a fixed key split: the same bits at every batch size (:mod:`.decode_attention`) |
 | ``adamw_step_`` | one Triton pass over a flat buffer, fp32 math, optional grad zeroing (:mod:`.adamw`) |
 
 The kernel modules import Triton only when a kernel first runs.
@@ -24,6 +25,7 @@ from polyaccel.cuda.adamw import adamw_step_
 from polyaccel.cuda.add_scaled import add_scaled_
 from polyaccel.cuda.attention import attention
 from polyaccel.cuda.cross_entropy import linear_cross_entropy, linear_cross_entropy_grads
+from polyaccel.cuda.decode_attention import decode_attention
 from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
 from polyaccel.cuda.moe_permute import moe_permute, moe_unpermute
 from polyaccel.cuda.swiglu import swiglu
@@ -45,6 +47,7 @@ def register_all(registry) -> None:
         registry.register("moe_unpermute", "cuda", moe_unpermute, impl="triton", backend=BACKEND)
         registry.register("adamw_step_", "cuda", adamw_step_, impl="triton", backend=BACKEND)
         registry.register("grouped_mm_wgrad", "cuda", grouped_mm_wgrad, impl="triton", backend=BACKEND)
+        registry.register("decode_attention", "cuda", decode_attention, impl="triton-fixed-split", backend=BACKEND)
     registry.register("moe_permute", "cuda", moe_permute, impl="device-sort", backend=BACKEND)
     registry.register("attention", "cuda", attention, impl="sdpa", backend=BACKEND)
     if hasattr(torch, "_grouped_mm"):

@@ -112,6 +112,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 @registry.define
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query token per row: q [B, H, 1, D], k/v [B, H, S, D], ``mask``
+    boolean (True = attend) broadcastable to [B, 1, 1, S] -> [B, H, 1, D].
+
+    Backends implement it with kernels whose result for a row does not depend on the batch
+    (no key split chosen by batch x heads), so a decoder step gives the same bits at every
+    batch size. The reference is SDPA.
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@registry.define
 def depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      padding: int | None = None) -> torch.Tensor:
     """Depthwise 1-D convolution over time. x [B, C, T], weight [C, 1, K] or [C, K].
