@@ -250,7 +250,7 @@ def profile_step(model, opt, ids, a, micro_step=None) -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         train_step(model, opt, ids, a.accum, micro_step, **forward_kwargs(a.one))
         torch.cuda.synchronize()
-    return write_profile(prof, os.path.join(a.out_dir, f"profile_{a.one}.txt"))
+    return write_profile(prof, os.path.join(os.environ.get("OUT") or a.out_dir, f"profile_{a.one}.txt"))
 
 
 def write_profile(prof, path: str) -> str:  # noqa: ANN001

@@ -146,13 +146,16 @@ class TranscribeMetrics:
 @dataclasses.dataclass(slots=True)
 class _Window:
     """One unit of pool work: window ``win`` of input ``idx``, starting ``start_s`` into it;
-    ``long``: one of several windows (so it may be re-decoded in pieces)."""
+    ``long``: one of several windows (so it may be re-decoded in pieces); ``speech_s``: its
+    seconds of speech, measured where it is read (off the replica threads, which keep the
+    accelerator fed)."""
 
     idx: int
     win: int
     audio: np.ndarray
     start_s: float = 0.0
     long: bool = False
+    speech_s: float | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -429,7 +432,8 @@ class Transcriber:
                 for i, kind, x in ahead.windows():
                     p = pending[i]
                     if kind == "window":
-                        win = _Window(i, x.index, x.audio, x.start_s, long=True)
+                        w, speech = x
+                        win = _Window(i, w.index, w.audio, w.start_s, long=True, speech_s=speech)
                         p.add(win, self.sample_rate)
                         p.result.duration_s = p.spans_s[-1][1]
                         m.windows += 1
@@ -447,16 +451,18 @@ class Transcriber:
     def _cut(self, idx: int, audio: np.ndarray, p: _Pending) -> list[_Window]:
         """Windows of a whole waveform (views of it), registered in ``p``."""
         bounds = window_bounds(len(audio), self.sample_rate, self.max_audio_seconds, self.overlap_s)
-        out = [_Window(idx, k, audio[a:b], a / self.sample_rate, len(bounds) > 1) for k, (a, b) in enumerate(bounds)]
+        out = [_Window(idx, k, audio[a:b], a / self.sample_rate, len(bounds) > 1,
+                       speech_seconds(audio[a:b], self.sample_rate)) for k, (a, b) in enumerate(bounds)]
         for w in out:
             p.add(w, self.sample_rate)
         p.result.windows = len(out)
         return out
 
     def _stream_source(self, path: str) -> Iterator[Any]:
-        """A long file's windows (``audio.StreamWindow``) as it is decoded."""
+        """A long file's windows as it is decoded: (``audio.StreamWindow``, seconds of speech)."""
         blocks = stream_audio(path, self.sample_rate)
-        return stream_windows(blocks, self.sample_rate, self.max_audio_seconds, self.overlap_s)
+        for w in stream_windows(blocks, self.sample_rate, self.max_audio_seconds, self.overlap_s):
+            yield w, speech_seconds(w.audio, self.sample_rate)
 
     @classmethod
     def _stream_failed(cls, result: TranscriptResult, e: BaseException) -> None:
@@ -593,7 +599,7 @@ def _plausible(w: _Window, text: str, recognize: Recognize, sample_rate: int) ->
     transcript of the window decoded again in pieces cut at pauses (if that has more words)."""
     if not isinstance(text, str):
         return text  # the pool reports it as a failure
-    speech = speech_seconds(w.audio, sample_rate)
+    speech = w.speech_s if w.speech_s is not None else speech_seconds(w.audio, sample_rate)
     if w.long and isinstance(text, TimedText):  # with timestamps: seek past the last segment, as Whisper does
         text = decode_tail(w.audio, text, recognize, sample_rate)
     if not w.long or not _too_few_words(text, speech):
@@ -666,8 +672,8 @@ class _StreamsAhead:
     are put back in input order downstream). Workers only decode; every bookkeeping step
     stays with the consumer. With one decode thread the consumer decodes the files in turn.
 
-    :meth:`windows` yields ``(idx, kind, payload)``: ``"window"`` with a
-    ``audio.StreamWindow``, then one ``"end"`` or ``"error"`` (the exception) per file."""
+    :meth:`windows` yields ``(idx, kind, payload)``: ``"window"`` with what ``source`` yields
+    (a window and its speech seconds), then one ``"end"`` or ``"error"`` (the exception) per file."""
 
     def __init__(self, streams: list[tuple[int, str]], source: Callable[[str], Iterator[Any]]) -> None:
         import queue
