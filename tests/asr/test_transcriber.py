@@ -249,3 +249,21 @@ def test_tiny_en_on_cuda_replicas_match_cpu(tiny: Transcriber) -> None:
         gpu = tr.transcribe(files * 4)
         assert tr.last_metrics.rtfx > 0 and tr.last_metrics.failed == 0
     assert wer([r.text for r in cpu] * 4, [r.text for r in gpu]) <= 0.02
+
+
+def test_default_replicas_come_from_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``replicas``: the backend's ``default_replicas()`` (device count x replicas per device;
+    CUDA puts two on each GPU)."""
+    from polyaccel.core import select_backend
+    from polyaccel.cuda.plugin import CudaBackend
+
+    assert CudaBackend.replicas_per_device == 2
+    cpu = type(select_backend("cpu"))
+    assert cpu().default_replicas() == 1
+    monkeypatch.setattr(cpu, "replicas_per_device", 3)
+    try:
+        tr = Transcriber.from_pretrained("whisper-tiny.en", backend="cpu", batch_size=2)
+    except (ImportError, FileNotFoundError, weights.ModelNotInstalled) as e:
+        pytest.skip(f"whisper-tiny.en not available: {e}")
+    with tr:
+        assert tr.replicas == 3

@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(whisper-tiny.en, whisper-base; default: %(default)s)")
         sp.add_argument("--backend", default="auto", help="auto, cpu, cuda or neuron (default: %(default)s)")
         sp.add_argument("--replicas", type=_positive_int, default=None,
-                        help="model replicas (default: one per device of the backend)")
+                        help="model replicas (default: the backend's: one on the CPU, two per GPU)")
         sp.add_argument("--batch-size", type=_positive_int, default=8, help="items per replica batch (default: %(default)s)")
         sp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="model dtype (default: the backend's)")

@@ -248,7 +248,7 @@ class Transcriber:
         """Load a model (a directory, or a known name such as ``"whisper-tiny.en"``) and build
         ``replicas`` runners on ``backend`` (``"auto"``, ``"cpu"``, ``"cuda"``, ``"neuron"``).
 
-        ``replicas`` defaults to the backend's device count (1 on CPU). Replicas on one device
+        ``replicas`` defaults to the backend's ``default_replicas()`` (1 on CPU, 2 per GPU). Replicas on one device
         share the weights; each owns its runner, graphs and caches. ``dtype`` defaults to the
         backend's. Extra keyword arguments go to the runner (e.g. ``batch_buckets``).
         ``timestamps``: decode with Whisper's timestamp tokens; each result gets ``segments``.
@@ -261,7 +261,7 @@ class Transcriber:
         from polyaccel.core import select_backend
 
         be = select_backend(backend)
-        n = replicas or max(1, be.device_count())
+        n = replicas or be.default_replicas()
         dtype = dtype or be.default_dtype()
         resolved = _resolve_model(path_or_name)  # offline: installed packages, directories, HF cache
         path = resolved.path

@@ -51,6 +51,8 @@ class Backend:
     priority: int = 0
     ray_resource: str | None = None
     visible_devices_env: str | None = None
+    replicas_per_device: int = 1
+    """Replicas a serving pool puts on each device by default (see :meth:`default_replicas`)."""
 
     # ---- facts -----------------------------------------------------------------
     def availability(self) -> Availability:
@@ -60,6 +62,10 @@ class Backend:
     def device_count(self) -> int:
         """Number of devices this backend drives in this process."""
         return 1
+
+    def default_replicas(self) -> int:
+        """Replicas a pool runs when the user names none: ``replicas_per_device`` per device."""
+        return max(1, self.device_count()) * self.replicas_per_device
 
     def replica_devices(self, replicas: int) -> list[torch.device]:
         """The device each of ``replicas`` replicas should use (round-robin over devices)."""
