@@ -93,7 +93,6 @@ def test_long_files_decode_concurrently_and_come_back_whole_in_order(tmp_path: P
     each file's reader waits at a barrier the three must reach together, which one thread
     decoding them in turn never passes; every word of every file comes out once, in order."""
     monkeypatch.setattr(transcriber_mod, "DECODE_THREADS", 3)
-    monkeypatch.setattr(transcriber_mod, "_STREAM_POOL", None)
     files = []
     for k in range(3):
         files.append(tmp_path / f"long{k}.wav")

@@ -662,7 +662,6 @@ _DECODE_LOCK = threading.Lock()
 
 STREAM_AHEAD_WINDOWS = 2
 """Windows each long file may decode ahead of the replicas (30 s of 16 kHz float32: 1.9 MB each)."""
-_STREAM_POOL: Any = None
 
 
 class _StreamsAhead:
@@ -684,8 +683,8 @@ class _StreamsAhead:
         self._stop = threading.Event()
         self._credits: dict[int, threading.Semaphore] = {}
         self._live = 0
-        self._pool = _stream_pool()
-        if self._pool is not None:
+        self._threaded = DECODE_THREADS > 1
+        if self._threaded:
             for _ in range(min(DECODE_THREADS, len(self._todo))):
                 self._start_next()
 
@@ -694,7 +693,9 @@ class _StreamsAhead:
             idx, path = self._todo.pop(0)
             self._credits[idx] = threading.Semaphore(STREAM_AHEAD_WINDOWS)
             self._live += 1
-            self._pool.submit(self._run, idx, path)
+            # a daemon thread per file: an interrupted job (Ctrl-C) never waits on a reader at exit
+            threading.Thread(target=self._run, args=(idx, path), daemon=True,
+                             name=f"polyaccel-stream-{idx}").start()
 
     def _run(self, idx: int, path: str) -> None:
         credit = self._credits[idx]
@@ -711,7 +712,7 @@ class _StreamsAhead:
             self._q.put((idx, "error", e))
 
     def windows(self) -> Iterator[tuple[int, str, Any]]:
-        if self._pool is None:
+        if not self._threaded:
             for idx, path in self._todo:
                 try:
                     for w in self._source(path):
@@ -732,20 +733,6 @@ class _StreamsAhead:
 
     def close(self) -> None:
         self._stop.set()
-
-
-def _stream_pool() -> Any:
-    """The process-wide long-file decode threads (None with one decode thread)."""
-    global _STREAM_POOL
-    if DECODE_THREADS <= 1:
-        return None
-    if _STREAM_POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with _DECODE_LOCK:
-            if _STREAM_POOL is None:
-                _STREAM_POOL = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="polyaccel-stream")
-    return _STREAM_POOL
 
 
 def _take(it: Iterator[Any], n: int) -> list[Any]:
