@@ -271,3 +271,11 @@ def test_batch_invariant_is_refused_for_models_without_it(tmp_path: Path, capsys
     assert cli.main([*args, "--batch-invariant"]) == 2
     assert "batch-invariant kernels exist for Whisper only" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists() or (tmp_path / "o.jsonl").read_text() == ""
+
+
+def test_batch_invariant_and_fp8_encoder_are_refused_together(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    wav = _wavs(tmp_path / "w", 1)[0]
+    out = tmp_path / "o.jsonl"
+    assert cli.main(["transcribe", wav, "-o", str(out), "--backend", "cpu", "--batch-invariant", "--fp8-encoder"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+    assert not out.exists() or out.read_text() == ""

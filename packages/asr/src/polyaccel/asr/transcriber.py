@@ -260,6 +260,9 @@ class Transcriber:
         """
         from polyaccel.core import select_backend
 
+        if batch_invariant and fp8_encoder:
+            raise ValueError("batch_invariant and fp8_encoder exclude each other: the FP8 GEMMs are not "
+                             "batch-invariant kernels")
         be = select_backend(backend)
         n = replicas or be.default_replicas()
         dtype = dtype or be.default_dtype()
