@@ -279,3 +279,18 @@ def test_batch_invariant_and_fp8_encoder_are_refused_together(tmp_path: Path, ca
     assert cli.main(["transcribe", wav, "-o", str(out), "--backend", "cpu", "--batch-invariant", "--fp8-encoder"]) == 2
     assert "exclude each other" in capsys.readouterr().err
     assert not out.exists() or out.read_text() == ""
+
+
+def test_batch_invariant_is_refused_off_cuda(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """On the CPU the flag would change nothing while each line claimed it: refused, nothing written."""
+    from polyaccel.asr import weights
+
+    try:
+        weights.resolve_model("whisper-tiny.en")
+    except (ImportError, FileNotFoundError, weights.ModelNotInstalled) as e:
+        pytest.skip(f"whisper-tiny.en not available: {e}")
+    wav = _wavs(tmp_path / "w", 1)[0]
+    out = tmp_path / "o.jsonl"
+    assert cli.main(["transcribe", wav, "-o", str(out), "--backend", "cpu", "--batch-invariant"]) == 2
+    assert "batch-invariant kernels are CUDA's" in capsys.readouterr().err
+    assert not out.exists() or out.read_text() == ""

@@ -290,6 +290,9 @@ class Transcriber:
         first = model_on(devices[0])  # loaded up front: its rate and window length shape the job
         if timestamps and getattr(first, "timestamp_rules", lambda: None)() is None:
             raise ValueError(f"{path_or_name}: this model does not predict timestamps")
+        if batch_invariant and be.device_type != "cuda":
+            raise ValueError(f"batch-invariant kernels are CUDA's; on {be.name} they would change nothing "
+                             "(decode in float32 for the same tokens at every batch size)")
 
         def make_runner(i: int) -> Any:
             from polyaccel.asr.runner import ASRRunner
