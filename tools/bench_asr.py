@@ -12,6 +12,9 @@ Sections (``--sections``):
   anchor   the peer baseline script anchor_asr_hf.py from ``--anchor-dir`` (not in this repository)
   runtime  ReplicaPool vs a threaded shared-queue loop vs a process pool, same model/graphs
   exact    greedy tokens of graphs == eager at several batch sizes (must print "exact": true)
+  lengths  ConformerAED shapes (``--models``) on real-length clips (``--lengths-corpus``, a
+           tools/make_asr_corpus.py folder): length-bucketed batches against every clip padded to
+           the longest window, the same clips and tokens per clip; RTFx over the real durations
   fp8      real weights (``--fp8-models``) on real speech (``--fp8-corpus`` or the LibriVox
            clips): token agreement and WER of FP8 encoder GEMMs against bf16, and (CUDA) the
            encoder's time per batch of ``--fp8-batch`` in both
@@ -278,6 +281,41 @@ def _speech(args) -> tuple[list[np.ndarray], list[str | None]]:
                 if (m := re.match(r"<s>(.*)</s>\s*\((\S+)\)", line.strip())))
     names = sorted(refs)
     return [load_audio(str(folder / f"{n}.wav"), 16000) for n in names], [refs[n] for n in names]
+
+
+def section_lengths(args, device, dtype):
+    """Variable-length batching measured: the same real-length clips through one runner twice,
+    as they are (sorted into frame buckets, each batch padded to its own bucket) and each padded
+    to the model's longest window (what batching without buckets costs); ``--new-tokens``
+    tokens per clip in both, so only the audio-dependent work differs."""
+    from polyaccel.asr.audio import load_audio
+
+    if not args.lengths_corpus:
+        raise SystemExit("--sections lengths needs --lengths-corpus DIR (tools/make_asr_corpus.py)")
+    paths, _, durations = corpus_items(Path(args.lengths_corpus), None)
+    for name in [m for m in args.models.split(",") if m in CONFORMER_SHAPES or m == "tiny-conformer"]:
+        model = _tiny_conformer(device, dtype) if name == "tiny-conformer" else build_model(name, device, dtype)
+        longest = int(model.max_audio_seconds() * 16000)
+        short = [p for p in paths if durations[Path(p).stem] * 16000 <= longest][: args.lengths_files]
+        clips = [load_audio(p, 16000) for p in short]
+        real_s = sum(len(c) for c in clips) / 16000
+        padded = [np.pad(c, (0, longest - len(c))) for c in clips]
+        runner = make_runner(model, args.backend, args.lengths_batch, args.new_tokens, device == "cuda")
+        for mode, audio in (("length_buckets", clips), ("padded_to_longest", padded)):
+            dt = time_it(lambda a=audio, r=runner: r.recognize(a), args.repeats)
+            emit(system=f"polyaccel_{mode}", model=name, batch=args.lengths_batch, clips=len(clips),
+                 audio_s=round(real_s, 1), new_tokens=args.new_tokens, wall_s=round(dt, 4),
+                 rtfx=round(real_s / dt, 1), device=_device_name())
+        runner = model = None
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+def _tiny_conformer(device: str, dtype: torch.dtype):
+    """The tiny ConformerAED of the tests (a CPU dry run of ``--sections lengths``)."""
+    from polyaccel.asr import conformer_config
+    from polyaccel.asr.conformer import ConformerAED
+
+    return ConformerAED.from_config(conformer_config.tiny(), seed=0).to(device=device, dtype=dtype).eval()
 
 
 def section_fp8(args, device):
@@ -668,6 +706,10 @@ def main(argv=None) -> int:
     p.add_argument("--runtime-rounds", type=int, default=4)
     p.add_argument("--runtime-systems", default="replica_pool,threaded_queue,process_pool")
     p.add_argument("--replicas", type=int, default=2)
+    ln = p.add_argument_group("lengths section")
+    ln.add_argument("--lengths-corpus", help="a tools/make_asr_corpus.py folder (its files up to one window)")
+    ln.add_argument("--lengths-files", type=int, default=256, help="at most this many clips")
+    ln.add_argument("--lengths-batch", type=int, default=64, help="the runner's largest batch bucket")
     f8 = p.add_argument_group("fp8 section")
     f8.add_argument("--fp8-models", default="whisper-tiny.en,whisper-base", help="real checkpoints (names or folders)")
     f8.add_argument("--fp8-corpus", help="a tools/make_asr_corpus.py folder (default: the five LibriVox clips)")
@@ -726,6 +768,8 @@ def main(argv=None) -> int:
         section_profile(args, device, dtype)
     if "fp8" in sections:
         section_fp8(args, device)
+    if "lengths" in sections:
+        section_lengths(args, device, dtype)
     return 0
 
 

@@ -211,3 +211,35 @@ def test_a_ten_minute_ogg_file_is_written(tmp_path) -> None:
     import soundfile as sf
 
     assert sf.info(str(tmp_path / path)).duration == pytest.approx(float(seconds), abs=0.05)
+
+
+@needs_clips
+def test_lengths_section_times_the_same_clips_bucketed_and_padded(bench, small_corpus, one_thread):
+    """``--sections lengths`` (tiny ConformerAED on the CPU): two rows over the same clips and
+    audio seconds, one length-bucketed, one with every clip padded to the longest window; the
+    padded clips really are one window long (the runner then puts them all in the largest bucket)."""
+    rows = []
+    bench.emit, emit = (lambda **r: rows.append(r)), bench.emit
+    seen: list[list[int]] = []
+    from polyaccel.asr.runner import ASRRunner
+
+    recognize = ASRRunner.recognize
+
+    def spy(self, audio):
+        seen.append([len(a) for a in audio])
+        return recognize(self, audio)
+
+    ASRRunner.recognize = spy
+    try:
+        argv = ["--sections", "lengths", "--models", "tiny-conformer", "--lengths-corpus", str(small_corpus),
+                "--lengths-batch", "2", "--new-tokens", "2", "--repeats", "1", "--backend", "cpu"]
+        assert bench.main(argv) == 0
+    finally:
+        bench.emit, ASRRunner.recognize = emit, recognize
+    rows = [r for r in rows if "system" in r]
+    assert [r["system"] for r in rows] == ["polyaccel_length_buckets", "polyaccel_padded_to_longest"]
+    assert rows[0]["clips"] == rows[1]["clips"] > 0 and rows[0]["audio_s"] == rows[1]["audio_s"]
+    assert all(r["rtfx"] > 0 for r in rows)
+    bucketed, padded = seen[0], seen[-1]
+    assert len(bucketed) == len(padded) and len(set(padded)) == 1 and max(bucketed) <= padded[0]
+    assert min(bucketed) < padded[0]
