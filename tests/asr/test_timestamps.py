@@ -195,6 +195,38 @@ def test_segments_equal_transformers_on_real_speech(name, one_thread, monkeypatc
     assert len(hyps[-1].segments) >= 3
 
 
+@pytest.mark.gpu
+def test_segments_on_cuda_with_graphs_equal_transformers(monkeypatch):
+    """The timestamp rules inside the captured CUDA greedy step (a first GPU run failed every
+    batch there): fp32 on the GPU, graphs on, the same segments as Transformers' on the clips and
+    their concatenation. Weights: the first ``$POLYACCEL_TEST_WHISPER`` folder (carried to the
+    GPU machine), else the installed whisper-base."""
+    from polyaccel.asr.runner import ASRRunner
+    from polyaccel.asr.whisper import WhisperASR
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    name = os.environ.get("POLYACCEL_TEST_WHISPER", "").split(",")[0] or "whisper-base"
+    try:
+        path = weights.resolve_model(name)
+    except (ImportError, FileNotFoundError, weights.ModelNotInstalled) as e:
+        pytest.skip(f"{name}: {e}")
+    clips = _clips()
+    audio = clips + [np.concatenate(clips)]
+    config = json.loads((Path(path) / "config.json").read_text())
+    kw = {"language": "en", "task": "transcribe"} if config.get("vocab_size", 0) >= 51865 else {}
+    expected = _hf_segments(path, audio, **kw)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = WhisperASR.from_pretrained(path, **kw).cuda().eval()
+    hyps = ASRRunner(model, backend="cuda", batch_buckets=(1, 8), timestamps=True).recognize(audio)
+    for h, exp in zip(hyps, expected, strict=True):
+        got = [(s.start, s.end, s.text) for s in h.segments]
+        assert [g[2] for g in got] == [e[2] for e in exp]
+        assert np.allclose([g[:2] for g in got], [e[:2] for e in exp], atol=0.02, rtol=0)
+    assert len(hyps[-1].segments) >= 3
+
+
 @pytest.mark.slow
 def test_long_file_segments_are_absolute_monotonic_and_cover_the_speech(one_thread, tmp_path):
     """~170 s of the clips with 1 s silences (7 windows): segments start at 0, never go back,
