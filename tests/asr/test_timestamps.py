@@ -217,7 +217,7 @@ def test_segments_on_cuda_with_graphs_equal_transformers(monkeypatch):
     config = json.loads((Path(path) / "config.json").read_text())
     kw = {"language": "en", "task": "transcribe"} if config.get("vocab_size", 0) >= 51865 else {}
     expected = _hf_segments(path, audio, **kw)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     model = WhisperASR.from_pretrained(path, **kw).cuda().eval()
     hyps = ASRRunner(model, backend="cuda", batch_buckets=(1, 8), timestamps=True).recognize(audio)
     for h, exp in zip(hyps, expected, strict=True):
