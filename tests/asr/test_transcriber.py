@@ -277,3 +277,46 @@ def test_default_replicas_come_from_the_backend(monkeypatch: pytest.MonkeyPatch)
         pytest.skip(f"whisper-tiny.en not available: {e}")
     with tr:
         assert tr.replicas == 3
+
+
+def test_replicas_that_fit_the_decoder_state() -> None:
+    from polyaccel.asr.transcriber import replicas_that_fit
+
+    gib = 2**30
+    assert replicas_that_fit(2, 135 * gib, 5 * gib) == 2          # turbo at batch 128: both fit
+    assert replicas_that_fit(2, 135 * gib, 41 * gib) == 1         # large-v3 at batch 128: one
+    assert replicas_that_fit(2, 1 * gib, 41 * gib) == 1           # never fewer than one
+    assert replicas_that_fit(8, 100 * gib, 3 * gib) == 7
+    assert replicas_that_fit(2, 1 * gib, 0) == 2                  # a model that cannot say
+
+
+@pytest.mark.parametrize("kind", ["whisper", "conformer"])
+def test_decode_state_bytes_is_what_a_runner_allocates(kind: str) -> None:
+    """The estimate equals the decoder-state tensors a runner's slots hold for one batch size:
+    Whisper one state; ConformerAED one self-attention cache shared by its frame buckets and
+    cross-attention K/V per frame bucket."""
+    import torch
+
+    from polyaccel.asr.interface import DecoderState
+    from polyaccel.asr.runner import ASRRunner
+
+    if kind == "whisper":
+        from polyaccel.asr.whisper import WhisperASR, WhisperConfig
+
+        model = WhisperASR(WhisperConfig(num_mel_bins=16, d_model=32, encoder_layers=1, encoder_attention_heads=4,
+                                         encoder_ffn_dim=64, decoder_layers=2, decoder_attention_heads=4,
+                                         decoder_ffn_dim=64, vocab_size=120, max_source_positions=1500,
+                                         max_target_positions=24, decoder_start_token_id=100, eos_token_id=99,
+                                         no_timestamps_token_id=None)).eval()
+    else:
+        from polyaccel.asr.conformer import ConformerAED
+        from polyaccel.asr.conformer_config import tiny
+
+        model = ConformerAED.from_config(tiny(), seed=0).eval()
+    model = model.to(torch.bfloat16)
+    runner = ASRRunner(model, backend="cpu", batch_buckets=(3,), use_graphs=False)
+    frames = getattr(model.config, "frame_buckets", [None])
+    for f in frames:
+        runner._slot({"batch": 3, **({"frames": f} if f else {})})
+    held = {t.data_ptr(): t.nbytes for s in runner._slots.values() for t in DecoderState.tensors(s.state)[:4]}
+    assert model.decode_state_bytes(3) == sum(held.values())

@@ -433,6 +433,12 @@ class ConformerAED(ASRModel):
     def prompt_ids(self) -> list[int]:
         return [self.config.bos_token_id]
 
+    def decode_state_bytes(self, batch: int) -> int:
+        """One self-attention cache per batch size, cross-attention K/V per frame bucket."""
+        cfg = self.config
+        frames = sum(subsampled_length(f, cfg.subsampling_layers) for f in cfg.frame_buckets)
+        return 2 * cfg.decoder_layers * batch * cfg.decoder_dim * (cfg.max_decode_len + frames) * self.dtype.itemsize
+
     def new_decoder_state(self, enc: torch.Tensor, enc_mask: torch.Tensor, max_len: int,
                           out: DecoderState | None = None) -> DecoderState:
         """Zeroed self-attention cache [L, B, NH, max_len, Dh]; cross K/V [L, B, NH, S, Dh]

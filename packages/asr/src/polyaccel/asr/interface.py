@@ -103,6 +103,11 @@ class ASRModel(nn.Module, abc.ABC):
     def prompt_ids(self) -> list[int]:
         """Tokens fed before the first generated token (e.g. <|startoftranscript|>...)."""
 
+    def decode_state_bytes(self, batch: int) -> int:
+        """Bytes of decoder state (self-attention cache, cross-attention K/V) a runner holds for
+        a batch bucket of ``batch`` rows; 0 when the model cannot say."""
+        return 0
+
     @abc.abstractmethod
     def new_decoder_state(self, enc: torch.Tensor, enc_mask: torch.Tensor, max_len: int,
                           out: DecoderState | None = None) -> DecoderState:

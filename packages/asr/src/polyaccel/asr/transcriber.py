@@ -288,6 +288,17 @@ class Transcriber:
                 return models[key]
 
         first = model_on(devices[0])  # loaded up front: its rate and window length shape the job
+        if replicas is None and be.device_type == "cuda":
+            import torch
+
+            per_device = n // max(1, be.device_count())
+            fit = replicas_that_fit(per_device, torch.cuda.mem_get_info(devices[0])[0],
+                                    first.decode_state_bytes(batch_size))
+            if fit < per_device:
+                log.info("%d replicas per GPU would not fit this model's decoder state at batch %d: %d",
+                         per_device, batch_size, fit)
+                n = fit * max(1, be.device_count())
+                devices = be.replica_devices(n)
         if timestamps and getattr(first, "timestamp_rules", lambda: None)() is None:
             raise ValueError(f"{path_or_name}: this model does not predict timestamps")
         if batch_invariant and be.device_type != "cuda":
@@ -739,6 +750,15 @@ class _StreamsAhead:
 
     def close(self) -> None:
         self._stop.set()
+
+
+def replicas_that_fit(wanted: int, free_bytes: int, state_bytes: int) -> int:
+    """Replicas (at most ``wanted``, at least 1) whose decoder state fits in 90% of a device's
+    ``free_bytes``: ``state_bytes`` at the largest batch bucket, twice over (the smaller buckets
+    sum to about as much) and twice again (encoder activations, graph pools). 0: unknown, all fit."""
+    if state_bytes <= 0:
+        return wanted
+    return max(1, min(wanted, int(0.9 * free_bytes) // (4 * state_bytes)))
 
 
 def _take(it: Iterator[Any], n: int) -> list[Any]:

@@ -483,6 +483,11 @@ class WhisperASR(ASRModel):
     def begin_suppress_ids(self) -> list[int]:
         return list(self.config.begin_suppress_tokens)
 
+    def decode_state_bytes(self, batch: int) -> int:
+        c = self.config
+        positions = self.max_decode_len + c.max_source_positions  # self cache + encoder frames
+        return 2 * c.decoder_layers * batch * c.d_model * positions * self.dtype.itemsize
+
     def new_decoder_state(self, enc: torch.Tensor, enc_mask: torch.Tensor, max_len: int,
                           out: DecoderState | None = None) -> DecoderState:
         """Cross-attention K/V of every layer from ``enc`` [B, S, D] and an empty self-attention
