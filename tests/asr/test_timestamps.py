@@ -172,6 +172,15 @@ def _hf_segments(path: Path, audio: list[np.ndarray], **kw) -> list[list[tuple[f
              for s in segs] for segs in out["segments"]]
 
 
+def _assert_segments_equal(hyps, expected) -> None:
+    """Same segment texts, times within 0.02 s; the concatenation (last) has several segments."""
+    for h, exp in zip(hyps, expected, strict=True):
+        got = [(s.start, s.end, s.text) for s in h.segments]
+        assert [g[2] for g in got] == [e[2] for e in exp]
+        assert np.allclose([g[:2] for g in got], [e[:2] for e in exp], atol=0.02, rtol=0)
+    assert len(hyps[-1].segments) >= 3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["whisper-tiny.en", "whisper-base"])
 def test_segments_equal_transformers_on_real_speech(name, one_thread, monkeypatch):
@@ -188,11 +197,7 @@ def test_segments_equal_transformers_on_real_speech(name, one_thread, monkeypatc
     expected = _hf_segments(path, audio, **kw)
     model = WhisperASR.from_pretrained(path, **kw)
     hyps = ASRRunner(model, backend="cpu", batch_buckets=(1, 8), timestamps=True).recognize(audio)
-    for h, exp in zip(hyps, expected, strict=True):
-        got = [(s.start, s.end, s.text) for s in h.segments]
-        assert [g[2] for g in got] == [e[2] for e in exp]
-        assert np.allclose([g[:2] for g in got], [e[:2] for e in exp], atol=0.02, rtol=0)
-    assert len(hyps[-1].segments) >= 3
+    _assert_segments_equal(hyps, expected)
 
 
 @pytest.mark.gpu
@@ -220,11 +225,7 @@ def test_segments_on_cuda_with_graphs_equal_transformers(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     model = WhisperASR.from_pretrained(path, **kw).cuda().eval()
     hyps = ASRRunner(model, backend="cuda", batch_buckets=(1, 8), timestamps=True).recognize(audio)
-    for h, exp in zip(hyps, expected, strict=True):
-        got = [(s.start, s.end, s.text) for s in h.segments]
-        assert [g[2] for g in got] == [e[2] for e in exp]
-        assert np.allclose([g[:2] for g in got], [e[:2] for e in exp], atol=0.02, rtol=0)
-    assert len(hyps[-1].segments) >= 3
+    _assert_segments_equal(hyps, expected)
 
 
 @pytest.mark.slow
