@@ -250,11 +250,13 @@ def profile_step(model, opt, ids, a, micro_step=None) -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         train_step(model, opt, ids, a.accum, micro_step, **forward_kwargs(a.one))
         torch.cuda.synchronize()
-    return write_profile(prof, os.path.join(os.environ.get("OUT") or a.out_dir, f"profile_{a.one}.txt"))
+    return write_profile(prof, f"profile_{a.one}.txt", a.out_dir)
 
 
-def write_profile(prof, path: str) -> str:  # noqa: ANN001
-    """The profiler's kernel tables (self and total CUDA time) to ``path``."""
+def write_profile(prof, name: str, folder: str) -> str:  # noqa: ANN001
+    """The profiler's kernel tables (self and total CUDA time) to file ``name`` in ``$OUT`` (the
+    device tool brings that folder back), else in ``folder``; returns the path."""
+    path = os.path.join(os.environ.get("OUT") or folder, name)
     averages = prof.key_averages()
     with open(path, "w") as f:
         for key in ("self_cuda_time_total", "cuda_time_total"):

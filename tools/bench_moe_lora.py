@@ -131,8 +131,7 @@ def run_row(variant: str, layers: int, a) -> dict:  # noqa: ANN001
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             optimizer_step()  # the row's own step (graph replays for -graphed)
             torch.cuda.synchronize()
-        folder = os.environ.get("OUT") or os.getcwd()  # the device tool brings $OUT back
-        profile_path = write_profile(prof, os.path.join(folder, f"profile_lora-{variant}_{layers}.txt"))
+        profile_path = write_profile(prof, f"profile_lora-{variant}_{layers}.txt", os.getcwd())
     tokens = a.mbs * a.seq * a.accum
     return {"variant": f"lora-{variant}@{layers}", "layers": layers, "seq": a.seq, "mbs": a.mbs, "accum": a.accum,
             "lora": LORA, "recompute": recompute, "adapter_params_m": round(sum(p.numel() for p in trainable) / 1e6, 2),

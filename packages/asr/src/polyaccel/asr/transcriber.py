@@ -153,9 +153,9 @@ class _Window:
     idx: int
     win: int
     audio: np.ndarray
-    start_s: float = 0.0
-    long: bool = False
-    speech_s: float | None = None
+    start_s: float
+    long: bool
+    speech_s: float
 
 
 @dataclasses.dataclass(slots=True)
@@ -291,7 +291,7 @@ class Transcriber:
         if replicas is None and be.device_type == "cuda":
             import torch
 
-            per_device = n // max(1, be.device_count())
+            per_device = be.replicas_per_device
             fit = replicas_that_fit(per_device, torch.cuda.mem_get_info(devices[0])[0],
                                     first.decode_state_bytes(batch_size))
             if fit < per_device:
@@ -446,20 +446,7 @@ class Transcriber:
                 for j in bucket_order([len(w.audio) for w in numbered], self.batch_size):
                     yield numbered[j]
                 del numbered
-                for i, kind, x in ahead.windows():
-                    p = pending[i]
-                    if kind == "window":
-                        w, speech = x
-                        win = _Window(i, w.index, w.audio, w.start_s, long=True, speech_s=speech)
-                        p.add(win, self.sample_rate)
-                        p.result.duration_s = p.spans_s[-1][1]
-                        m.windows += 1
-                        yield win
-                        continue
-                    if kind == "error":
-                        self._stream_failed(p.result, x)
-                    p.read = True
-                    p.result.windows = len(p.texts)
+                yield from self._streamed(ahead, pending, m)
             finally:
                 ahead.close()
             if len(items) < block:
@@ -474,6 +461,25 @@ class Transcriber:
             p.add(w, self.sample_rate)
         p.result.windows = len(out)
         return out
+
+    def _streamed(self, ahead: _StreamsAhead, pending: dict[int, _Pending], m: TranscribeMetrics
+                  ) -> Iterator[_Window]:
+        """The long files' windows as their readers hand them out, registered in ``pending``;
+        a file's read error becomes its error once its reader stops."""
+        for i, kind, x in ahead.windows():
+            p = pending[i]
+            if kind == "window":
+                w, speech = x
+                win = _Window(i, w.index, w.audio, w.start_s, long=True, speech_s=speech)
+                p.add(win, self.sample_rate)
+                p.result.duration_s = p.spans_s[-1][1]
+                m.windows += 1
+                yield win
+                continue
+            if kind == "error":
+                self._stream_failed(p.result, x)
+            p.read = True
+            p.result.windows = len(p.texts)
 
     def _stream_source(self, path: str) -> Iterator[Any]:
         """A long file's windows as it is decoded: (``audio.StreamWindow``, seconds of speech)."""
@@ -616,7 +622,7 @@ def _plausible(w: _Window, text: str, recognize: Recognize, sample_rate: int) ->
     transcript of the window decoded again in pieces cut at pauses (if that has more words)."""
     if not isinstance(text, str):
         return text  # the pool reports it as a failure
-    speech = w.speech_s if w.speech_s is not None else speech_seconds(w.audio, sample_rate)
+    speech = w.speech_s
     if w.long and isinstance(text, TimedText):  # with timestamps: seek past the last segment, as Whisper does
         text = decode_tail(w.audio, text, recognize, sample_rate)
     if not w.long or not _too_few_words(text, speech):

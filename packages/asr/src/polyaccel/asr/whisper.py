@@ -134,6 +134,7 @@ def _pinned_upload(clips: list[np.ndarray], device: torch.device) -> torch.Tenso
     _STAGING.done.record()
     return out
 
+
 def _hz_to_mel(f: np.ndarray) -> np.ndarray:
     """Slaney mel scale: linear (3 mels per 200 Hz) below 1 kHz, logarithmic above."""
     f = np.asarray(f, dtype=np.float64)
@@ -249,10 +250,8 @@ def _layer_norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp(fc1: nn.Module, fc2: nn.Module, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-    if invariant:
-        return _proj(fc2, F.gelu(_proj(fc1, x, True)), True)
-    if not isinstance(fc1, nn.Linear):  # FP8 layers (polyaccel.asr.fp8) run their own GEMMs
-        return fc2(F.gelu(fc1(x)))
+    if invariant or not isinstance(fc1, nn.Linear):  # FP8 layers (polyaccel.asr.fp8) run their own GEMMs
+        return _proj(fc2, F.gelu(_proj(fc1, x, invariant)), invariant)
     return ops.ffn(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, activation="gelu")
 
 
