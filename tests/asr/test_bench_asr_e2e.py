@@ -126,7 +126,8 @@ def test_prep_row_reports_cost_per_audio_second(bench, small_corpus):
     assert row["files"] == 3 and row["audio_s"] > 5
     ms = row["cpu_ms_per_audio_s"]
     assert ms["decode"] > 0 and row["total_ms_per_audio_s"] == pytest.approx(sum(ms.values()), abs=0.01)
-    assert row["cores_needed"] == pytest.approx(3.0 * row["total_ms_per_audio_s"], rel=0.01)
+    # both numbers are rounded: 0.0005 ms of the total is 0.0015 cores at 3,000 RTFx, plus 0.005 of the cores'
+    assert row["cores_needed"] == pytest.approx(3.0 * row["total_ms_per_audio_s"], abs=0.007)
     assert threading.active_count() == n
     import soundfile
 
