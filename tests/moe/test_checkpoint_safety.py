@@ -216,6 +216,80 @@ def test_rerunning_a_finished_run_says_so(finished, tmp_path, capsys, monkeypatc
     assert summary["steps"] == 4 and message in summary["note"]
 
 
+def test_output_dir_that_would_overwrite_an_input_a_checkpoint_or_user_files_is_refused(finished, tmp_path,
+                                                                                          monkeypatch):
+    root = _copy(finished, tmp_path)
+    base = shutil.copytree(finished / "out", tmp_path / "base")
+    before = (base / "model.safetensors").read_bytes()
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    (folder / "model-00001-of-00002.safetensors").write_text("mine")
+    _no_model_load(monkeypatch)
+    for sets, message in [([f"model.path={base}", f"output_dir={base}"], "is model.path, which this run reads"),
+                          ([f"output_dir={root / 'ck/step_00000004'}"], "is inside checkpoint.dir"),
+                          ([f"output_dir={folder}"], "already holds files and no saved model "
+                                                     "(model-00001-of-00002.safetensors, notes.txt)")]:
+        with pytest.raises(ConfigError) as e:
+            finetune(_tiny(root, *sets))
+        assert str(e.value).startswith("output_dir: ") and message in str(e.value)
+    assert (base / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in folder.iterdir()) == ["model-00001-of-00002.safetensors", "notes.txt"]
+    assert ckpt.verify_checkpoint(root / "ck/step_00000004") is None
+
+
+def test_final_save_replaces_an_earlier_model_and_keeps_other_files(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    (out / "model-00001-of-00002.safetensors").write_text("stale")
+    (out / "model.safetensors.index.json").write_text("{}")
+    finetune(_tiny(tmp_path, "train.max_steps=1", "checkpoint.every_steps=0"))
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                    "notes.txt"]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "ck/step_00000001/model.safetensors").read_bytes()
+
+
+def test_rerun_writes_the_final_output_a_kill_left_unwritten(finished, tmp_path, capsys, monkeypatch, caplog):
+    """Killed while writing output_dir (after the last checkpoint): the rerun, finding the run
+    finished, writes output_dir from the last checkpoint instead of leaving it damaged."""
+    root = _copy(finished, tmp_path)
+    final = root / "ck/step_00000004"
+    out = root / "out"
+    (out / train._STAGING).mkdir(parents=True)
+    (out / "config.json").write_bytes((final / "config.json").read_bytes())
+    (out / "model.safetensors").write_bytes((final / "model.safetensors").read_bytes()[:1000])
+    _no_model_load(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+        code, _, _ = _cli(capsys, root)
+    assert code == 0 and "does not hold the final model" in caplog.text
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == (final / "model.safetensors").read_bytes()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+        assert _cli(capsys, root)[0] == 0
+    assert "does not hold the final model" not in caplog.text
+
+
+def test_a_failed_final_save_leaves_the_earlier_output_as_it_was(finished, tmp_path, monkeypatch):
+    root = _copy(finished, tmp_path)
+    out = shutil.copytree(finished / "out", root / "out")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    original = train._write_output
+
+    def interrupted(cfg, write_model):
+        def write_then_die(staging):
+            write_model(staging)
+            raise KeyboardInterrupt("killed after writing the staged model")
+        return original(cfg, write_then_die)
+    monkeypatch.setattr(train, "_write_output", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(_tiny(root, "train.max_steps=6"))
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
 def test_metrics_have_each_step_once_after_resume(tmp_path):
     finetune(_tiny(tmp_path), stop_after=3)  # steps 1-3 logged, checkpoint at 2: step 3 is redone
     with (tmp_path / "metrics.jsonl").open("a") as f:

@@ -85,6 +85,63 @@ def test_finetune_refuses_bad_configs_with_exit_2(capsys, tmp_path, sets, messag
     assert message in err
 
 
+@pytest.mark.parametrize("sets, message", [
+    (["train.lr=-1"], "train.lr must be a finite number >= 0, got -1.0"),
+    (["train.lr=nan"], "train.lr must be a finite number >= 0, got nan"),
+    (["train.weight_decay=-0.1"], "train.weight_decay must be a finite number >= 0"),
+    (["train.betas=[0.9,1.0]"], "train.betas must each be in [0, 1)"),
+    (["train.grad_clip=-1"], "train.grad_clip must be a finite number >= 0 (0 or null: no clipping), got -1.0"),
+    (["train.min_lr_ratio=2"], "train.min_lr_ratio must be in [0, 1]"),
+    (["train.warmup_steps=-3"], "train.warmup_steps must be >= 0"),
+    (["log.peak_tflops=-5"], "log.peak_tflops must be a number > 0"),
+    (["data.synthetic.vocab=-5"], "data.synthetic.vocab must be >= 1"),
+    (["lora.alpha=-2"], "lora: lora.alpha=-2.0 must be a number > 0"),
+    (["lora.r=0"], "lora: lora.r=0 must be a positive integer"),
+    (["model.config.num_experts_per_tok=9"], "routes each token to num_experts_per_tok=9 experts of 4"),
+    (["model.config.hidden_size=abc"], "model.config: Validation error for field 'hidden_size'"),
+])
+def test_bad_numbers_are_refused_before_anything_is_written(capsys, tmp_path, sets, message):
+    """Values that would train backwards (a negative clip or decay), stop later (a NaN lr) or
+    crash mid-run are configuration errors: exit 2, nothing created."""
+    args = [a for s in sets for a in ("--set", s)]
+    code, _, err = _run(capsys, "finetune", str(EXAMPLES / "tiny_synthetic_cpu.yaml"),
+                        "--set", f"checkpoint.dir={tmp_path}/ck", "--set", f"output_dir={tmp_path}/out", *args)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--preset", "qwen3-moe-tiny", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    (["bench", "--preset", "qwen3-moe-tiny", "--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+    (["bench", "--preset", "qwen3-moe-tiny", "--peak-tflops", "0"], "argument --peak-tflops: must be a number > 0"),
+    (["finetune", "c.yaml", "--ray", "--workers", "0"], "argument --workers: must be >= 1, got 0"),
+])
+def test_bad_counts_on_the_command_line_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_unreadable_model_config_and_data_are_config_errors(capsys, tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model/config.json").write_text("{not json")
+    code, _, err = _run(capsys, "finetune", str(EXAMPLES / "tiny_synthetic_cpu.yaml"),
+                        "--set", f"model.path={tmp_path / 'model'}")
+    assert code == 2 and "model.path: cannot read" in err and "config.json" in err
+    from polyaccel.moe.data import build_dataset
+    from polyaccel.moe.train_config import DataConfig
+
+    for name, data, text, message in [("a.jsonl", b'{"input_ids": [1]}\n\xff\xfe\n', None, "a.jsonl:2: not UTF-8 text"),
+                                      ("b.txt", b"\xff\xfe", True, "b.txt: not UTF-8 text"),
+                                      ("c.jsonl", b'{"text": 5}\n', None, "c.jsonl:1: 'text' must be a string"),
+                                      ("d.jsonl", b'{"prompt": "a", "completion": [1]}\n', None,
+                                       "d.jsonl:1: 'completion' must be a string")]:
+        (tmp_path / name).write_bytes(data)
+        cfg = DataConfig(text=str(tmp_path / name)) if text else DataConfig(jsonl=str(tmp_path / name))
+        with pytest.raises(ConfigError, match=message):
+            build_dataset(cfg, seq_len=4, vocab_size=128, tokenizer_path=str(tmp_path / "no-tokenizer"))
+
+
 def test_presets_and_help(capsys):
     code, out, _ = _run(capsys, "presets")
     assert code == 0

@@ -223,8 +223,12 @@ def _token_ids(value: Any, vocab_size: int, where: str) -> list[int]:
 
 
 def _jsonl_documents(path: Path, field: str, tok, vocab_size: int) -> Iterator[tuple[list[int], list[bool]]]:
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}:{line_no}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:
@@ -237,20 +241,33 @@ def _jsonl_documents(path: Path, field: str, tok, vocab_size: int) -> Iterator[t
                 ids = _token_ids(rec["input_ids"], vocab_size, f"{path}:{line_no}")
                 yield ids, [True] * len(ids)
             elif "prompt" in rec and "completion" in rec:
+                prompt, completion = _text(rec, "prompt", path, line_no), _text(rec, "completion", path, line_no)
                 t = tok()
-                p, c = _encode(t, rec["prompt"]), _encode(t, rec["completion"]) + _eos(t)
+                p, c = _encode(t, prompt), _encode(t, completion) + _eos(t)
                 yield p + c, [False] * len(p) + [True] * len(c)
             elif field in rec:
+                text = _text(rec, field, path, line_no)
                 t = tok()
-                ids = _encode(t, rec[field]) + _eos(t)
+                ids = _encode(t, text) + _eos(t)
                 yield ids, [True] * len(ids)
             else:
                 raise ConfigError(f"{path}:{line_no}: record has no {field!r} field (nor prompt/completion "
                                   f"or input_ids); keys: {', '.join(rec)}")
 
 
+def _text(rec: dict[str, Any], key: str, path: Path, line_no: int) -> str:
+    """``rec[key]``, which must be a string."""
+    if not isinstance(rec[key], str):
+        raise ConfigError(f"{path}:{line_no}: {key!r} must be a string, got {type(rec[key]).__name__}")
+    return rec[key]
+
+
 def _text_documents(path: Path, tok) -> Iterator[tuple[list[int], list[bool]]]:
-    for para in path.read_text().split("\n\n"):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for para in text.split("\n\n"):
         if para.strip():
             t = tok()
             ids = _encode(t, para.strip()) + _eos(t)

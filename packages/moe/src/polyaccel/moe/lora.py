@@ -234,6 +234,8 @@ class LoraSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or self.r < 1:
             raise ValueError(f"lora.r={self.r!r} must be a positive integer")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not 0 < self.alpha < float("inf"):
+            raise ValueError(f"lora.alpha={self.alpha!r} must be a number > 0")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout={self.dropout!r} must be in [0, 1)")
         if self.dropout and (self.experts or self.router):

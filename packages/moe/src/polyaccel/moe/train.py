@@ -21,6 +21,8 @@ import json
 import logging
 import math
 import os
+import re
+import shutil
 import statistics
 import time
 import warnings
@@ -127,19 +129,28 @@ def init_runtime(device: str | torch.device = "auto") -> Runtime:
 def resolve_model_config(cfg: ModelConfig):
     """The Hugging Face ``PretrainedConfig`` of ``cfg`` (checkpoint config + overrides, or
     built from ``cfg.config`` with its ``model_type``); never touches the network."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
+    bad_config = (OSError, ValueError, KeyError, TypeError, StrictDataclassError)
     fields = dict(cfg.config)
     if cfg.path is not None:
         if not Path(cfg.path, "config.json").is_file():
             raise ConfigError(f"model.path {cfg.path} is not a Hugging Face checkpoint (no config.json)")
-        fields = AutoConfig.from_pretrained(cfg.path, local_files_only=True).to_dict() | {
-            k: v for k, v in fields.items() if k != "model_type"}
+        try:
+            fields = AutoConfig.from_pretrained(cfg.path, local_files_only=True).to_dict() | {
+                k: v for k, v in fields.items() if k != "model_type"}
+        except bad_config as e:
+            raise ConfigError(f"model.path: cannot read {Path(cfg.path, 'config.json')}: {e}") from None
     elif "model_type" not in fields:
         raise ConfigError("model: set path (a checkpoint directory), preset, or config with a model_type")
     fields.pop("transformers_version", None)
     # Through __init__, so derived fields (e.g. per-layer types) follow the overrides.
-    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    try:
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    except bad_config as e:
+        text = " ".join(str(e).split())
+        raise ConfigError(f"model.config: {text[:300]}{' ...' if len(text) > 300 else ''}") from None
 
 
 def validate(cfg: FinetuneConfig, model_config: Any) -> None:
@@ -148,6 +159,33 @@ def validate(cfg: FinetuneConfig, model_config: Any) -> None:
     for name in ("seq_len", "micro_batch", "grad_accum", "max_steps", "wgrad_window"):
         if getattr(t, name) != "auto" and getattr(t, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+    for name in ("lr", "eps", "weight_decay"):
+        if not (math.isfinite(getattr(t, name)) and getattr(t, name) >= 0):
+            raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(t, name)}")
+    if not all(0 <= b < 1 for b in t.betas):
+        raise ConfigError(f"train.betas must each be in [0, 1), got {list(t.betas)}")
+    if t.grad_clip is not None and not (math.isfinite(t.grad_clip) and t.grad_clip >= 0):
+        raise ConfigError(f"train.grad_clip must be a finite number >= 0 (0 or null: no clipping), got {t.grad_clip}")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    if cfg.log.peak_tflops is not None and not (math.isfinite(cfg.log.peak_tflops) and cfg.log.peak_tflops > 0):
+        raise ConfigError(f"log.peak_tflops must be a number > 0, got {cfg.log.peak_tflops}")
+    if cfg.data.synthetic is not None and cfg.data.synthetic.vocab is not None and cfg.data.synthetic.vocab < 1:
+        raise ConfigError(f"data.synthetic.vocab must be >= 1, got {cfg.data.synthetic.vocab}")
+    if cfg.lora is not None:
+        from polyaccel.moe.lora import settings_from
+
+        try:
+            settings_from(cfg.lora)
+        except ValueError as e:
+            raise ConfigError(f"lora: {e}") from e
+    experts = next((getattr(model_config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(model_config, k, None)), None)
+    top_k = getattr(model_config, "num_experts_per_tok", None)
+    if experts and top_k and top_k > experts:
+        raise ConfigError(f"the model config routes each token to num_experts_per_tok={top_k} experts of {experts}")
     max_pos = getattr(model_config, "max_position_embeddings", None)
     if max_pos is not None and t.seq_len > max_pos:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds the model's max_position_embeddings={max_pos}")
@@ -587,6 +625,26 @@ def check_outputs(cfg: FinetuneConfig) -> None:
         _writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir), create=True)
     if cfg.output_dir:
         _writable_dir("output_dir", Path(cfg.output_dir), create=False)
+        _check_output_dir(cfg, Path(cfg.output_dir))
+
+
+def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
+    """Refuse an ``output_dir`` whose save would overwrite what this run reads (the model or
+    tokenizer directory), a checkpoint, or files of a folder that holds no saved model."""
+    real = out.resolve()
+    for key, value in (("model.path", cfg.model.path), ("data.tokenizer", cfg.data.tokenizer)):
+        if value and Path(value).resolve() == real:
+            raise ConfigError(f"output_dir: {out} is {key}, which this run reads; saving there would overwrite it. "
+                              "Choose another output_dir")
+    if cfg.checkpoint.dir and real.is_relative_to(Path(cfg.checkpoint.dir).resolve()):
+        raise ConfigError(f"output_dir: {out} is inside checkpoint.dir {cfg.checkpoint.dir}, where it would change "
+                          "or be pruned with the checkpoints. Choose a directory outside it")
+    if out.is_dir():
+        names = sorted(p.name for p in out.iterdir() if not p.is_dir())
+        if names and not any(n in ("config.json", "adapter_config.json") for n in names):
+            raise ConfigError(f"output_dir: {out} already holds files and no saved model ({', '.join(names[:5])}"
+                              f"{', ...' if len(names) > 5 else ''}); saving there could overwrite or delete some. "
+                              "Choose a new or empty directory")
 
 
 def _writable_dir(key: str, path: Path, *, create: bool) -> None:
@@ -629,6 +687,14 @@ def _already_finished(cfg: FinetuneConfig, rt: Runtime, model_config: Any, check
             "or use a new checkpoint.dir")
     if rt.rank == 0:
         logger.warning("polyaccel.moe: %s", note)
+        if cfg.output_dir and (checkpoint / ckpt.MANIFEST).is_file() and not _output_matches(Path(cfg.output_dir),
+                                                                                               checkpoint):
+            logger.warning("polyaccel.moe: output_dir %s does not hold the final model (the run stopped while "
+                           "writing it?): writing it from %s", cfg.output_dir, checkpoint)
+            files = _final_files(checkpoint)
+            _write_output(cfg, lambda staging: [shutil.copy2(checkpoint / n, staging / n) for n in files])
+    if dist.is_initialized():
+        dist.barrier()
     t = cfg.train
     return TrainResult(
         start_step=done, steps=done, losses=[], step_times=[],
@@ -665,19 +731,60 @@ def _model_shapes(cfg: ModelConfig, model_config: Any, dtype: torch.dtype) -> di
 
 def save_final(model: nn.Module, cfg: FinetuneConfig, rt: Runtime) -> None:
     """``save_pretrained`` the trained model (and the tokenizer, if there is one) to
-    ``cfg.output_dir``; collective when distributed (rank 0 writes)."""
+    ``cfg.output_dir`` through :func:`_write_output`; collective when distributed (rank 0
+    writes)."""
     from polyaccel.moe.ep_checkpoint import full_state_dict
 
     state = full_state_dict(model)
     if rt.rank == 0:
-        model.save_pretrained(cfg.output_dir, state_dict=state)
-        tok_dir = cfg.data.tokenizer or cfg.model.path
-        if tok_dir and any(Path(tok_dir).glob("tokenizer*")):
-            from polyaccel.moe.data import load_tokenizer
-
-            load_tokenizer(tok_dir).save_pretrained(cfg.output_dir)
+        _write_output(cfg, lambda staging: model.save_pretrained(staging, state_dict=state))
     if dist.is_initialized():
         dist.barrier()
+
+
+_STAGING = ".polyaccel-partial"
+_WEIGHT_FILE = re.compile(r"^(model|adapter_model|pytorch_model)([-.].*)?\.(safetensors|bin)(\.index\.json)?$")
+
+
+def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any]) -> None:
+    """Write the final model into ``cfg.output_dir``: first whole into a staging folder inside
+    it (a kill leaves the folder as it was), then each file moved in with ``os.replace``,
+    configs last; weight files of an earlier save there that this one lacks are deleted,
+    other files are left alone."""
+    out = Path(cfg.output_dir)
+    staging = out / _STAGING
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    write_model(staging)
+    tok_dir = cfg.data.tokenizer or cfg.model.path
+    if tok_dir and any(Path(tok_dir).glob("tokenizer*")):
+        from polyaccel.moe.data import load_tokenizer
+
+        load_tokenizer(tok_dir).save_pretrained(staging)
+    written = sorted((p.name for p in staging.iterdir()), key=lambda n: not _WEIGHT_FILE.match(n))
+    for name in written:
+        os.replace(staging / name, out / name)
+    for old in out.iterdir():
+        if old.name not in written and _WEIGHT_FILE.match(old.name) and old.is_file():
+            old.unlink()
+    staging.rmdir()
+
+
+def _final_files(checkpoint: Path) -> dict[str, tuple[int, str]]:
+    """The model files of ``checkpoint`` (what ``save_pretrained`` wrote), from its manifest:
+    name -> (size, sha256)."""
+    files = json.loads((checkpoint / ckpt.MANIFEST).read_text())["files"]
+    return {name: (int(e["size"]), e["sha256"]) for name, e in files.items()
+            if "/" not in name and name != ckpt.TRAINER_STATE and not re.match(r"^(rng|optimizer)_rank\d+\.pt$", name)}
+
+
+def _output_matches(out: Path, checkpoint: Path) -> bool:
+    """Whether ``out`` holds the weight files of ``checkpoint``, byte for byte."""
+    weights = {n: v for n, v in _final_files(checkpoint).items() if _WEIGHT_FILE.match(n)}
+    if not weights or any(not (out / n).is_file() or (out / n).stat().st_size != size
+                          for n, (size, _) in weights.items()):
+        return False
+    return [sha for _, sha in ckpt._digests([out / n for n in weights])] == [sha for _, sha in weights.values()]
 
 
 def _progress_bar(cfg: FinetuneConfig, rt: Runtime, start: int):
