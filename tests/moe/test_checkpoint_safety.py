@@ -216,6 +216,22 @@ def test_rerunning_a_finished_run_says_so(finished, tmp_path, capsys, monkeypatc
     assert summary["steps"] == 4 and message in summary["note"]
 
 
+def test_a_pickled_model_file_is_never_loaded(finished, tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(finished / "out/config.json", model / "config.json")
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save({"model.embed_tokens.weight": Payload()}, model / "pytorch_model.bin")
+    code, _, err = _cli(capsys, tmp_path, f"model.path={model}")
+    assert code == 2 and "safetensors checkpoints only" in err
+    assert not marker.exists()
+
+
 def test_output_dir_that_would_overwrite_an_input_a_checkpoint_or_user_files_is_refused(finished, tmp_path,
                                                                                           monkeypatch):
     root = _copy(finished, tmp_path)

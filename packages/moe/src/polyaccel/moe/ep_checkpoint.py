@@ -59,8 +59,9 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
-    raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json; expert-parallel "
-                            "loading reads local safetensors checkpoints only")
+    raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json; polyaccel reads "
+                            "local safetensors checkpoints only (pickled .bin/.pt weights can run code when "
+                            "loaded, so they are never read)")
 
 
 def unreadable_file(path: str | Path) -> str | None:
