@@ -122,6 +122,18 @@ def test_bad_counts_on_the_command_line_exit_2(capsys, argv, message):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_model_whose_weights_cannot_fit_is_refused_before_it_is_built(capsys, tmp_path, monkeypatch):
+    from polyaccel.moe import train
+
+    built = []
+    monkeypatch.setattr(train, "available_memory", lambda device: 10_000)  # bytes; the tiny model is ~1 MB
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: built.append(self) or self)
+    code, _, err = _run(capsys, "finetune", str(EXAMPLES / "tiny_synthetic_cpu.yaml"),
+                        "--set", f"checkpoint.dir={tmp_path}/ck", "--set", f"output_dir={tmp_path}/out")
+    assert code == 2 and "the model's weights alone take" in err and "cpu has 0.0 GiB free" in err
+    assert not built and not (tmp_path / "out").exists()
+
+
 def test_unreadable_model_config_and_data_are_config_errors(capsys, tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model/config.json").write_text("{not json")

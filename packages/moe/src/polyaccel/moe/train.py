@@ -249,9 +249,35 @@ def build_model(cfg: ModelConfig, model_config: Any, *, dtype: torch.dtype, devi
         # Loaded on the CPU, then moved: a device_map would need `accelerate`.
         model = cls.from_pretrained(str(source), config=model_config, local_files_only=True, **kwargs)
     else:
+        if device.type != "meta":
+            _check_weights_fit(cls, model_config, kwargs, device)
         with device:  # random init straight on the device
             model = cls.from_config(model_config, **kwargs)
     return model.to(device)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free on ``device`` (a GPU's free memory, or the host's available RAM), or None."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def _check_weights_fit(cls: Any, model_config: Any, kwargs: dict[str, Any], device: torch.device) -> None:
+    """Raise :class:`ConfigError` before a random init whose weights alone exceed what
+    ``device`` has free (counted exactly on the meta device), instead of dying out of memory."""
+    with torch.device("meta"):
+        shapes = cls.from_config(model_config, **kwargs)
+    need = sum(p.numel() * p.element_size() for p in shapes.parameters())
+    free = available_memory(device)
+    if free is not None and need > free:
+        raise ConfigError(f"model.config: the model's weights alone take {need / 2**30:.1f} GiB; {device} has "
+                          f"{free / 2**30:.1f} GiB free. Choose a smaller config (hidden_size, layers, experts)")
 
 
 # --------------------------------------------------------------------------------------------
