@@ -294,3 +294,25 @@ def test_batch_invariant_is_refused_off_cuda(tmp_path: Path, capsys: pytest.Capt
     assert cli.main(["transcribe", wav, "-o", str(out), "--backend", "cpu", "--batch-invariant"]) == 2
     assert "batch-invariant kernels are CUDA's" in capsys.readouterr().err
     assert not out.exists() or out.read_text() == ""
+
+
+def test_manifests_and_references_with_fields_of_the_wrong_type(fake: None, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    wav = _wavs(tmp_path / "w", 1)[0]
+    out = tmp_path / "o.jsonl"
+    for i, rec in enumerate([{"audio_filepath": 123}, {"audio_filepath": ["a.wav"]},
+                             {"audio_filepath": wav, "text": 5}]):
+        manifest = tmp_path / f"m{i}.jsonl"
+        manifest.write_text(json.dumps(rec) + "\n")
+        assert cli.main(["transcribe", str(manifest), "-o", str(out), "-q"]) == 2
+        assert "bad manifest" in capsys.readouterr().err
+    refs = tmp_path / "refs.jsonl"
+    refs.write_text(json.dumps({"path": wav, "text": None}) + "\n")
+    assert cli.main(["transcribe", wav, "--refs", str(refs), "-o", str(out), "-q"]) == 2
+    assert "bad reference file" in capsys.readouterr().err
+    assert not out.exists()
+    hyps = tmp_path / "hyps.jsonl"
+    hyps.write_text(json.dumps({"path": wav, "text": None, "duration_s": 1, "error": None}) + "\n")
+    refs.write_text(json.dumps({"path": wav, "text": "a b"}) + "\n")
+    assert cli.main(["wer", "--refs", str(refs), "--hyps", str(hyps)]) == 0
+    assert json.loads(capsys.readouterr().out)["deletions"] == 2

@@ -353,6 +353,37 @@ def test_exit_codes(loads: list[str], tmp_path: Path, capsys: pytest.CaptureFixt
     assert [r["error"] for r in _results(out)] == [None, None]
 
 
+@pytest.mark.parametrize("kind", ["symlink", "user file"])
+def test_a_lock_path_that_is_not_our_lock_file_is_left_alone(loads: list[str], tmp_path: Path, kind: str,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    wav = _wav(tmp_path / "a.wav")
+    out = tmp_path / "out.jsonl"
+    mine = tmp_path / "notes.txt"
+    mine.write_text("my notes\n")
+    lock = tmp_path / "out.jsonl.lock"
+    if kind == "symlink":
+        lock.symlink_to(mine)
+    else:
+        lock.write_text("my other notes\n")
+    assert _run(str(wav), "-o", str(out)) == 2
+    assert "not a lock file of ours" in capsys.readouterr().err
+    assert mine.read_text() == "my notes\n" and os.path.lexists(lock) and not out.exists()
+    if kind == "user file":
+        assert lock.read_text() == "my other notes\n"
+
+
+def test_repairing_results_never_writes_through_a_file_named_like_its_temporary(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"path": "a.wav", "text": "a", "duration_s": 1.0, "error": null}\n{"path": "b.wa')  # torn
+    mine = tmp_path / "notes.txt"
+    mine.write_text("my notes\n")
+    (tmp_path / "out.jsonl.tmp").symlink_to(mine)
+    with ResultsWriter(out) as w:
+        assert w.done == {"a.wav"}
+    assert mine.read_text() == "my notes\n" and [r["path"] for r in load_results(out)] == ["a.wav"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "out.jsonl", "out.jsonl.tmp"]
+
+
 def test_the_writer_appends_whole_lines_and_repairs_only_when_needed(tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
     with ResultsWriter(out) as w:

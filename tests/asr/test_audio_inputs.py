@@ -94,6 +94,7 @@ def test_int_and_float_arrays_are_prepared() -> None:
     ("truncated", "truncated"),
     ("header_only", "empty audio"),
     ("garbage_binary", "unsupported audio format"),
+    ("garbage_mp3", r"corrupt or truncated audio \(Format not recognised"),  # not "file does not exist"
     ("corrupt_riff", "corrupt"),
     ("nan", "NaN"),
     ("directory", "directory"),
@@ -114,6 +115,9 @@ def test_bad_inputs_raise_short_audio_errors(tmp_path: Path, wav: Path, case: st
     elif case == "garbage_binary":
         p = tmp_path / "bad.xyz"
         p.write_bytes(bytes(range(256)) * 4)
+    elif case == "garbage_mp3":
+        p = tmp_path / "bad.mp3"
+        p.write_bytes(bytes(range(256)) * 20)
     elif case == "corrupt_riff":
         p.write_bytes(b"RIFF" + bytes(range(256)) * 4)
     elif case == "nan":
@@ -125,6 +129,26 @@ def test_bad_inputs_raise_short_audio_errors(tmp_path: Path, wav: Path, case: st
     with pytest.raises(AudioError, match=message) as e:
         load_audio(p)
     assert len(str(e.value)) < 120 and "\n" not in str(e.value)
+
+
+def test_a_header_saying_1_hz_is_an_error_not_hours_of_audio(tmp_path: Path) -> None:
+    """48,000 samples at "1 Hz" would be 13 hours of audio resampled to 16 kHz."""
+    from polyaccel.asr.audio import stream_audio
+    from polyaccel.asr.transcriber import Transcriber
+
+    p = tmp_path / "rate1.wav"
+    sf.write(p, _tone(3.0), SR, subtype="PCM_16")
+    data = bytearray(p.read_bytes())
+    data[24:32] = (1).to_bytes(4, "little") + (2).to_bytes(4, "little")  # sample rate, byte rate
+    p.write_bytes(bytes(data))
+    for read in (audio_duration, load_audio, lambda q: list(stream_audio(q))):
+        with pytest.raises(AudioError, match="implausible sample rate"):
+            read(p)
+    with pytest.raises(AudioError, match="implausible sample rate"):
+        prepare_waveform(_tone(1.0), 1)
+    with Transcriber(lambda i: lambda batch: ["x"] * len(batch)) as tr:
+        r = tr.transcribe([str(p), (_tone(1.0), 8000)])
+    assert "implausible sample rate" in r[0].error and r[1].ok
 
 
 # ---- long audio ------------------------------------------------------------------------------

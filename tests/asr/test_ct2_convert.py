@@ -217,3 +217,42 @@ def test_base_generation_config_is_multilingual(model_cache):
     assert gen["task_to_id"] == {"transcribe": 50359, "translate": 50358}
     assert gen["no_timestamps_token_id"] == 50363 and gen["forced_decoder_ids"] == [[1, None], [2, 50359]]
     assert gen["begin_suppress_tokens"] == [220, 50257]
+
+
+def test_convert_command_replaces_nothing_and_says_why(synthetic, tmp_path, capsys):
+    from polyaccel.asr.ct2_convert import main as convert_main
+
+    model_bin = synthetic[0]
+    src = tmp_path / "ct2"
+    src.mkdir()
+    model_bin.rename(src / "model.bin")
+    special = ["<|endoftext|>", "<|startoftranscript|>", "<|translate|>", "<|transcribe|>",
+               "<|startofprev|>", "<|notimestamps|>"]
+    (src / "tokenizer.json").write_text(json.dumps(
+        {"added_tokens": [{"content": t, "id": 50256 + i} for i, t in enumerate(special)]}))
+    (src / "config.json").write_text('{"suppress_ids": [1, 2]}')
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "config.json").write_text("mine")
+
+    for out in (src, notes, used):  # its own source folder, a file, a folder with files
+        assert convert_main([str(src), str(out)]) == 2
+        assert "replaces nothing" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    assert notes.read_text() == "mine" and (used / "config.json").read_text() == "mine"
+
+    assert convert_main([str(tmp_path / "nope"), str(tmp_path / "a")]) == 2
+    assert "nope: no such file" in capsys.readouterr().err
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "model.bin").write_bytes((src / "model.bin").read_bytes()[:300])
+    (cut / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    assert convert_main([str(cut), str(tmp_path / "b")]) == 2
+    assert "truncated file" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+    assert convert_main([str(src), str(tmp_path / "new" / "hf")]) == 0
+    assert json.loads((tmp_path / "new" / "hf" / "config.json").read_text())["suppress_tokens"] == [1, 2]

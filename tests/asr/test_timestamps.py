@@ -335,3 +335,23 @@ def test_export_failed_records_and_usage_errors(tmp_path, capsys):
     assert main(["export", str(tsv), "-d", str(out)]) == 2
     assert main(["export", str(res), "-d", str(res)]) == 2  # -d is a file
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_export_never_replaces_its_results_file_and_survives_bad_segments(tmp_path, capsys):
+    from polyaccel.asr.cli import main
+
+    out = tmp_path / "subs"
+    out.mkdir()
+    res = out / "talk.txt"  # the results file, inside -d, named like the export of talk.wav
+    res.write_text("".join(json.dumps({"duration_s": 1.0, "error": None, **r}) + "\n" for r in [
+        {"path": "clips/talk.wav", "text": "hello"},
+        {"path": "inf.wav", "text": "x", "segments": [{"start": 1e400, "end": 2, "text": "a"}]},
+        {"path": "str.wav", "text": "x", "segments": ["oops"]},
+        {"path": "nokey.wav", "text": "x", "segments": [{"text": "a"}]},
+    ]))
+    before = res.read_bytes()
+    assert main(["export", str(res), "-f", "txt", "-d", str(out), "--overwrite", "-q"]) == 1
+    assert res.read_bytes() == before
+    assert "is the results file itself" in capsys.readouterr().err
+    assert main(["export", str(res), "-f", "srt", "-d", str(tmp_path / "s"), "-q"]) == 3
+    assert capsys.readouterr().err.count("malformed segments") == 3

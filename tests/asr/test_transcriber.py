@@ -279,6 +279,21 @@ def test_default_replicas_come_from_the_backend(monkeypatch: pytest.MonkeyPatch)
         assert tr.replicas == 3
 
 
+@pytest.mark.parametrize("kw", [{"replicas": 0}, {"replicas": -2}, {"batch_size": 0}, {"batch_size": -1},
+                                {"batch_size": 2.5}, {"overlap_s": -1.0}, {"overlap_s": float("nan")}])
+def test_bad_sizes_are_refused_before_the_model_loads(kw: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``replicas=0`` is not the default, and a negative overlap would skip audio between windows."""
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("polyaccel.asr.transcriber._resolve_model", no_load)
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        Transcriber.from_pretrained("whisper-tiny.en", backend="cpu", **kw)
+    if "overlap_s" in kw:
+        with pytest.raises(ValueError, match="overlap_s"):
+            Transcriber(lambda i: lambda batch: [""] * len(batch), **kw)
+
+
 def test_replicas_that_fit_the_decoder_state() -> None:
     from polyaccel.asr.transcriber import replicas_that_fit
 

@@ -31,10 +31,20 @@ AV_REQUIREMENT = "av==18.1.0"
 
 RAW_EXTENSIONS = frozenset({".raw", ".pcm"})
 DEFAULT_OVERLAP_S = 3.0
+MIN_SAMPLE_RATE = 1000
+"""Lowest rate taken as audio: a header saying 1 Hz (a corrupt one) would make a 100 kB file
+hours of audio to transcribe."""
 
 
 class AudioError(ValueError):
     """A file that cannot be turned into audio; ``str(err)`` is a short, user-facing reason."""
+
+
+def _check_rate(rate: float) -> None:
+    """Refuse a sample rate below :data:`MIN_SAMPLE_RATE`."""
+    if not rate >= MIN_SAMPLE_RATE:
+        raise AudioError(f"implausible sample rate ({rate} Hz; a corrupt header?): audio needs at least "
+                         f"{MIN_SAMPLE_RATE} Hz")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -175,6 +185,8 @@ def _describe_decode_error(path: Path, detail: str) -> str:
         return f"unsupported audio format ({path.suffix or 'no extension'})"
     detail = detail.strip().splitlines()[-1] if detail.strip() else "unreadable"
     detail = detail.split("': ", 1)[-1]  # drop libsndfile's "Error opening '<path>'" prefix
+    if "does not exist or is not a regular file" in detail:  # libsndfile's word for an undecodable MP3
+        detail = "Format not recognised."
     return f"corrupt or truncated audio ({detail[:80]})"
 
 
@@ -197,6 +209,7 @@ def prepare_waveform(data: np.ndarray, rate: int, sample_rate: int = 16000) -> n
         raise AudioError(f"expected a [T] or [T, C] waveform, got shape {data.shape}")
     if data.size == 0:
         raise AudioError("empty audio (0 samples)")
+    _check_rate(rate)
     if np.issubdtype(data.dtype, np.integer):
         data = data.astype(np.float32) / float(np.iinfo(data.dtype).max)
     data = data.astype(np.float32, copy=False)
@@ -229,6 +242,7 @@ def audio_duration(path: str | os.PathLike, raw: RawFormat | None = None) -> flo
         info = _soundfile().info(os.fsencode(path))
     if info.frames <= 0:
         raise AudioError("empty audio (0 samples)")
+    _check_rate(info.samplerate)
     return float(info.frames) / info.samplerate
 
 
@@ -284,6 +298,7 @@ class _Resampler:
     :func:`prepare_waveform` does."""
 
     def __init__(self, rate: int, sample_rate: int) -> None:
+        _check_rate(rate)
         self._stream = None
         if rate != sample_rate:
             import soxr

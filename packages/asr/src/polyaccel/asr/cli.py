@@ -494,12 +494,13 @@ def cmd_wer(args: argparse.Namespace) -> int:
         elif rec.get("error"):
             failed += 1
         else:
-            pairs.append((rec["path"], ref, rec.get("text", "")))
+            hyp = rec.get("text") if isinstance(rec.get("text"), str) else ""
+            pairs.append((rec["path"], ref, hyp))
             if args.per_file:
-                print(json.dumps({"path": rec["path"], "wer": round(wer([ref], [rec.get("text", "")]), 4),
-                                  "ref": ref, "hyp": rec.get("text", "")}))
+                print(json.dumps({"path": rec["path"], "wer": round(wer([ref], [hyp]), 4), "ref": ref, "hyp": hyp}))
     if not pairs:
-        raise UsageError("no results match the references (by path or file stem)")
+        why = f"the {_files(failed)} matching them failed" if failed else "no results match the references"
+        raise UsageError(f"{why} (matched by path or file stem); nothing to score")
     c = wer_counts([p[1] for p in pairs], [p[2] for p in pairs])
     print(json.dumps({"wer": round(c.wer, 5), "files": len(pairs), "ref_words": c.ref_words,
                       "substitutions": c.substitutions, "deletions": c.deletions, "insertions": c.insertions,

@@ -414,6 +414,9 @@ def convert_ct2_whisper(src: str | os.PathLike | Sequence[str | os.PathLike], ou
     else:
         first = Path(list(src)[0])
     assets = Path(assets_dir) if assets_dir is not None else (first if first.is_dir() else first.parent)
+    out = Path(out_dir)
+    _check_new_dir(out)
+    _model_bin_parts(src)  # a missing source is said as such, before its assets
     tokenizer_json = assets / "tokenizer.json"
     if not tokenizer_json.is_file():
         raise FileNotFoundError(f"{assets}: tokenizer.json missing (needed next to the CTranslate2 model)")
@@ -425,7 +428,6 @@ def convert_ct2_whisper(src: str | os.PathLike | Sequence[str | os.PathLike], ou
     config, generation, preprocessor = hf_configs(model, ct2_config, tokens)
     state = ct2_to_hf_state_dict(model)
 
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     files = {"config.json": config, "generation_config.json": generation,
@@ -437,17 +439,49 @@ def convert_ct2_whisper(src: str | os.PathLike | Sequence[str | os.PathLike], ou
     return out
 
 
+def _check_new_dir(out: Path) -> None:
+    """Refuse an ``out`` that exists and is not an empty folder: converting never replaces files."""
+    if out.is_dir() and not any(out.iterdir()):
+        return
+    if os.path.lexists(out):
+        what = "is a folder that is not empty" if out.is_dir() else "exists and is not a folder"
+        raise FileExistsError(f"{out} {what}; converting writes a new folder and replaces nothing")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``polyaccel-asr convert SRC OUT``: the CLI calls this (or :func:`convert_ct2_whisper`)."""
+    """``polyaccel-asr convert SRC OUT``: the CLI calls this (or :func:`convert_ct2_whisper`).
+    OUT must be new (or an empty folder); it appears complete or not at all. Exit status 0, or
+    2 with the reason (bad or missing source, an OUT that exists)."""
     import argparse
+    import sys
+    import tempfile
 
     p = argparse.ArgumentParser(prog="polyaccel-asr convert",
-                                description="Convert a CTranslate2 Whisper model to a Hugging Face directory.")
+                                description="Convert a CTranslate2 Whisper model to a new Hugging Face directory "
+                                            "(OUT must not exist, or be an empty folder).")
     p.add_argument("src", nargs="+", help="CTranslate2 model dir, model.bin, or model.bin.partN files in order")
-    p.add_argument("out", help="output directory")
+    p.add_argument("out", help="output directory (new, or empty)")
     p.add_argument("--assets-dir", help="directory with CTranslate2's config.json and tokenizer.json")
     a = p.parse_args(argv)
     src = a.src[0] if len(a.src) == 1 else a.src
-    out = convert_ct2_whisper(src, a.out, assets_dir=a.assets_dir)
+    out = Path(a.out)
+    tmp = None
+    try:
+        _check_new_dir(out)
+        out.absolute().parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.absolute().name}.", dir=out.absolute().parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the model from other users
+        convert_ct2_whisper(src, tmp, assets_dir=a.assets_dir)
+        _check_new_dir(out)
+        os.rename(tmp, out)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        reason = f"{e.args[0]!r} missing from the model or its tokenizer.json" if isinstance(e, KeyError) else e
+        print(f"polyaccel-asr convert: error: {reason}", file=sys.stderr)
+        return 2
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     print(out)
     return 0

@@ -21,6 +21,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from polyaccel.core.files import replace_file
+
 FORMATS = ("srt", "vtt", "txt")
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_NOTHING_DONE = 0, 1, 2, 3
 
@@ -70,7 +72,10 @@ def render(record: dict[str, Any], fmt: str) -> str:
     segments = record.get("segments")
     if not isinstance(segments, list):
         raise ValueError("no segments in the record (transcribe with --timestamps)")
-    return to_srt(segments) if fmt == "srt" else to_vtt(segments)
+    try:
+        return to_srt(segments) if fmt == "srt" else to_vtt(segments)
+    except (TypeError, KeyError, AttributeError, ValueError, OverflowError):
+        raise ValueError("malformed segments in the record (each needs a finite start and end)") from None
 
 
 # ---- the command -----------------------------------------------------------------------------------
@@ -131,6 +136,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(f"  skipped {shown}: {e}", file=sys.stderr)
             continue
         target = _target(out_dir, path, args.format, taken)
+        if _same_file(target, args.results):
+            problems += 1
+            print(f"  skipped {shown}: {_show(target)} is the results file itself", file=sys.stderr)
+            continue
         try:
             _write(target, body, args.overwrite)
         except FileExistsError:
@@ -184,6 +193,13 @@ def _target(out_dir: bytes, path: str, fmt: str, taken: set[bytes]) -> bytes:
     return os.path.join(out_dir, name)
 
 
+def _same_file(a: bytes, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def _write(target: bytes, body: str, overwrite: bool) -> None:
     data = body.encode("utf-8")
     if not overwrite:
@@ -191,12 +207,4 @@ def _write(target: bytes, body: str, overwrite: bool) -> None:
         with open(fd, "wb") as f:
             f.write(data)
         return
-    tmp = target + b".tmp-%d" % os.getpid()
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
+    replace_file(target, data)

@@ -87,10 +87,15 @@ def read_manifest(path: str | os.PathLike) -> list[InputItem]:
             raise ValueError(f"{path}:{lineno}: not a JSON object") from None
         if not audio:
             raise ValueError(f"{path}:{lineno}: no 'audio_filepath' or 'path' field")
+        if not isinstance(audio, str):
+            raise ValueError(f"{path}:{lineno}: the audio path must be a string, got {audio!r}")
+        text = rec.get("text")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"{path}:{lineno}: 'text' must be a string, got {text!r}")
         audio_path = Path(audio)
         if not audio_path.is_absolute():
             audio_path = path.parent / audio_path
-        items.append(InputItem(str(audio_path), rec.get("text")))
+        items.append(InputItem(str(audio_path), text))
     return items
 
 
@@ -109,6 +114,8 @@ def read_refs(path: str | os.PathLike) -> dict[str, str]:
             key = rec.get("path") or rec.get("audio_filepath") or rec.get("id")
             if key is None or "text" not in rec:
                 raise ValueError(f"{path}:{lineno}: a reference needs 'path' or 'id' and 'text'")
+            if not isinstance(rec["text"], str):
+                raise ValueError(f"{path}:{lineno}: 'text' must be a string, got {rec['text']!r}")
             refs[str(key)] = rec["text"]
             refs.setdefault(Path(str(key)).stem, rec["text"])
             continue

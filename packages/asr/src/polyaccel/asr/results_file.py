@@ -15,11 +15,14 @@ import errno
 import fcntl
 import json
 import os
+import re
 import stat
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from polyaccel.core.files import replace_file
 
 MAX_LINE_BYTES = 16 << 20  # far above any real line (a 2 h transcript is ~100 kB)
 RECORD_FIELDS = ("path", "text", "duration_s", "error")
@@ -180,27 +183,10 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _replace_with(path: Path, records: list[dict[str, Any]]) -> None:
-    """Atomically replace ``path`` by ``records`` (write a sibling, fsync, rename, fsync the
-    folder): a kill or power loss leaves the old file or the new one, never a mix."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        os.fchmod(fd, stat.S_IMODE(os.stat(path).st_mode))
-        _write_all(fd, b"".join(dumps(r) for r in records))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    """Atomically replace ``path`` by ``records``: a kill or power loss leaves the old file or
+    the new one, never a mix (:func:`polyaccel.core.files.replace_file`)."""
+    replace_file(path, b"".join(dumps(r) for r in records))
 
 
 class ResultsWriter:
@@ -294,9 +280,16 @@ class OutputLock:
     def acquire(self) -> OutputLock:
         """Take the lock or raise OutputBusy (or OSError if the lock file cannot be made)."""
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise OSError(e.errno, f"{self.path} is a symbolic link, not a lock file of ours; "
+                                           "remove it or choose another output") from None
+                raise
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._refuse_foreign(fd)
             except OSError as e:
                 os.close(fd)
                 if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
@@ -308,6 +301,15 @@ class OutputLock:
                 self._fd = fd
                 return self
             os.close(fd)  # the holder removed the file between our open and flock: retry
+
+    def _refuse_foreign(self, fd: int) -> None:
+        """Raise OSError when the lock path holds something other than a lock file a run left
+        (empty, or one process id): truncating it would destroy a user's file."""
+        st = os.fstat(fd)
+        head = os.pread(fd, 64, 0) if stat.S_ISREG(st.st_mode) and st.st_size <= 64 else b"?"
+        if not stat.S_ISREG(st.st_mode) or not re.fullmatch(rb"(\d+\n?)?", head):
+            raise OSError(errno.EEXIST, f"{self.path} exists and is not a lock file of ours; "
+                                        "remove it or choose another output")
 
     def _still_linked(self, fd: int) -> bool:
         try:

@@ -188,6 +188,12 @@ class _Pending:
         self.left += 1
 
 
+def _check_overlap(overlap_s: float) -> None:
+    """Refuse a negative or non-finite overlap (a negative one would skip audio between windows)."""
+    if not (isinstance(overlap_s, (int, float)) and math.isfinite(overlap_s) and overlap_s >= 0):
+        raise ValueError(f"overlap_s must be a finite number of seconds >= 0, got {overlap_s!r}")
+
+
 class Transcriber:
     """Transcribes many files fast: decoding on the caller's thread, recognition on a pool of
     replicas.
@@ -217,6 +223,7 @@ class Transcriber:
                  overlap_s: float = DEFAULT_OVERLAP_S, bucket_s: float | None = None,
                  model_name: str = "", backend_name: str = "cpu", pool_options: dict[str, Any] | None = None,
                  compile_fn: Callable[[int], Any] | None = None):
+        _check_overlap(overlap_s)
         self.sample_rate = sample_rate
         self.max_audio_seconds = max_audio_seconds
         self.replicas = max(1, replicas)
@@ -263,6 +270,11 @@ class Transcriber:
         if batch_invariant and fp8_encoder:
             raise ValueError("batch_invariant and fp8_encoder exclude each other: the FP8 GEMMs are not "
                              "batch-invariant kernels")
+        if replicas is not None and not (isinstance(replicas, int) and replicas >= 1):
+            raise ValueError(f"replicas must be an integer >= 1 (None: the backend's default), got {replicas!r}")
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        _check_overlap(overlap_s)
         be = select_backend(backend)
         n = replicas or be.default_replicas()
         dtype = dtype or be.default_dtype()

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polyaccel.core.files import replace_file
 from polyaccel.core.parallel import ParallelPlan
 from polyaccel.moe import checkpoint as ckpt
 from polyaccel.moe import fast_path, grouped_linear
@@ -700,9 +701,7 @@ def _open_metrics(path: str, start_step: int):
                 continue
             if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= start_step:
                 kept.append(line + "\n")
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, p)
+        replace_file(p, "".join(kept).encode())
     return p.open("a")
 
 
