@@ -16,6 +16,9 @@ def test_bucket_pick_and_limits():
     assert len(b.all()) == 4 and b.max == {"batch": 8, "frames": 3000}
     with pytest.raises(ValueError):
         ShapeBuckets({"batch": ()})
+    with pytest.raises(ValueError, match="positive"):
+        ShapeBuckets({"batch": (0, 4)})
+    assert ShapeBuckets({"batch": (4, 2, 4)}).all() == [{"batch": 2}, {"batch": 4}]
 
 
 def test_graph_cache_compiles_each_bucket_once():
@@ -37,6 +40,11 @@ def test_graph_cache_compiles_each_bucket_once():
         assert torch.equal(cache("double", bucket, x), x * 2)
     assert [c[1] for c in compiled] == [((1, 3),), ((4, 3),)]
     assert cache.warmup() == 2 and len(compiled) == 2
+    two = GraphSpec("add", torch.add, ShapeBuckets({"batch": (2,), "frames": (5,)}),
+                    lambda b: [torch.zeros(b["batch"], b["frames"])] * 2)
+    cache = GraphCache(CountingBackend(), [two])
+    assert cache.get("add", {"batch": 2, "frames": 5}) is cache.get("add", {"frames": 5, "batch": 2})
+    assert len(cache) == 1  # one bucket, however its dict is ordered
 
 
 def test_graph_cache_refuses_other_buffers_for_a_compiled_graph():
@@ -48,3 +56,8 @@ def test_graph_cache_refuses_other_buffers_for_a_compiled_graph():
     assert cache.get("inc", {"batch": 2}, example_inputs=[mine]) is not None
     with pytest.raises(RuntimeError, match="compiled over other input tensors"):
         cache.get("inc", {"batch": 2}, example_inputs=[torch.zeros(2)])
+    # Compiled first over the spec's own example inputs: the caller's state is not its buffers either.
+    fresh = GraphCache(select_backend("cpu"), [spec])
+    fresh.get("inc", {"batch": 2})
+    with pytest.raises(RuntimeError, match="compiled over other input tensors"):
+        fresh.get("inc", {"batch": 2}, example_inputs=[mine])

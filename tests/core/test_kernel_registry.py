@@ -22,10 +22,32 @@ def test_registered_impl_is_used_for_its_device_type_only():
         with registry.reference_only():
             ops.rms_norm(torch.empty(2, 4, device="meta"), torch.empty(4, device="meta"))
         assert calls == ["meta"]
+        ops.rms_norm(torch.empty(2, 4, device="meta"), torch.empty(4, device="meta"))
+        assert calls == ["meta", "meta"]  # the block's end restores dispatch
         row = next(r for r in registry.table() if r["op"] == "rms_norm")
         assert row["meta"] == "fake (test)"
     finally:
         registry.unregister("rms_norm", "meta")
+
+
+def test_dispatch_follows_the_first_tensor_even_in_a_list():
+    """The device of the first tensor argument decides, also when that argument is one tensor
+    per micro-batch (grouped_mm_wgrad over a window) and a later argument lives elsewhere."""
+    calls = []
+
+    def fake(dy, x, offsets, *args, **kwargs):
+        calls.append(type(dy).__name__)
+
+    registry.register("grouped_mm_wgrad", "meta", fake, impl="fake", backend="test")
+    try:
+        meta = [torch.empty(4, 3, device="meta")]
+        ops.grouped_mm_wgrad(meta, [torch.empty(4, 2, device="meta")], [torch.tensor([4], dtype=torch.int32)])
+        assert calls == ["list"]
+        ops.grouped_mm_wgrad(torch.empty(4, 3, device="meta"), torch.empty(4, 2, device="meta"),
+                             offsets=torch.tensor([4], dtype=torch.int32))
+        assert calls == ["list", "Tensor"]
+    finally:
+        registry.unregister("grouped_mm_wgrad", "meta")
 
 
 def test_register_unknown_op_fails():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -22,7 +23,8 @@ import pytest
 pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
-from polyaccel.core.ray_local import LOOPBACK_ENV, ensure_token, local_cluster_env, start_head  # noqa: E402
+from polyaccel.core import ray_local  # noqa: E402
+from polyaccel.core.ray_local import LOOPBACK, LOOPBACK_ENV, ensure_token, local_cluster_env, start_head  # noqa: E402
 
 AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
 
@@ -94,6 +96,75 @@ def test_token_file_is_private_and_stable(fresh_token: Path) -> None:
     path.chmod(0o644)
     ensure_token()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_token_file_left_empty_is_replaced(fresh_token: Path) -> None:
+    """A kill between creating the file and writing the token left it empty (Ray refuses an
+    empty token, so every later cluster would fail to start): the next call writes one."""
+    fresh_token.parent.mkdir(parents=True)
+    fresh_token.touch(mode=0o600)
+    assert ensure_token() == fresh_token
+    token = fresh_token.read_text()
+    assert len(token) == 64 and int(token, 16) >= 0 and stat.S_IMODE(fresh_token.stat().st_mode) == 0o600
+    assert ensure_token().read_text() == token
+    assert [p.name for p in fresh_token.parent.iterdir()] == [fresh_token.name]  # no temporary file left
+
+
+def test_env_command_output_survives_eval(fresh_token: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`eval "$(python -m polyaccel.core.ray_local env)"`: values are shell-quoted."""
+    odd = tmp_path / "my config $(touch pwned)"
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(odd))
+    assert ray_local.main(["env"]) == 0
+    exports = dict(shlex.split(line)[1].split("=", 1) for line in capsys.readouterr().out.splitlines())
+    assert exports["RAY_AUTH_TOKEN_PATH"] == str(odd / "polyaccel/ray_auth_token")
+    assert exports["RAY_AUTH_MODE"] == "token" and exports["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+
+
+class _FakeRay:
+    """Records what ``ray.init`` was asked for (no cluster is started)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def init(self, **kwargs) -> None:
+        self.calls.append(kwargs)
+
+
+@pytest.mark.parametrize("how", ["argument", "RAY_ADDRESS"])
+def test_connect_to_local_starts_a_private_loopback_cluster(how: str, fresh_token: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--address local` (or RAY_ADDRESS=local): plain ray.init would start a cluster on every
+    interface, keeping RAY_AUTH_MODE=disabled; connect() starts it as init_local does."""
+    fake, applied = _FakeRay(), {}
+    monkeypatch.setattr(ray_local, "import_ray", lambda *a: fake)
+    monkeypatch.setattr(ray_local, "_apply", applied.update)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    if how == "RAY_ADDRESS":
+        monkeypatch.setenv("RAY_ADDRESS", "local")
+    ray_local.connect("local" if how == "argument" else None, logging_level="WARNING")
+    (call,) = fake.calls
+    assert call["address"] == "local" and call["_node_ip_address"] == LOOPBACK
+    assert call["dashboard_host"] == LOOPBACK and call["logging_level"] == "WARNING"
+    assert applied["RAY_AUTH_MODE"] == "token" and applied["RAY_AUTH_TOKEN_PATH"] == str(fresh_token)
+    assert applied["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+
+
+def test_connect_never_starts_a_cluster_of_its_own(fresh_token: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No address at all: join what "auto" finds (or fail), never ray.init(None)'s new cluster."""
+    fake, applied = _FakeRay(), []
+    monkeypatch.setattr(ray_local, "import_ray", lambda *a: fake)
+    monkeypatch.setattr(ray_local, "_apply", applied.append)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray_local.connect()
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    ray_local.connect("auto")
+    ray_local.connect("10.0.0.5:6379")  # an explicit address beats RAY_ADDRESS, as in Ray
+    assert [c["address"] for c in fake.calls] == ["auto", "127.0.0.1:6379", "10.0.0.5:6379"]
+    assert all("_node_ip_address" not in c for c in fake.calls)
+    assert all(env["RAY_AUTH_MODE"] == "token" for env in applied)
+    # A cluster on loopback is joined from loopback, another one is not.
+    assert ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" in env for env in applied] == [False, True, False]
 
 
 def test_local_env_turns_auth_on_even_when_disabled(fresh_token: Path, monkeypatch: pytest.MonkeyPatch) -> None:

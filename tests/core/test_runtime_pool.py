@@ -94,6 +94,58 @@ def test_slow_replica_work_is_stolen():
     assert elapsed < 0.8, f"took {elapsed:.2f} s; ideal ~0.3 s, without stealing ~3 s"
 
 
+class Gated(ToyReplica):
+    """Logs each batch's values (with its replica) after waiting at its replica's own gate."""
+
+    def __init__(self, index: int, *, log: list, gates: dict[int, threading.Event]):
+        super().__init__(index)
+        self.log, self.gate = log, gates[index]
+
+    def process(self, batch):
+        self.gate.wait()
+        self.log.append((self.index, [item.value for item in batch]))
+        return super().process(batch)
+
+
+def _submit_all_at_once(pool: ReplicaPool, items) -> list:
+    """Queue every item before any worker can take one (white box: holds the pool's lock,
+    which is reentrant, so the deques' contents are exactly the round-robin's)."""
+    with pool._lock:
+        return [pool.submit(item) for item in items]
+
+
+def test_owner_takes_its_head_and_a_thief_the_busiest_tail():
+    log: list = []
+    gates = {i: threading.Event() for i in range(3)}
+    with ReplicaPool(functools.partial(Gated, log=log, gates=gates), 3, queue_capacity=64) as pool:
+        # Round-robin: deque 0 holds 0, 3, ..., 12; deque 1 holds 1, ..., 13; deque 2 holds 2, ..., 14.
+        futures = _submit_all_at_once(pool, [ToyItem(i) for i in range(15)])
+        _wait_until(lambda: pool.metrics().queue_depth == 12)  # each worker holds its own head
+        gates[2].set()
+        _wait_until(lambda: pool.metrics().queue_depth == 0)
+        gates[0].set()
+        gates[1].set()
+        assert all(f.result().ok for f in futures)
+    ran_by_2 = [values[0] for index, values in log if index == 2]
+    # Its own deque oldest first, then one item at a time from the tail of the fuller deque.
+    assert ran_by_2 == [2, 5, 8, 11, 14, 12, 13, 9, 10, 6, 7, 3, 4], ran_by_2
+    assert pool.metrics().replicas[2].steals == 8
+
+
+def test_short_batch_is_topped_up_from_another_deque_with_its_key():
+    log: list = []
+    items = [ToyItem(i) for i in range(10)]
+    key = {item: "short" if item.value < 2 else "long" for item in items}
+    with ReplicaPool(functools.partial(Recorder, log=log), 2, batch_size=4, queue_capacity=64,
+                     batch_key=key.__getitem__) as pool:
+        # Deque 0: 0 (short), 2, 4, 6, 8 (long); deque 1: 1 (short), 3, 5, 7, 9 (long).
+        futures = _submit_all_at_once(pool, items)
+        assert [f.result().value for f in futures] == [2 * i for i in range(10)]
+    assert all(len({key[items[int(v)]] for v in values}) == 1 for _, values in log), log
+    # Whichever worker runs first takes its own short item and the other deque's short one.
+    assert sorted(log[0][1]) == [0, 1], log
+
+
 def test_bad_item_fails_alone_and_its_batch_mates_succeed():
     log: list = []
     gate = threading.Event()
@@ -164,6 +216,25 @@ def test_killed_replica_is_rebuilt_and_its_items_rerun(death, num_replicas):
     rebuilt_slot = next(s.index for s in m.replicas if s.restarts == 1)
     names = [name for index, name in builds if index == rebuilt_slot]
     assert len(names) == 2 and names[0] != names[1]  # the new replica got a fresh thread
+
+
+def test_items_of_a_dead_replica_go_back_to_the_head_of_its_deque_in_order():
+    log: list = []
+    died = threading.Event()
+
+    class DiesOnFirstBatch(ToyReplica):
+        def process(self, batch):
+            log.append([item.value for item in batch])
+            if not died.is_set():
+                died.set()
+                raise ReplicaDied("device lost")
+            return super().process(batch)
+
+    with ReplicaPool(DiesOnFirstBatch, 1, batch_size=2, restart_backoff_s=0.0) as pool:
+        futures = _submit_all_at_once(pool, [ToyItem(i) for i in range(6)])
+        assert [f.result().value for f in futures] == [2 * i for i in range(6)]
+    # The dead batch [0, 1] reruns first, one item at a time and in order, then the rest.
+    assert log == [[0, 1], [0], [1], [2, 3], [4, 5]], log
 
 
 def test_poison_item_comes_back_as_an_error():
@@ -293,12 +364,13 @@ def test_close_with_cancel_pending_cancels_waiting_items():
 
 def test_abandoned_map_cancels_what_it_had_not_yielded():
     with ReplicaPool(ToyReplica, 2, queue_capacity=8) as pool:
-        stream = pool.map(ToyItem(i, seconds=0.002) for i in range(1000))
+        stream = pool.map(ToyItem(i, seconds=0.02) for i in range(1000))
         first = [next(stream) for _ in range(5)]
         stream.close()
     assert [r.value for r in first] == [0, 2, 4, 6, 8]
     m = pool.metrics()
     assert m.submitted < 100 and m.done + m.cancelled == m.submitted
+    assert m.cancelled >= 4  # the window held ~10 items of 20 ms; at most two were running
 
 
 def test_batches_share_a_batch_key():

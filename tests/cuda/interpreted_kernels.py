@@ -97,6 +97,7 @@ def check_adamw():
     n = 10_007
     p, g, m = torch.randn(n), torch.randn(n), 0.1 * torch.randn(n)
     v = torch.rand(n)
+    g[:64], m[:64], v[:64] = 1e-8 * torch.randn(64), 0.0, 0.0  # sqrt(v) ~ eps here: where eps goes shows
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
     ref = [t.clone() for t in (p, g, m, v)]
     ops.adamw_step_.reference(*ref, **hp, zero_grad=True)

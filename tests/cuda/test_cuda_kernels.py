@@ -166,7 +166,7 @@ def test_register_all_registers_every_op_for_cuda():
 
     if has_triton():
         assert {"rms_norm", "swiglu", "moe_unpermute", "linear_cross_entropy", "linear_cross_entropy_grads",
-                "add_scaled_", "grouped_mm_wgrad", "adamw_step_"} <= set(seen)
+                "add_scaled_", "grouped_mm_wgrad", "adamw_step_", "decode_attention"} <= set(seen)
 
 
 # ---------------------------------------------------------------------------------------

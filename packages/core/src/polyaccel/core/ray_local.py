@@ -15,9 +15,11 @@ Ray is imported lazily.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -48,17 +50,31 @@ def default_token_path() -> Path:
 
 
 def ensure_token(path: Path | None = None) -> Path:
-    """Make ``path`` hold a random token, readable by its owner only; return it."""
+    """Make ``path`` hold a random token, readable by its owner only; return it.
+
+    The token is written to a private temporary file and linked into place, so ``path`` never
+    holds a partial token; an empty one (left by an older version killed mid-write; Ray
+    refuses it) is replaced."""
     path = Path(path or default_token_path())
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
+    if path.exists() and path.stat().st_size:
         if stat.S_IMODE(path.stat().st_mode) & 0o077:
             path.chmod(0o600)
         return path
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # never replaces a token another process made meanwhile
+        except FileExistsError:
+            if not path.stat().st_size:
+                os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
     return path
 
 
@@ -124,13 +140,20 @@ def is_loopback_address(address: str | None) -> bool:
 def connect(address: str | None = None, **kwargs: Any) -> Any:
     """Join an existing cluster (``address``, or ``RAY_ADDRESS``) with our token; return ``ray``.
     A cluster on loopback is joined from loopback (Ray would otherwise look for this node
-    under the machine's external address)."""
+    under the machine's external address). ``"local"`` (the address, or ``RAY_ADDRESS``
+    when no other address is given) starts a private cluster through :func:`init_local`:
+    Ray's own would listen on every interface, and keep a ``RAY_AUTH_MODE`` the user set.
+    Without any address this joins the cluster ``"auto"`` finds, never starting one."""
+    env_address = os.environ.get("RAY_ADDRESS")
+    target = env_address if env_address and address in (None, "auto") else address  # Ray's precedence
+    if target == "local":
+        return init_local(**kwargs)
     env = auth_env(force=False)
-    if is_loopback_address(address or os.environ.get("RAY_ADDRESS")):
+    if is_loopback_address(target):
         env.update(LOOPBACK_ENV)
     _apply(env)
     ray = import_ray()
-    ray.init(address=address, **kwargs)
+    ray.init(address=target or "auto", **kwargs)
     return ray
 
 
@@ -209,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m polyaccel.core.ray_local env", file=sys.stderr)
         return 2
     for k, v in local_cluster_env().items():
-        print(f"export {k}={v}")
+        print(f"export {k}={shlex.quote(v)}")  # for eval: a path may hold spaces or $
     return 0
 
 
