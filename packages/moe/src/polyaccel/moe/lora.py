@@ -260,7 +260,8 @@ def require_peft() -> Any:
     try:
         import peft
     except ImportError as e:
-        raise ImportError("LoRA needs PEFT: pip install 'peft>=0.18'") from e
+        raise ImportError("LoRA needs PEFT: pip install 'polyaccel-moe[lora]' (or 'peft>=0.18'; "
+                          "tested with 0.21.2)") from e
     return peft
 
 
