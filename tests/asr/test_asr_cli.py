@@ -109,6 +109,9 @@ def test_usage_errors_exit_2_with_a_message(tmp_path: Path, capsys: pytest.Captu
     assert cli.main(["transcribe", wav, "-o", out, "--backend", "nope"]) == 2
     assert "unknown backend 'nope'" in capsys.readouterr().err
     assert cli.main(["transcribe", wav, "-o", out, "--refs", str(tmp_path / "none.txt")]) == 2
+    assert "none.txt: not found" in capsys.readouterr().err
+    assert cli.main(["wer", "--refs", str(empty), "--hyps", out]) == 2
+    assert "is a folder, not a reference file" in capsys.readouterr().err
     assert cli.main(["wer", "--refs", str(LIBRIVOX / "transcription"), "--hyps", str(tmp_path / "x.jsonl")]) == 2
     assert cli.main(["compile", "--backend", "cpu"]) == 0
     assert "nothing to compile" in capsys.readouterr().err

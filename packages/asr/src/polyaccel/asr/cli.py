@@ -452,7 +452,8 @@ def _gather(specs: Sequence[str]) -> list[Any]:
 
 def _read_refs(path: str, read_refs: Any) -> dict[str, str]:
     if not Path(path).is_file():
-        raise UsageError(f"reference file not found: {path}")
+        what = "is a folder, not a reference file (JSONL or TSV)" if Path(path).is_dir() else "not found"
+        raise UsageError(f"--refs {path}: {what}")
     try:
         return read_refs(path)
     except (ValueError, json.JSONDecodeError) as e:

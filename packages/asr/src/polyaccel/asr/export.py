@@ -88,7 +88,7 @@ class ExportUsageError(Exception):
 def add_parser(sub: Any) -> None:
     """The ``export`` subcommand on the CLI's subparsers."""
     e = sub.add_parser("export", help="write SRT/VTT subtitles or text files, one per input, from a results JSONL",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("results", metavar="OUT.jsonl", help="results file written by `transcribe`")
     e.add_argument("--format", "-f", choices=FORMATS, default="srt", help="output format (default: %(default)s)")
     e.add_argument("-d", "--dir", required=True, help="folder for the files (created if missing)")
