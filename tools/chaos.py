@@ -502,6 +502,29 @@ def asr_two_runs(ctx: Ctx, c: Checks) -> None:
     _no_traceback(c, r1, "first: ")
 
 
+def asr_lock_not_ours(ctx: Ctx, c: Checks) -> None:
+    d = ctx.folder("asr-lock-not-ours")
+    (clip,) = ctx.clips(d / "clips", 1)
+    (d / "notes.txt").write_text("the user's notes\n")
+    before = _snapshot(d)
+    for label, make in (("a symlink to the user's notes", lambda lock: lock.symlink_to(d / "notes.txt")),
+                        ("a file of the user's", lambda lock: lock.write_text("not a pid\n"))):
+        lock = d / "out.jsonl.lock"
+        make(lock)
+        p = ctx.run([*ctx.asr, "transcribe", str(clip), "-o", "out.jsonl", *ctx.asr_args()], d)
+        said = "not a lock file of ours" in p.err
+        c(p.rc == 2 and said, f"out.jsonl.lock {label}: exit {p.rc}, "
+          + ("'not a lock file of ours'" if said else f"stderr: {_tail(p.err, 160)!r}"))
+        kept = os.path.lexists(lock) and (lock.is_symlink() or lock.read_text() == "not a pid\n")
+        c(kept, "the lock path left as it was" if kept else "the lock path was changed")
+        _no_traceback(c, p, f"{label}: ")
+        lock.unlink()
+    after = _snapshot(d)
+    same = after == before
+    c(same, "the notes byte-identical, no results written" if same
+      else f"changed: {sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))}")
+
+
 # ---- MoE scenarios -------------------------------------------------------------------------------------
 
 
@@ -649,6 +672,48 @@ def moe_finished_rerun(ctx: Ctx, c: Checks) -> None:
     _no_traceback(c, p)
 
 
+def moe_output_over_input(ctx: Ctx, c: Checks) -> None:
+    d, _ = ctx.copy_moe_base("moe-output-over-input")
+    final = d / "runs/tiny/final"
+    mine = d / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's notes\n")
+    (mine / "model-00001-of-00002.safetensors").write_text("the user's file named like a shard\n")
+    before = _snapshot(d)
+    cases = [("model.path", ("checkpoint.dir=runs/next", f"model.path={final}", f"output_dir={final}"),
+              "is model.path, which this run reads"),
+             ("a checkpoint", (f"output_dir={CKPTS}/step_00000004",),
+              "is inside checkpoint.dir"),
+             ("a folder of the user's files", ("checkpoint.dir=runs/next", f"output_dir={mine}"),
+              "already holds files and no saved model")]
+    for label, sets, message in cases:
+        p = ctx.run(ctx.moe_cmd(*sets), d)
+        c(p.rc == 2 and message in p.err, f"output_dir at {label}: exit {p.rc}, "
+          + (f"'{message}'" if message in p.err else f"stderr: {_tail(p.err, 160)!r}"))
+        _no_traceback(c, p, f"{label}: ")
+    after = {k: v for k, v in _snapshot(d).items() if not k.startswith("runs/next")}
+    same = after == before
+    c(same, "the model, the checkpoints and the user's files byte-identical" if same
+      else f"changed: {sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))}")
+
+
+def moe_killed_final_save(ctx: Ctx, c: Checks) -> None:
+    d, _ = ctx.copy_moe_base("moe-killed-final-save")
+    weights = d / "runs/tiny/final/model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 3])  # what a kill in the middle of the final save leaves
+    p = ctx.run(ctx.moe_cmd(), d)
+    c(p.rc == 0, f"rerun: exit {p.rc}")
+    said = "does not hold the final model" in p.err
+    c(said, "says it rewrites output_dir from the last checkpoint" if said else f"stderr: {_tail(p.err, 200)!r}")
+    same = weights.is_file() and weights.read_bytes() == good
+    c(same, "final model.safetensors byte-identical to the uninterrupted run's" if same
+      else "final weights not restored")
+    again = ctx.run(ctx.moe_cmd(), d)
+    c(again.rc == 0 and "does not hold" not in again.err, f"a second rerun: exit {again.rc}, nothing rewritten")
+    _no_traceback(c, p)
+
+
 # ---- the table ------------------------------------------------------------------------------------------
 
 
@@ -678,6 +743,8 @@ SCENARIOS = [
              "transcribed, exit 1", asr_corrupt_audio),
     Scenario("asr-two-runs", "two runs on one -o at once: second exits 2 naming the first's pid; first "
              "finishes, each input once", asr_two_runs),
+    Scenario("asr-lock-not-ours", "out.jsonl.lock is a symlink to a user's file, or a user's file: exit 2, "
+             "nothing written through it or replaced", asr_lock_not_ours),
     Scenario("moe-kill-resume", "kill -9 mid-training, rerun: resumes from the newest checkpoint, finishes; "
              "losses equal an uninterrupted run's, each step logged once", moe_kill_resume),
     Scenario("moe-corrupt-checkpoint", "a flipped byte in the newest checkpoint: warning naming the file, "
@@ -688,6 +755,10 @@ SCENARIOS = [
              moe_nonfinite),
     Scenario("moe-finished-rerun", "rerun of a finished run: exit 0, 'nothing to do', nothing trained or changed",
              moe_finished_rerun),
+    Scenario("moe-output-over-input", "output_dir at model.path, a checkpoint, a folder of user files: exit 2, "
+             "every file byte-identical", moe_output_over_input),
+    Scenario("moe-killed-final-save", "final weights cut short (a kill mid-save), rerun: exit 0, rewritten "
+             "from the last checkpoint byte for byte; a second rerun changes nothing", moe_killed_final_save),
 ]
 
 

@@ -27,7 +27,7 @@ def _load(name: str):
 
 chaos = _load("chaos")
 
-FAST = ["asr-output-not-results", "moe-nonfinite"]  # no model load for ASR; MoE takes seconds
+FAST = ["asr-output-not-results", "asr-lock-not-ours", "moe-nonfinite"]  # no model load for ASR; MoE takes seconds
 
 
 def _chaos(capsys: pytest.CaptureFixture, tmp_path: Path, *only: str) -> tuple[int, dict]:
@@ -70,7 +70,7 @@ def test_a_broken_guarantee_fails_the_row_and_the_exit_code(monkeypatch: pytest.
 def test_scenario_selection(capsys: pytest.CaptureFixture) -> None:
     assert chaos.main(["--list"]) == 0
     names = capsys.readouterr().out.split()
-    assert len(names) == 12 and names[0] == "asr-output-not-results" and names[-1] == "moe-finished-rerun"
+    assert len(names) == 15 and names[0] == "asr-output-not-results" and names[-1] == "moe-killed-final-save"
     assert [s.name for s in chaos.select(["moe"])] == [n for n in names if n.startswith("moe-")]
     assert chaos.main(["--only", "no-such-scenario"]) == 2
     assert "unknown scenario no-such-scenario" in capsys.readouterr().err
