@@ -19,6 +19,7 @@ The kernel modules import Triton only when a kernel first runs.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from polyaccel.cuda._triton import has_triton
 from polyaccel.cuda.adamw import adamw_step_
@@ -60,7 +61,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     ``w`` is stored [E, N, K] (``F.linear`` layout); its transposed view [E, K, N] is the
     column-major B operand the CUTLASS kernel wants, so nothing is copied. ``offsets`` are the
     int32 cumulative row ends, left on the device (no host sync). Autograd comes with the aten
-    op. Non-bf16 inputs take core's reference.
+    op. Non-bf16 inputs take core's reference; shapes the kernel refuses are first made
+    acceptable (:func:`_gemm_operands`).
     """
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         from polyaccel.core.ops import grouped_mm as core_op
@@ -68,4 +70,34 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
         return core_op.reference(x, w, offsets)
     if offsets.dtype != torch.int32:
         offsets = offsets.to(torch.int32)
-    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    n = w.shape[-2]
+    x, w = _gemm_operands(x, w)
+    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    return y if y.shape[-1] == n else y[:, :n]
+
+
+def _gemm_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [T, K] and ``w`` [E, N, K] as ``torch._grouped_mm`` takes them, forward and
+    backward: 16-byte aligned pointers and strides. K and N that are not multiples of 16 bytes
+    (a LoRA rank of 4, a hidden size of 1000) are zero-padded (zeros add nothing to the products;
+    the caller drops the padded output columns); an operand at an unaligned address or with
+    unaligned strides is copied."""
+    per16 = 16 // x.element_size()
+    pad_k, pad_n = -x.shape[-1] % per16, -w.shape[-2] % per16
+    if pad_k or pad_n:
+        return (F.pad(x, (0, pad_k)) if pad_k else x), F.pad(w, (0, pad_k, 0, pad_n))
+    if not _aligned(x):
+        x = x.clone(memory_format=torch.contiguous_format)
+    if not _aligned(w):
+        w = w.clone(memory_format=torch.contiguous_format)
+    return x, w
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether ``t`` (either layout of its last two dims) meets the grouped GEMM's alignment."""
+    per16 = 16 // t.element_size()
+    rows, cols = t.stride()[-2:]
+    unit_and_aligned = (cols == 1 and rows % per16 == 0) or (rows == 1 and cols % per16 == 0)
+    if torch.compiler.is_compiling():  # traced: the compiler allocates aligned buffers (and has no pointers)
+        return unit_and_aligned
+    return unit_and_aligned and t.data_ptr() % 16 == 0
