@@ -1,0 +1,90 @@
+"""Our MoE models against Transformers' on shapes nobody tuned for: per architecture, a few
+configurations drawn at random (seeded) from what the config allows: one expert or many, top-1
+to top-all, with and without top-k renormalisation, widths that are not powers of two, tied
+embeddings, one layer or several. fp32 logits, loss and gradients must match. The draw is
+fixed by the seed so a failure reproduces; the shapes it made are in the test id."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from polyaccel.moe import AutoModelForCausalLM, BackendConfig
+from polyaccel.moe.presets import tiny
+
+
+def _draw(model_type: str, rng: random.Random) -> dict:
+    heads = rng.choice([1, 2, 3, 4])
+    kv = rng.choice([h for h in (1, heads) if heads % h == 0])
+    head_dim = rng.choice([4, 6, 8])
+    experts = rng.choice([1, 2, 3, 5, 8])
+    top_k = rng.randint(1, experts)
+    fields = dict(hidden_size=heads * head_dim * rng.choice([1, 2]) + rng.choice([0, 2]),
+                  num_hidden_layers=rng.choice([1, 2]), num_attention_heads=heads,
+                  num_key_value_heads=kv, num_experts_per_tok=top_k, vocab_size=rng.choice([61, 97, 128]),
+                  tie_word_embeddings=rng.random() < 0.3)
+    if model_type == "qwen3_moe":
+        fields.update(head_dim=head_dim, num_experts=experts, moe_intermediate_size=rng.choice([5, 12, 16]),
+                      norm_topk_prob=rng.random() < 0.5, mlp_only_layers=[], decoder_sparse_step=1)
+    elif model_type == "mixtral":
+        fields.update(num_local_experts=experts, intermediate_size=rng.choice([5, 12, 16]),
+                      sliding_window=rng.choice([None, 5]))
+        fields["hidden_size"] = heads * head_dim  # Mixtral's head_dim is hidden / heads
+    elif model_type == "olmoe":
+        fields.update(num_experts=experts, intermediate_size=rng.choice([5, 12, 16]),
+                      norm_topk_prob=rng.random() < 0.5, clip_qkv=rng.choice([None, 3.0]))
+        fields["hidden_size"] = heads * head_dim
+    elif model_type == "deepseek_v3":
+        groups = rng.choice([g for g in (1, 2, 4) if experts % g == 0 and experts // g >= 2] or [1])
+        fields.update(n_routed_experts=experts, n_shared_experts=rng.choice([0, 1, 2]), n_group=groups,
+                      topk_group=rng.randint(1, groups), moe_intermediate_size=rng.choice([5, 12]),
+                      intermediate_size=rng.choice([7, 16]), first_k_dense_replace=rng.choice([0, 1]),
+                      q_lora_rank=rng.choice([None, 10]), kv_lora_rank=rng.choice([6, 12]),
+                      qk_nope_head_dim=rng.choice([4, 8]), qk_rope_head_dim=rng.choice([2, 4]),
+                      v_head_dim=rng.choice([3, 6]), routed_scaling_factor=rng.choice([1.0, 2.5]),
+                      norm_topk_prob=rng.random() < 0.5, num_key_value_heads=heads)
+        # Transformers needs every token's top-k inside its chosen groups
+        fields["num_experts_per_tok"] = min(top_k, fields["topk_group"] * (experts // groups))
+    return fields
+
+
+CASES = [(arch, seed) for arch in ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3") for seed in range(5)]
+
+
+def _id(case: tuple[str, int]) -> str:
+    arch, seed = case
+    f = _draw(arch, random.Random(f"{arch}-{seed}"))
+    experts = f.get("num_experts") or f.get("num_local_experts") or f.get("n_routed_experts")
+    return f"{arch}-seed{seed}-h{f['hidden_size']}-e{experts}k{f['num_experts_per_tok']}-L{f['num_hidden_layers']}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_random_shapes_match_transformers(case: tuple[str, int], tmp_path) -> None:
+    arch, seed = case
+    fields = _draw(arch, random.Random(f"{arch}-{seed}"))
+    torch.manual_seed(seed)
+    # Transformers eager experts: its grouped_mm path refuses widths that are not 16-byte multiples
+    hf = transformers.AutoModelForCausalLM.from_config(tiny(arch, **fields), experts_implementation="eager").float()
+    for name, buf in hf.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.normal_(0.0, 0.1)
+    hf.save_pretrained(tmp_path)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, backend=BackendConfig(backend="cpu"))
+    hf.train(), ours.train()  # dropout is 0 in these configs; train() so the routers' aux losses are formed
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, fields["vocab_size"], (2, 11), generator=g)
+    ref = hf(input_ids=ids, labels=ids, output_router_logits=True)
+    out = ours(input_ids=ids, labels=ids, output_router_logits=True)  # the loss fused with the LM head
+    torch.testing.assert_close(ours(input_ids=ids).logits, ref.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5)
+    ref.loss.backward()
+    out.loss.backward()
+    mine = dict(ours.named_parameters())
+    for name, p in hf.named_parameters():
+        q = mine[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, atol=5e-6, rtol=1e-4, msg=name)
