@@ -93,7 +93,7 @@ def _factors(wrapper: nn.Module, adapter: str, dtype: torch.dtype | None) -> Lor
     if dtype is not None:
         a, b = a.to(dtype), b.to(dtype)
     E, r = wrapper.num_experts, wrapper.r[adapter]
-    if E > 1:
+    if E > 1 or getattr(wrapper, "_param_ndim", 2) == 3:  # a 3-D expert stack, even of one expert
         if not wrapper._did_swap_in_out_features:
             raise NotImplementedError("LoRA on expert weights stored [E, in, out] (is_transposed) is not supported")
         a = a.view(E, r, a.shape[-1])
@@ -109,7 +109,7 @@ def _expert_major(b: torch.Tensor, num_experts: int) -> torch.Tensor:
     inductor (torch 2.11 on CUDA, 2.13 on CPU) is free to drop the copy and hands
     ``_grouped_mm`` an operand with no unit stride ("Invalid strides/sizes").
     """
-    return b.view(b.shape[0], -1, num_experts).permute(2, 0, 1).contiguous()
+    return b.view(b.shape[0], -1, num_experts).permute(2, 0, 1).clone(memory_format=torch.contiguous_format)
 
 
 @_expert_major.register_fake
@@ -504,14 +504,27 @@ def enable_selective_recompute(model: nn.Module) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _experts_shape(config: Any) -> tuple[int, int]:
+    """(routed experts, expert FFN width) of a Qwen3-MoE, OLMoE or Mixtral config; raises
+    AttributeError for others (DeepSeek-V3's latent attention and shared experts are not in
+    the estimates below)."""
+    if getattr(config, "kv_lora_rank", None):
+        raise AttributeError(f"{type(config).__name__}: latent attention is not in the LoRA memory estimate")
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    width = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None)
+    if not experts or not width:
+        raise AttributeError(f"{type(config).__name__} names no expert count or expert FFN width")
+    return experts, width
+
+
 def lora_param_count(config: Any, settings: LoraSettings) -> int:
-    """Adapter parameters of a Qwen3-MoE-like ``config`` under ``settings``."""
+    """Adapter parameters of a Qwen3-MoE, OLMoE or Mixtral ``config`` under ``settings``."""
     H, L, r = config.hidden_size, config.num_hidden_layers, settings.r
     D = getattr(config, "head_dim", None) or H // config.num_attention_heads
     widths = {"q_proj": (H, config.num_attention_heads * D), "k_proj": (H, config.num_key_value_heads * D),
               "v_proj": (H, config.num_key_value_heads * D), "o_proj": (config.num_attention_heads * D, H)}
     per_layer = sum(r * (i + o) for name, (i, o) in widths.items() if name in settings.target_modules)
-    E, inter = getattr(config, "num_experts", 0) or 0, getattr(config, "moe_intermediate_size", 0) or 0
+    E, inter = _experts_shape(config)
     if settings.experts:
         per_layer += r * E * (H + 2 * inter) + r * E * (inter + H)
     if settings.router:
@@ -522,7 +535,7 @@ def lora_param_count(config: Any, settings: LoraSettings) -> int:
 def estimate_lora_memory(config: Any, seq_len: int, settings: LoraSettings, *, micro_batch: int = 1,
                          weight_bytes: int = 2, adapter_bytes: int = 4, loss_chunk: int = 1024,
                          compiled: bool = True) -> dict[str, float]:
-    """Peak training memory in GiB of LoRA on a Qwen3-MoE-like model, one micro-batch live.
+    """Peak training memory in GiB of LoRA on a Qwen3-MoE, OLMoE or Mixtral model, one micro-batch live.
 
     Parts: frozen weights (``weight_bytes`` each, no fp32 copy), adapters with their
     gradients and AdamW state (``adapter_bytes`` each, two fp32 moments), saved activations of
@@ -537,7 +550,7 @@ def estimate_lora_memory(config: Any, seq_len: int, settings: LoraSettings, *, m
     H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     D = getattr(config, "head_dim", None) or H // config.num_attention_heads
     NH, NKV = config.num_attention_heads, config.num_key_value_heads
-    E, k, inter = config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
+    (E, inter), k = _experts_shape(config), config.num_experts_per_tok
     T, r, b = micro_batch * seq_len, settings.r, 2
     n_params = sum(p for p in _base_param_counts(config))
     adapters = lora_param_count(config, settings)
@@ -576,8 +589,9 @@ def _base_param_counts(config: Any) -> list[int]:
     H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     D = getattr(config, "head_dim", None) or H // config.num_attention_heads
     NH, NKV = config.num_attention_heads, config.num_key_value_heads
-    E, inter = config.num_experts, config.moe_intermediate_size
-    attn = H * NH * D * 2 + H * NKV * D * 2 + 2 * D + 2 * H
+    E, inter = _experts_shape(config)
+    qk_norms = {"qwen3_moe": 2 * D, "olmoe": (NH + NKV) * D}.get(getattr(config, "model_type", ""), 0)
+    attn = H * NH * D * 2 + H * NKV * D * 2 + qk_norms + 2 * H
     moe = E * 3 * H * inter + E * H
     head = V * H * (1 if getattr(config, "tie_word_embeddings", False) else 2) + H
     return [L * (attn + moe), head]
