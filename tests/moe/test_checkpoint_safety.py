@@ -350,3 +350,40 @@ def test_yaml_errors_name_file_and_line_with_exit_2(tmp_path, capsys, text, mess
     assert message in err and "Traceback" not in err
     with pytest.raises(ConfigError, match="--set train.betas=\\[0.9: YAML syntax error"):
         load_config(overrides=["train.betas=[0.9"])
+
+
+def test_resume_restores_the_rng_streams_and_the_optimizer(tmp_path):
+    """What a checkpoint restores besides the weights: the Python and torch RNG streams
+    continue exactly where the save left them (dropout, router jitter and shuffles after a
+    resume equal the straight run's), and the optimizer state comes back (step counts and
+    moments), so the next update is the straight run's."""
+    import random
+
+    from polyaccel.moe import AutoModelForCausalLM, BackendConfig, FlatAdamW
+    from polyaccel.moe.presets import tiny
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny("qwen3_moe"), backend=BackendConfig(backend="cpu"),
+                                             dtype=torch.float32)
+    opt = FlatAdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    random.seed(3)
+    torch.manual_seed(4)
+    path = ckpt.save_checkpoint(tmp_path / "ck", 1, model, opt, {"marker": 7})
+    expected = (random.random(), torch.rand(5))
+    moments = {k: v.clone() for k, v in opt.state[next(model.parameters())].items()}
+
+    random.seed(99)
+    torch.manual_seed(99)  # what a restarted process would have
+    fresh = FlatAdamW(model.parameters(), lr=1e-2)
+    state = ckpt.load_trainer_state(path, model, fresh)
+    assert state["marker"] == 7 and state["step"] == 1
+    assert random.random() == expected[0]
+    assert torch.equal(torch.rand(5), expected[1])
+    restored = fresh.state[next(model.parameters())]
+    assert float(restored["step"]) == 1.0
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert moments[k].abs().sum() > 0 and torch.equal(restored[k], moments[k]), k

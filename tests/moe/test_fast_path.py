@@ -238,3 +238,42 @@ def test_gpu_defaults_take_the_fast_path_and_train_like_plain(tmp_path):
     assert _relative_gap(w_start, w_plain, w_start) > 0.5  # negative control: lr=0
     fp32, _ = run("fp32", "train.dtype=fp32")  # the per-expert reference syncs: no graph, said why
     assert fp32.fast_path["cuda_graph"] is False and fp32.fast_path["compiled_layers"] is True
+
+
+@pytest.mark.parametrize("with_num_items", [False, True])
+def test_graphed_micro_step_loss_is_what_trainer_back_propagates(tmp_path, with_num_items):
+    """The loss the Trainer's CUDA-graphed micro-step back-propagates (``_graph_loss``, run on
+    CPU here) is ``transformers.Trainer.training_step``'s: divided by the gradient-accumulation
+    steps without ``num_items_in_batch``, the sum over the step's target count with it."""
+    from polyaccel.moe import Trainer
+
+    model = _model()
+    trainer = Trainer(model=model, args=_args(tmp_path, gradient_accumulation_steps=4), train_dataset=_data())
+    trainer.current_gradient_accumulation_steps = 4
+    batch = {"input_ids": torch.stack([d["input_ids"] for d in _data()[:2]])}
+    batch["labels"] = batch["input_ids"].clone()
+    n_items = torch.tensor(97.0) if with_num_items else None
+    expected = transformers.Trainer.training_step(trainer, model, dict(batch), num_items_in_batch=n_items)
+    extra = {"num_items_in_batch": n_items} if with_num_items else {}
+    ours = trainer._graph_loss(model, **batch, **extra)
+    torch.testing.assert_close(ours.detach(), expected, rtol=1e-6, atol=1e-7)
+    plain = model(**batch).loss.detach()
+    assert not torch.allclose(expected, plain)  # the scaling is really exercised
+
+
+def test_graph_needs_cuda_and_nothing_else_when_all_fits():
+    """Every requirement met on a CUDA device: graphed, no reasons; the same on the CPU: not
+    graphed (CUDA graphs need CUDA), silently. Sparse-step models count only their MoE layers."""
+    kwargs = dict(model_config=tiny("qwen3_moe"), device=torch.device("cuda", 0), cuda_graph="auto",
+                  wgrad_window=1, fsdp=False, optimizer="flat_adamw", activation_checkpointing=False,
+                  fused_grad_accumulation=True, tokens_per_micro_batch=64, grad_accum=2)
+    assert fast_path.plan(**kwargs) == fast_path.FastPath(cuda_graph=True, wgrad_window=1, reasons=())
+    cpu = fast_path.plan(**{**kwargs, "device": torch.device("cpu")})
+    assert cpu == fast_path.FastPath(cuda_graph=False, wgrad_window=1, reasons=())
+    assert fast_path.graph_blockers(device=torch.device("cpu"), fsdp=False, optimizer="flat_adamw",
+                                    activation_checkpointing=False) == ["it needs a CUDA device"]
+    # decoder_sparse_step=2 over 4 layers: layers 1 and 3 hold experts (Transformers' rule).
+    assert fast_path.moe_layer_count(tiny("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[],
+                                          decoder_sparse_step=2)) == 2
+    assert fast_path.moe_layer_count(tiny("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[3],
+                                          decoder_sparse_step=2)) == 1

@@ -148,3 +148,30 @@ def test_fused_embedding_adds_rows_like_autograd():
     assert not ours.weight.grad[2].any()
     ours.register_forward_hook(lambda m, i, o: o * 2)  # a hook the fused path would skip
     torch.testing.assert_close(embedding(ids, ours), 2 * torch.nn.functional.embedding(ids, ours.weight))
+
+
+def test_defers_all_but_the_last_of_each_window_and_of_the_step():
+    """Windows of 2 over 5 micro-batches: 0 defers, 1 computes, 2 defers, 3 computes, and 4,
+    the step's last, computes (nothing may stay kept past the optimizer step)."""
+    from polyaccel.moe.grouped_linear import defers
+
+    assert [defers(i, 5, 2) for i in range(5)] == [True, False, True, False, False]
+    assert [defers(i, 3, 4) for i in range(3)] == [True, True, False]
+    assert not any(defers(i, 4, 1) for i in range(4))
+
+
+def test_overwrite_writes_over_grad_once_per_window_then_adds():
+    """A weight used twice in one overwriting window (two backwards, or two uses in one
+    graph): the first writes over the stale ``.grad``, the second adds to it."""
+    from polyaccel.moe.grouped_linear import wgrad_window
+
+    w = nn.Parameter(torch.randn(5, 6, 4))
+    w.grad = torch.full_like(w, 7.0)  # last step's, not zeroed
+    ref = nn.Parameter(w.detach().clone())
+    (x1, offsets), (x2, _) = _problem(0), _problem(1)
+    with wgrad_window(overwrite=[w]) as written:
+        grouped_linear(x1, w, offsets).square().sum().backward()
+        grouped_linear(x2, w, offsets).sum().backward()
+    assert written == {w}
+    (ops.grouped_mm(x1, ref, offsets).square().sum() + ops.grouped_mm(x2, ref, offsets).sum()).backward()
+    torch.testing.assert_close(w.grad, ref.grad)

@@ -278,16 +278,18 @@ def test_settings_refuse_what_peft_cannot_do():
         LoraSettings(recompute="all")
 
 
-def test_adapter_count_formula_matches_peft(tmp_path):
-    config = presets.tiny("qwen3_moe", mlp_only_layers=[])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "mixtral"])
+def test_adapter_count_formula_matches_peft(tmp_path, arch):
+    config = presets.tiny(arch, **({"mlp_only_layers": []} if arch == "qwen3_moe" else {}))
     model = AutoModelForCausalLM.from_config(config)
     model = lora.apply_lora(model, SETTINGS)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert lora.lora_param_count(config, SETTINGS) == trainable
 
 
-def test_weight_formula_matches_the_real_model():
-    config = presets.qwen3_30b_a3b(num_hidden_layers=2)
+@pytest.mark.parametrize("preset", ["qwen3_30b_a3b", "olmoe_1b_7b", "mixtral_8x7b"])
+def test_weight_formula_matches_the_real_model(preset):
+    config = getattr(presets, preset)(num_hidden_layers=2)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     assert sum(lora._base_param_counts(config)) == sum(p.numel() for p in model.parameters())
@@ -433,9 +435,75 @@ def test_auto_recompute_picks_by_the_estimate_and_says_why(caplog):
     assert lora.resolve_recompute(fixed, presets.qwen3_30b_a3b(), 4096, device_memory_gib=1e6) is fixed
 
 
+def test_auto_recompute_estimates_olmoe_and_mixtral_and_plays_safe_on_others(caplog):
+    auto = LoraSettings(r=16, alpha=32, recompute="auto")
+    caplog.set_level(logging.INFO, logger="polyaccel.moe.lora")
+    for config in (presets.olmoe_1b_7b(), presets.mixtral_8x7b(num_hidden_layers=4)):
+        caplog.clear()
+        assert lora.resolve_recompute(auto, config, 4096, device_memory_gib=139.8).recompute == "none"
+        assert "estimated peak without recomputation" in caplog.text
+        assert lora.resolve_recompute(auto, config, 4096, device_memory_gib=4.0).recompute == "selective"
+    caplog.clear()
+    deepseek = presets.tiny("deepseek_v3")
+    assert lora.resolve_recompute(auto, deepseek, 4096, device_memory_gib=139.8).recompute == "selective"
+    assert "no memory estimate for this config" in caplog.text
+
+
 def test_auto_recompute_on_cpu_is_none(caplog):
     caplog.set_level(logging.INFO, logger="polyaccel.moe.lora")
     model = AutoModelForCausalLM.from_config(presets.tiny("qwen3_moe"))
     model = lora.apply_lora(model, LoraSettings(r=4, alpha=8, recompute="auto"), seq_len=16)
     assert not any(getattr(m, "_polyaccel_selective", False) for m in model.modules())
     assert "lora.recompute=auto -> none" in caplog.text
+
+
+def test_attention_adapter_in_input_dtype_keeps_peft_dropout_and_scale():
+    """``compute_linear_lora_in_input_dtype``'s forward is PEFT's ``lora.Linear`` forward: same
+    output in training with dropout (same RNG draw) and in eval, with the ``alpha / r`` scale."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(presets.tiny("qwen3_moe"), backend=BackendConfig(backend="cpu"),
+                                             dtype=torch.float32)
+    model = lora.apply_lora(model, LoraSettings(r=4, alpha=12, dropout=0.5, experts=False, recompute="none"))
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert getattr(layer, "_polyaccel_lora_forward", False) and float(layer.scaling["default"]) == 3.0
+    torch.nn.init.normal_(layer.lora_B["default"].weight)  # PEFT starts B at zero
+    x = torch.randn(2, 5, layer.in_features)
+    for training in (True, False):
+        layer.train(training)
+        torch.manual_seed(3)
+        ours = layer(x)
+        torch.manual_seed(3)
+        theirs = type(layer).forward(layer, x)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    layer.train(True)
+    torch.manual_seed(3)
+    assert not torch.allclose(layer(x), layer.eval()(x), atol=1e-4)  # dropout really acts in training
+
+
+def test_merged_adapters_are_not_added_twice():
+    """After PEFT's ``merge_adapter()`` the expert and router deltas live in the base weights:
+    the grouped path must stop adding them (same logits as unmerged), and ``unmerge_adapter()``
+    brings the factors back."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(presets.tiny("qwen3_moe"), backend=BackendConfig(backend="cpu"),
+                                             dtype=torch.float32)
+    model = lora.apply_lora(model, LoraSettings(r=4, alpha=8, target_modules=[], experts=True, router=True,
+                                                recompute="none"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    model.eval()
+    ids = _ids()
+    base = model.get_base_model()
+    with torch.no_grad(), model.disable_adapter():
+        plain = base(input_ids=ids).logits
+    with torch.no_grad():
+        unmerged = base(input_ids=ids).logits
+        assert not torch.allclose(unmerged, plain, atol=1e-3)  # the adapters change the output
+        model.merge_adapter()
+        merged = base(input_ids=ids).logits
+        model.unmerge_adapter()
+        again = base(input_ids=ids).logits
+    torch.testing.assert_close(merged, unmerged, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(again, unmerged, rtol=1e-4, atol=1e-5)

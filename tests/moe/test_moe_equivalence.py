@@ -172,3 +172,35 @@ def test_deepseek_router_bias_stays_fp32_in_bf16(tmp_path_factory):
     gate = ours.model.layers[1].mlp.gate
     assert gate.e_score_correction_bias.dtype == torch.float32
     assert gate.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(("model_type", "overrides"), [
+    ("qwen3_moe", dict(num_hidden_layers=4, mlp_only_layers=[], decoder_sparse_step=2)),
+    ("olmoe", dict(clip_qkv=0.02)),  # small enough that the clamp of q, k and v acts
+])
+def test_config_switches_match_transformers(tmp_path_factory, model_type, overrides):
+    """Config fields the default tiny configs leave inactive: Qwen3-MoE's
+    ``decoder_sparse_step`` (which layers are MoE) and OLMoE's ``clip_qkv`` clamping."""
+    hf, ours = _pair(tmp_path_factory, model_type, **overrides)
+    with torch.no_grad():
+        for p in hf.parameters():  # weights large enough for the clamp to bind
+            p.mul_(8.0)
+        for p in ours.parameters():
+            p.mul_(8.0)
+    ids = _batch()
+    torch.testing.assert_close(ours(input_ids=ids).logits, hf(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_incremental_decoding_without_position_ids_matches_one_forward(pair):
+    """A hand-written decoding loop (``past_key_values``, no ``position_ids``): each new token
+    is placed after the cached ones, so its logits equal those of one full forward."""
+    _, ours = pair
+    ids = _batch(S=9)
+    with torch.no_grad():
+        full = ours(input_ids=ids).logits
+        out = ours(input_ids=ids[:, :6], use_cache=True)
+        steps = [out.logits[:, -1]]
+        for t in range(6, 9):
+            out = ours(input_ids=ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+            steps.append(out.logits[:, -1])
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, 5:], rtol=1e-4, atol=1e-5)

@@ -223,3 +223,42 @@ def test_fused_weight_gradient_is_added_into_grad(monkeypatch):
         torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6, msg=f"step {step}")
     assert len(calls) == 2
+
+
+def test_router_jitter_multiplies_the_input_by_uniform_noise_in_training_only():
+    """Mixtral's ``router_jitter_noise`` j: in training the block sees ``x * U(1-j, 1+j)``
+    drawn from the torch RNG (as Transformers does), in eval ``x`` unchanged."""
+    from polyaccel.moe.layers import SparseMoeBlock
+
+    torch.manual_seed(0)
+    block = SparseMoeBlock(4, 8, 6, 2, True, "silu", jitter_noise=0.2)
+    torch.nn.init.normal_(block.gate.weight)
+    torch.nn.init.normal_(block.experts.gate_up_proj, std=0.3)
+    torch.nn.init.normal_(block.experts.down_proj, std=0.3)
+    x = torch.randn(2, 5, 8)
+    torch.manual_seed(7)
+    u = torch.empty_like(x).uniform_(0.8, 1.2)
+    assert u.min() < 0.9 and u.max() > 1.1  # the draw spans the interval
+    block.eval()
+    y_eval, _ = block(x)
+    y_ref, logits_ref = block(x * u)
+    block.train()
+    torch.manual_seed(7)
+    y_train, logits = block(x)
+    torch.testing.assert_close(y_train, y_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(y_train, y_eval, atol=1e-3)
+
+
+def test_padding_mask_leaves_no_query_row_fully_masked():
+    """Left padding: real queries attend causally to real keys only; a padding query (which
+    would have no key at all and give NaN in SDPA's fused kernels) attends everywhere instead."""
+    from polyaccel.moe.layers import AttentionContext, attention_mask_for
+
+    pad = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    mask = attention_mask_for(AttentionContext(pad), 2, 5, 5, 0, torch.device("cpu"))
+    assert mask.shape == (2, 1, 5, 5) and bool(mask.any(-1).all())
+    causal = torch.ones(5, 5).tril().bool()
+    assert torch.equal(mask[1, 0], causal)
+    assert torch.equal(mask[0, 0, 2:], causal[2:] & pad[0].bool())  # real queries: real keys only
+    assert bool(mask[0, 0, :2].all())  # padding queries attend everywhere

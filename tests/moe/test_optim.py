@@ -291,3 +291,22 @@ def test_grad_scale_is_clipping_inside_the_step():
         torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-7)
     assert clip_coefficient(torch.tensor(3.0), None) is None and clip_coefficient(torch.tensor(3.0), 0) is None
     assert float(clip_coefficient(torch.tensor(0.5), 1.0)) == 1.0  # never scales up
+
+
+def test_scale_next_step_applies_to_one_step_only():
+    """``scale_next_step(coef)`` (the Trainer's clipping hook) scales the gradients of the next
+    ``step()`` and no later one: the step after it is plain AdamW again."""
+    ref, opt_ref, ours, opt = _pair()
+    coef = torch.tensor(0.25)
+    for seed in range(3):
+        for m in (ref, ours):
+            _backward(m, seed)
+        if seed == 0:
+            for p in ref.parameters():
+                p.grad.mul_(coef)
+            opt.scale_next_step(coef)
+        opt_ref.step()
+        opt_ref.zero_grad()
+        opt.step()
+        opt.zero_grad()
+        _assert_same(ref, ours)

@@ -466,3 +466,62 @@ def test_gpu_ep2_dense_replicas_graphed_trains_like_one_gpu(tmp_path, monkeypatc
     _assert_trains_alike((_losses(tmp_path / "metrics.jsonl"), _weights(tmp_path / "out")),
                          (single.losses, _weights(tmp_path / "single/out")),
                          (frozen.losses, _weights(tmp_path / "lr0/out")))
+
+
+# --------------------------------------------------------------------------------------------
+# What one step optimizes: the global per-token mean (against an independent computation)
+# --------------------------------------------------------------------------------------------
+
+def _step_objective(model, micro_batches, aux_coef: float) -> torch.Tensor:
+    """The step loss the loop is documented to optimize, computed straight from the model:
+    summed token cross-entropy over all micro-batches / all targets, plus the router's
+    load-balancing loss averaged over the micro-batches."""
+    from polyaccel.moe.layers import load_balancing_loss
+
+    n = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
+    total = torch.zeros(())
+    for mb in micro_batches:
+        out = model(input_ids=mb["input_ids"], output_router_logits=True, use_cache=False)
+        shift = torch.nn.functional.pad(mb["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
+        ce = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), shift.flatten(), reduction="sum")
+        aux = load_balancing_loss(out.router_logits, model.config.num_experts, model.config.num_experts_per_tok)
+        total = total + ce / n + aux_coef * aux / len(micro_batches)
+    return total
+
+
+@pytest.mark.parametrize("aux", [False, True])
+def test_step_loss_and_grad_norm_are_the_global_token_mean(tmp_path, aux):
+    """Step 1's reported loss and gradient norm equal the global per-token mean cross-entropy
+    (targets counted after the shift, padding excluded) over the step's micro-batches, plus the
+    aux loss averaged over micro-batches when on, and its gradient: computed independently from
+    the initial weights (an lr=0 run writes them out). Catches a wrong target count or a wrong
+    gradient-accumulation scale, which runs compared with each other cannot."""
+    from polyaccel.moe import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(5)
+    data = tmp_path / "tokens.jsonl"
+    with data.open("w") as f:  # 118 tokens: 4 samples of 32, the last ends in 10 padding tokens
+        for n in (30, 41, 25, 22):
+            f.write(json.dumps({"input_ids": torch.randint(3, 97, (n,), generator=g).tolist()}) + "\n")
+    sets = [f"data.jsonl={data}", "train.max_steps=1", "train.lr=0", "train.warmup_steps=0",
+            f"log.metrics_jsonl={tmp_path / 'm.jsonl'}", "log.every_steps=1"]
+    if aux:
+        sets.append("model.config.output_router_logits=true")
+    cfg = _tiny(tmp_path, *sets)
+    result = finetune(cfg)
+    record = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    model.config.output_router_logits = aux
+    t = cfg.train
+    source = build_dataset(cfg.data, seq_len=t.seq_len, vocab_size=model.config.vocab_size, seed=t.seed)
+    assert len(source) == t.micro_batch * t.grad_accum == 4  # one step sees every sample once
+    assert int((source.labels == IGNORE_INDEX).sum()) == 10
+    micro_batches = Batches(source, micro_batch=t.micro_batch, grad_accum=t.grad_accum, seed=t.seed).next_step()
+    coef = model.config.router_aux_loss_coef if aux else 0.0
+    assert not aux or coef > 0
+    ref = _step_objective(model, micro_batches, coef)
+    ref.backward()
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    assert result.losses[0] == pytest.approx(float(ref.detach()), rel=1e-5)
+    assert record["grad_norm"] == pytest.approx(float(ref_norm), rel=1e-4)
