@@ -193,14 +193,15 @@ def test_config_switches_match_transformers(tmp_path_factory, model_type, overri
 
 def test_incremental_decoding_without_position_ids_matches_one_forward(pair):
     """A hand-written decoding loop (``past_key_values``, no ``position_ids``): each new token
-    is placed after the cached ones, so its logits equal those of one full forward."""
+    is placed after the cached ones, so its logits equal those of one full forward (decoding
+    past Mixtral's 6-token sliding window, so one-token steps must apply it too)."""
     _, ours = pair
-    ids = _batch(S=9)
+    ids = _batch(S=15)
     with torch.no_grad():
         full = ours(input_ids=ids).logits
         out = ours(input_ids=ids[:, :6], use_cache=True)
         steps = [out.logits[:, -1]]
-        for t in range(6, 9):
+        for t in range(6, 15):
             out = ours(input_ids=ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
             steps.append(out.logits[:, -1])
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 5:], rtol=1e-4, atol=1e-5)
