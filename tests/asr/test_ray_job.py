@@ -96,6 +96,24 @@ def test_ray_job_on_a_local_cluster_matches_in_process(one_thread: None, tmp_pat
 
 
 
+def test_address_local_starts_a_private_cluster_and_stops_it(one_thread: None, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--address local`` is a private loopback cluster with token auth (core's ``init_local``,
+    not Ray's own, which listens on every interface), stopped when the job ends."""
+    ray = pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a user's setting must not open the cluster
+    started = []
+    from polyaccel.core import ray_local
+
+    real = ray_local.init_local
+    monkeypatch.setattr(ray_local, "init_local", lambda *a, **k: started.append(a) or real(*a, **k))
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["transcribe", _two_clips()[0], "-o", str(out), "--ray", "--address", "local",
+                     "--backend", "cpu", "-q"]) == 0
+    assert started and not ray.is_initialized()
+    assert [r["error"] for r in _records(out)] == [None]
+
+
 README_SUBMIT = 'ray job submit --address {url} -- polyaccel-asr transcribe --ray "$PWD/clips" -o "$PWD/out.jsonl" -q'
 
 
