@@ -188,15 +188,39 @@ def make_file(index: int, seed: int, clips: list[Clip], out: Path, formats: list
             "channels": channels, "format": name, "text": ref}
 
 
+_OURS = re.compile(r"\d{4,}\.(wav|flac|ogg|mp3|m4a|opus|webm)")
+_WRITTEN = ("corpus.json", "manifest.jsonl", "refs.jsonl", "audio")
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an ``out`` that holds anything but a corpus this tool wrote (its files are
+    replaced on a rebuild): a user's folder, or its ``audio/``, is never emptied."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise SystemExit(f"{out} exists and is not a folder")
+    others = sorted(p.name for p in out.iterdir() if p.name not in _WRITTEN)
+    if others or (any(out.iterdir()) and not (out / "corpus.json").is_file()):
+        raise SystemExit(f"{out} is not a corpus this tool wrote ({', '.join(others[:5]) or 'no corpus.json'}); "
+                         "choose a new or empty folder")
+    audio = out / "audio"
+    foreign = sorted(p.name for p in audio.iterdir() if not _OURS.fullmatch(p.name)) if audio.is_dir() else []
+    if foreign:
+        raise SystemExit(f"{audio} holds files this tool did not write ({', '.join(foreign[:5])}); "
+                         "choose a new or empty folder")
+
+
 def build(out: Path, *, files: int, long: int, long_s: float, seed: int, src: Path,
           workers: int | None = None) -> dict:
     """Write the whole corpus into ``out`` and return its summary (also ``out/corpus.json``)."""
     start = time.perf_counter()
     clips = read_sources(src)
     formats = writable_formats()
+    _check_out(out)
     (out / "audio").mkdir(parents=True, exist_ok=True)
     for old in (out / "audio").iterdir():  # a rebuild never mixes in files of another seed
-        old.unlink()
+        if old.is_file() and _OURS.fullmatch(old.name):
+            old.unlink()
     jobs = [(i, None) for i in range(files)] + [(files + k, long_s) for k in range(long)]
     workers = workers or min(len(jobs), os.cpu_count() or 1) or 1
     if workers > 1:
@@ -225,7 +249,7 @@ def build(out: Path, *, files: int, long: int, long_s: float, seed: int, src: Pa
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", type=Path, help="output directory (its audio/ folder is replaced)")
+    p.add_argument("out", type=Path, help="output directory: new, empty, or a corpus this tool wrote (replaced)")
     p.add_argument("--files", type=int, default=500, help="files of 1-35 s")
     p.add_argument("--long", type=int, default=3, help="long files")
     p.add_argument("--long-s", type=float, default=600.0, help="length of each long file (s)")

@@ -74,6 +74,27 @@ def test_corpus_is_deterministic_and_seeded(small_corpus, corpus_mod, tmp_path):
 
 
 @needs_clips
+def test_corpus_never_empties_a_folder_it_did_not_write(corpus_mod, tmp_path):
+    def build(out: Path, files: int, seed: int = 1) -> None:
+        corpus_mod.build(out, files=files, long=0, long_s=40.0, seed=seed, src=LIBRIVOX, workers=1)
+
+    mine = tmp_path / "mine"
+    (mine / "audio").mkdir(parents=True)
+    (mine / "audio" / "interview.wav").write_bytes(b"a user's recording")
+    with pytest.raises(SystemExit, match="not a corpus this tool wrote"):
+        build(mine, 1)
+    (mine / "corpus.json").write_text("{}")  # even beside a corpus.json, a file not ours stays
+    with pytest.raises(SystemExit, match="holds files this tool did not write"):
+        build(mine, 1)
+    assert (mine / "audio" / "interview.wav").read_bytes() == b"a user's recording"
+    assert sorted(p.name for p in mine.iterdir()) == ["audio", "corpus.json"]
+    own = tmp_path / "own"
+    build(own, 3)
+    build(own, 1, seed=2)  # a corpus of its own is rebuilt in place
+    assert len(list((own / "audio").iterdir())) == 1
+
+
+@needs_clips
 def test_corpus_files_decode_to_their_durations_and_refs_are_clip_texts(small_corpus, corpus_mod):
     from polyaccel.asr.audio import load_audio
 
