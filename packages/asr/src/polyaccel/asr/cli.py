@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ray", action="store_true", help="run as a Ray Data job (an actor per device)")
     t.add_argument("--address", default=None,
                    help="Ray cluster address (default: RAY_ADDRESS, the job's cluster under `ray job submit`, "
-                        "else a local in-process cluster)")
+                        "else, or with 'local', a private in-process cluster on loopback)")
     t.add_argument("--num-actors", type=_positive_int, default=None, help="Ray actors (default: one per device/node)")
 
     w = sub.add_parser("wer", help="word error rate of a results file against references")
