@@ -321,11 +321,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         prices = parse_prices(args.price)
         shapes = [parse_preset(s) for s in args.preset]
+        mfus = [float(m) for m in args.sensitivity.split(",") if m.strip()]
     except ValueError as e:
         parser.error(str(e))
-    chip = dataclasses.replace(TRN2, peak_tflops=args.trn_tflops, hbm_tb_s=args.trn_hbm_tb_s)
+    # every number divides somewhere: zero, negative or NaN is a usage error, not a traceback
+    positive = {"--mfu": args.mfu, "--hbm-eff": args.hbm_eff, "--trn-tflops": args.trn_tflops,
+                "--trn-hbm-tb-s": args.trn_hbm_tb_s, **{f"--sensitivity {m:g}": m for m in mfus},
+                **{f"--price {k}": v for k, v in prices.items()}}
     if args.gflop_per_audio_s is not None:
         shapes.append(ModelShape(args.model_name, args.gflop_per_audio_s, args.gbyte_per_audio_s))
+    bad = [f"{k} {v:g} (must be > 0)" for k, v in positive.items() if not v > 0]
+    bad += [f"shape {s.name}: {s.gflop_per_audio_s:g} GFLOP, {s.gbyte_per_audio_s:g} GB (each >= 0, not both 0)"
+            for s in shapes if not (min(s.gflop_per_audio_s, s.gbyte_per_audio_s) >= 0
+                                    and s.gflop_per_audio_s + s.gbyte_per_audio_s > 0)]
+    if bad:
+        parser.error("bad numbers: " + "; ".join(bad))
+    chip = dataclasses.replace(TRN2, peak_tflops=args.trn_tflops, hbm_tb_s=args.trn_hbm_tb_s)
     if not shapes:
         shapes = list(PRESETS.values())
 
@@ -334,19 +345,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyError as e:
         print(f"error: {e.args[0]}", file=sys.stderr)
         return 2
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"error: --measured: {e}", file=sys.stderr)
+        return 2
     rows += [modelled_row(s, chip, prices, mfu=args.mfu, hbm_eff=args.hbm_eff) for s in shapes]
 
     lines = [json.dumps(r) for r in rows]
     print("\n".join(lines))
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
+        try:
+            with open(args.out, "w", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+        except OSError as e:
+            print(f"error: --out: {e}", file=sys.stderr)
+            return 2
     print("\nAssumptions:")
     for a in assumptions(chip, prices, shapes, mfu=args.mfu, hbm_eff=args.hbm_eff,
                          used_devices=[r["device"] for r in rows if r["kind"] == "measured"]):
         print(f"  - {a}")
     print(f"\n{format_table(rows)}")
-    mfus = [float(m) for m in args.sensitivity.split(",") if m.strip()]
     print(f"\n{chip.name} sensitivity ({MODELLED}; HBM efficiency {args.hbm_eff:g}; (mem) = memory-bound):")
     print(sensitivity_table(shapes, chip, prices, mfus=mfus, hbm_eff=args.hbm_eff))
     return 0

@@ -22,9 +22,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 STAGE = Path(".cache/device_pack")  # ignored by .gitignore: survives between calls
@@ -40,19 +42,26 @@ def _sha256(path: Path) -> str:
 
 def pack(outdir: Path, sources: list[Path], part_bytes: int) -> dict:
     """Tar ``sources`` (each under its own name) and cut the tar into parts in ``outdir``."""
+    inside = [str(s) for s in sources if outdir.resolve().is_relative_to(s.resolve())]
+    if inside:
+        raise SystemExit(f"OUTDIR {outdir} is inside {', '.join(inside)}: the pack would hold itself")
     outdir.mkdir(parents=True, exist_ok=True)
-    whole = outdir / "pack.tar"
-    with tarfile.open(whole, "w") as tar:
-        for src in sources:
-            tar.add(src, arcname=src.name)
-    parts = []
-    with open(whole, "rb") as f:
-        for i, chunk in enumerate(iter(lambda: f.read(part_bytes), b"")):
-            part = outdir / f"part-{i:03d}"
-            part.write_bytes(chunk)
-            parts.append({"name": part.name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
-    manifest = {"tar_sha256": _sha256(whole), "tar_bytes": whole.stat().st_size, "parts": parts}
-    whole.unlink()
+    fd, name = tempfile.mkstemp(prefix=".pack-", suffix=".tar", dir=outdir)  # never a file of the user's
+    os.close(fd)
+    whole = Path(name)
+    try:
+        with tarfile.open(whole, "w") as tar:
+            for src in sources:
+                tar.add(src, arcname=src.name)
+        parts = []
+        with open(whole, "rb") as f:
+            for i, chunk in enumerate(iter(lambda: f.read(part_bytes), b"")):
+                part = outdir / f"part-{i:03d}"
+                part.write_bytes(chunk)
+                parts.append({"name": part.name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
+        manifest = {"tar_sha256": _sha256(whole), "tar_bytes": whole.stat().st_size, "parts": parts}
+    finally:
+        whole.unlink(missing_ok=True)
     (outdir / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 

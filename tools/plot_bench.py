@@ -93,14 +93,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--where wants KEY=VALUE")
     where = dict(w.split("=", 1) for w in args.where)
     keys = [args.x, args.y] + ([args.series] if args.series else [])
-    records = read_points(args.files, keys, where)
+    try:
+        records = read_points(args.files, keys, where)
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not records:
         print(f"no record in {args.files} has keys {keys} and matches {where}", file=sys.stderr)
         return 1
     fig = plot(records, x=args.x, y=args.y, series=args.series, logx=args.logx, logy=args.logy,
                title=args.title)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out)
+    try:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.out)
+    except OSError as e:
+        print(f"error: -o {args.out}: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out} ({len(records)} points, {len(fig.axes[0].get_lines())} lines)")
     import matplotlib.pyplot as plt
 

@@ -113,3 +113,17 @@ def test_cli_kernels_and_doctor(capsys):
     assert cli_main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "backend cpu" in out and "polyaccel.backends" in out
+
+
+def test_cli_output_into_a_closed_pipe_is_no_traceback():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "POLYACCEL_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "polyaccel.core.cli", "kernels"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # like `| head -0`: the reader is gone before the table is printed
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -147,3 +147,26 @@ def test_plot_writes_a_png_with_one_line_per_series(tmp_path):
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) > 1000
     assert plot_bench.main([str(path), "--x", "batch", "--y", "nope", "-o", str(tmp_path / "x.png")]) == 1
+
+
+@pytest.mark.parametrize("argv", [
+    ["--mfu", "0"], ["--hbm-eff", "-1"], ["--sensitivity", "0.2,x"], ["--sensitivity", "0"],
+    ["--gflop-per-audio-s", "-1"], ["--preset", "tiny=0"], ["--price", "H200=0"], ["--mfu", "nan"],
+])
+def test_cost_model_bad_numbers_are_usage_errors_not_tracebacks(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cost_model.main(argv)
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_unreadable_inputs_and_outputs_are_errors_not_tracebacks(tmp_path, capsys):
+    missing, binary = str(tmp_path / "missing.jsonl"), tmp_path / "b.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    good = _write_jsonl(tmp_path / "bench.jsonl", SWEEP)
+    for path in (missing, str(binary)):
+        assert cost_model.main(["--measured", path]) == 2
+        assert plot_bench.main([path, "--x", "batch", "--y", "rtfx", "-o", str(tmp_path / "p.png")]) == 2
+    assert cost_model.main(["--out", str(tmp_path / "no" / "such" / "dir" / "x.jsonl")]) == 2
+    (tmp_path / "file").write_text("")
+    assert plot_bench.main([str(good), "--x", "batch", "--y", "rtfx", "-o", str(tmp_path / "file" / "p.png")]) == 2
+    assert "Traceback" not in capsys.readouterr().err

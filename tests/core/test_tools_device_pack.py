@@ -66,3 +66,16 @@ def test_a_corrupt_part_is_named_and_nothing_is_extracted(dp, tmp_path):
     with pytest.raises(SystemExit, match="part-001: sha256 differs"):
         dp.unpack(tmp_path / "out", tmp_path / "stage")
     assert not (tmp_path / "out").exists()
+
+
+def test_pack_keeps_a_users_pack_tar_and_refuses_an_outdir_inside_a_source(dp, tmp_path):
+    model = _source(tmp_path)
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "pack.tar").write_bytes(b"the user's own archive")
+    dp.pack(here, [model], part_bytes=1 << 20)
+    assert (here / "pack.tar").read_bytes() == b"the user's own archive"
+    assert sorted(p.name for p in here.iterdir()) == ["manifest.json", "pack.tar", "part-000"]
+    with pytest.raises(SystemExit, match="inside"):
+        dp.pack(model / "parts", [model], part_bytes=1 << 20)
+    assert not (model / "parts").exists()

@@ -98,3 +98,48 @@ def test_replica_cores_follow_visible_cores(monkeypatch):
     assert visible_cores(0) == [0, 2, 3]
     monkeypatch.delenv("NEURON_RT_VISIBLE_CORES")
     assert visible_cores(8) == list(range(8))
+
+
+def _fake_compile(monkeypatch, payload):
+    """torch.compile stand-in: the compiled call writes ``payload()`` as a NEFF into
+    TORCH_NEURONX_DEBUG_DIR (raising if payload raises, after a partial write)."""
+    monkeypatch.setitem(sys.modules, "torch_neuronx", types.ModuleType("torch_neuronx"))
+
+    def compile_(fn, **kw):
+        def run(*xs):
+            with open(os.path.join(os.environ[ncompile.DEBUG_DIR_ENV], "graph.neff"), "wb") as f:
+                f.write(b"NE")  # partial until payload() returns
+                f.write(payload())
+            return fn(*xs)
+        return run
+
+    monkeypatch.setattr(ncompile.torch, "compile", compile_)
+
+
+def test_killed_compile_leaves_no_neff_that_is_trusted_later(tmp_path, monkeypatch):
+    def killed():
+        raise KeyboardInterrupt  # the process is interrupted mid-write
+
+    _fake_compile(monkeypatch, killed)
+    with pytest.raises(KeyboardInterrupt):
+        ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "encode", root=tmp_path)
+    assert ncompile.collect_neffs(tmp_path) == {}
+    _fake_compile(monkeypatch, lambda: b"FF-v2")
+    g = ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "encode", root=tmp_path)
+    assert [p.read_bytes() for p in g.neffs] == [b"NEFF-v2"]
+    # a recompile replaces the earlier NEFFs instead of listing both
+    (g.artifacts_dir / "sub").mkdir()
+    (g.artifacts_dir / "sub" / "stale.neff").write_bytes(b"old")
+    g = ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "encode", root=tmp_path)
+    assert [p.name for p in g.neffs] == ["graph.neff"]
+    assert ncompile.collect_neffs(tmp_path) == {"encode": g.neffs}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["encode"]
+
+
+def test_compile_does_not_replace_a_folder_it_did_not_write(tmp_path, monkeypatch):
+    _fake_compile(monkeypatch, lambda: b"FF")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="not written by compile_graph"):
+        ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "notes", root=tmp_path)
+    assert (tmp_path / "notes" / "mine.txt").read_text() == "keep"

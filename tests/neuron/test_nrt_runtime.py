@@ -222,3 +222,16 @@ def test_missing_libnrt_is_a_clear_error(monkeypatch):
     monkeypatch.setattr("ctypes.util.find_library", lambda name: None)
     with pytest.raises(OSError, match="libnrt.so.1"):
         nrt.load()
+
+
+def test_a_missing_neuron_rt_lib_is_not_replaced_by_another_libnrt(tmp_path, monkeypatch):
+    from polyaccel.neuron.plugin import find_libnrt
+
+    other = tmp_path / "libnrt.so.1"
+    other.write_bytes(b"")
+    monkeypatch.setattr("polyaccel.neuron.plugin.LIBNRT_PATHS", (str(other),))
+    assert find_libnrt() == str(other)
+    monkeypatch.setenv("NEURON_RT_LIB", str(tmp_path / "typo" / "libnrt.so.1"))
+    assert find_libnrt() is None
+    with pytest.raises(OSError, match="NEURON_RT_LIB=.*typo.* does not exist"):
+        nrt.load()

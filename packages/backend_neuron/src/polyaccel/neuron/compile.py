@@ -18,6 +18,8 @@ import dataclasses
 import importlib
 import os
 import re
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -28,6 +30,8 @@ import torch
 ARTIFACTS_ENV = "POLYACCEL_NEURON_ARTIFACTS"
 PRESERVE_ENV = "TORCH_NEURONX_PRESERVE_COMPILATION_ARTIFACTS"
 DEBUG_DIR_ENV = "TORCH_NEURONX_DEBUG_DIR"
+MARKER = ".polyaccel-neuron-graph"
+"""File in every graph directory compile_graph wrote; only such directories (or empty ones) are replaced."""
 TORCH_NEURONX_HINT = ("TorchNeuron: pip install torch-neuronx neuronx-cc "
                       "--extra-index-url https://pip.repos.neuron.amazonaws.com (on a Trainium instance)")
 
@@ -84,7 +88,7 @@ def collect_neffs(root: Path | None = None) -> dict[str, list[Path]]:
     root = Path(root) if root is not None else artifacts_root()
     if not root.is_dir():
         return {}
-    out = {d.name: find_neffs(d) for d in sorted(root.iterdir()) if d.is_dir()}
+    out = {d.name: find_neffs(d) for d in sorted(root.iterdir()) if d.is_dir() and not d.name.startswith(".")}
     return {k: v for k, v in out.items() if v}
 
 
@@ -106,9 +110,26 @@ def compile_graph(fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor]
     """Compile ``fn`` for exactly the shapes of ``example_inputs`` with TorchNeuron and keep
     the NEFFs under ``root/<name>`` (see the module docstring)."""
     require_torch_neuronx()
-    out_dir = (Path(root) if root is not None else artifacts_root()) / graph_dir_name(name)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    compiled = torch.compile(fn, backend="neuron", fullgraph=True, dynamic=False)
-    with neuron_compile_env(out_dir), torch.no_grad():
-        compiled(*example_inputs)  # compile now, at this bucket's shapes
+    root = Path(root) if root is not None else artifacts_root()
+    out_dir = root / graph_dir_name(name)
+    if out_dir.exists() and not (out_dir / MARKER).exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and was not written by compile_graph; move it away "
+                              f"or point {ARTIFACTS_ENV} elsewhere")
+    root.mkdir(parents=True, exist_ok=True)
+    # compile into a fresh hidden directory and swap it in only when the compile finished: a
+    # failed or killed compile never leaves a partial NEFF, nor stale ones from an earlier compile,
+    # where collect_neffs looks
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=root))
+    try:
+        compiled = torch.compile(fn, backend="neuron", fullgraph=True, dynamic=False)
+        with neuron_compile_env(tmp), torch.no_grad():
+            compiled(*example_inputs)  # compile now, at this bucket's shapes
+        (tmp / MARKER).write_text(name + "\n")
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=root))
+            os.replace(out_dir, old / "graph")
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return CompiledGraph(name, compiled, out_dir, find_neffs(out_dir))

@@ -171,6 +171,9 @@ def load(path: str | None = None) -> Libnrt:
     from polyaccel.neuron.plugin import INSTALL_HINT, find_libnrt
 
     path = path or find_libnrt()
+    if path is None and os.environ.get("NEURON_RT_LIB"):
+        raise OSError(f"NEURON_RT_LIB={os.environ['NEURON_RT_LIB']} does not exist: point it at "
+                      f"libnrt.so.1 or unset it")
     if path is None:
         raise OSError(f"libnrt.so.1 (the Neuron runtime) was not found; install {INSTALL_HINT} "
                       f"or point NEURON_RT_LIB at it")

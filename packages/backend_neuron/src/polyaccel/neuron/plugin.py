@@ -23,10 +23,11 @@ LIBNRT_PATHS = ("/opt/aws/neuron/lib/libnrt.so.1",)
 
 
 def find_libnrt() -> str | None:
-    """Path of libnrt.so.1 if present (NEURON_RT_LIB overrides), else None."""
+    """Path of libnrt.so.1 if present (NEURON_RT_LIB overrides), else None. A NEURON_RT_LIB
+    naming no file is None, not some other libnrt found elsewhere."""
     env = os.environ.get("NEURON_RT_LIB")
-    if env and os.path.exists(env):
-        return env
+    if env:
+        return env if os.path.exists(env) else None
     for p in LIBNRT_PATHS:
         if os.path.exists(p):
             return p
@@ -60,7 +61,9 @@ class NeuronBackend(Backend):
         if importlib.util.find_spec("torch_neuronx") is None:
             return Availability.no("torch-neuronx (TorchNeuron) is not installed", INSTALL_HINT)
         if find_libnrt() is None:
-            return Availability.no("libnrt.so.1 (Neuron runtime) not found", INSTALL_HINT)
+            env = os.environ.get("NEURON_RT_LIB")
+            return Availability.no(f"NEURON_RT_LIB={env} does not exist" if env else
+                                   "libnrt.so.1 (Neuron runtime) not found", INSTALL_HINT)
         if not any(os.path.exists(f"/dev/neuron{i}") for i in range(16)):
             return Availability.no("no Neuron device (/dev/neuron*) on this machine", INSTALL_HINT)
         return Availability.yes("Neuron SDK and devices found")

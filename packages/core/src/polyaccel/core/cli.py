@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 
@@ -79,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("doctor", help="check the installation: versions, entry points, backends")
     s.set_defaults(fn=_doctor)
     args = p.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except BrokenPipeError:  # `polyaccel kernels | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor one at exit's flush
+        return 1
 
 
 if __name__ == "__main__":
