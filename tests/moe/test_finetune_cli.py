@@ -134,6 +134,16 @@ def test_a_model_whose_weights_cannot_fit_is_refused_before_it_is_built(capsys, 
     assert not built and not (tmp_path / "out").exists()
 
 
+@pytest.mark.skipif(not Path("/proc/meminfo").is_file(), reason="Linux only")
+def test_host_memory_counts_what_the_kernel_can_reclaim():
+    """MemAvailable (page cache included), not MemFree: a machine whose RAM is mostly cache
+    must not refuse a model that fits."""
+    from polyaccel.moe.train import available_memory
+
+    info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()}
+    assert available_memory(torch.device("cpu")) == pytest.approx(info["MemAvailable"], rel=0.1)
+
+
 def test_unreadable_model_config_and_data_are_config_errors(capsys, tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model/config.json").write_text("{not json")

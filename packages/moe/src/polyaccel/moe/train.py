@@ -258,15 +258,23 @@ def build_model(cfg: ModelConfig, model_config: Any, *, dtype: torch.dtype, devi
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Bytes free on ``device`` (a GPU's free memory, or the host's available RAM), or None."""
+    """Bytes free on ``device`` (a GPU's free memory, or the host's available RAM: Linux's
+    ``MemAvailable``, which counts reclaimable page cache), or None when unknown."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu" and hasattr(os, "sysconf"):
-        try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError):
-            return None
-    return None
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _check_weights_fit(cls: Any, model_config: Any, kwargs: dict[str, Any], device: torch.device) -> None:
