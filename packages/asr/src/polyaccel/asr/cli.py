@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from polyaccel.core.argtypes import integer, number
 
 EXAMPLES = """\
 examples:
@@ -54,28 +55,6 @@ class UsageError(Exception):
     """A mistake in how the command was called (exit status 2)."""
 
 
-def _positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
 def _output_name(text: str) -> str:
     """An argparse type: a non-empty output file name that is not named like audio."""
     from polyaccel.asr.audio import AUDIO_EXTENSIONS
@@ -98,9 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model directory (Hugging Face or CTranslate2) or known name "
                              "(whisper-tiny.en, whisper-base; default: %(default)s)")
         sp.add_argument("--backend", default="auto", help="auto, cpu, cuda or neuron (default: %(default)s)")
-        sp.add_argument("--replicas", type=_positive_int, default=None,
+        sp.add_argument("--replicas", type=integer(1), default=None,
                         help="model replicas (default: the backend's: one on the CPU, two per GPU)")
-        sp.add_argument("--batch-size", type=_positive_int, default=8, help="items per replica batch (default: %(default)s)")
+        sp.add_argument("--batch-size", type=integer(1), default=8, help="items per replica batch (default: %(default)s)")
         sp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="model dtype (default: the backend's)")
         sp.add_argument("--batch-invariant", action="store_true",
@@ -121,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true",
                    help="start the results file afresh instead of resuming (replaced when the first result "
                         "arrives)")
-    t.add_argument("--overlap", type=_seconds, default=3.0, help="seconds of overlap between long-audio windows")
+    t.add_argument("--overlap", type=number(0), default=3.0, help="seconds of overlap between long-audio windows")
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     t.add_argument("--timestamps", action=argparse.BooleanOptionalAction, default=False,
                    help="decode with Whisper's timestamp tokens: each line gets \"segments\" "
@@ -130,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--address", default=None,
                    help="Ray cluster address (default: RAY_ADDRESS, the job's cluster under `ray job submit`, "
                         "else, or with 'local', a private in-process cluster on loopback)")
-    t.add_argument("--num-actors", type=_positive_int, default=None, help="Ray actors (default: one per device/node)")
+    t.add_argument("--num-actors", type=integer(1), default=None, help="Ray actors (default: one per device/node)")
 
     w = sub.add_parser("wer", help="word error rate of a results file against references")
     w.add_argument("--refs", required=True, help="JSONL {path|id, text} or Sphinx transcription file")
@@ -141,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("inputs", nargs="+", metavar="INPUT", help="audio files, directories or manifests")
     model_args(b)
     b.add_argument("--batch-sizes", default="1,4,8", help="comma-separated (default: %(default)s)")
-    b.add_argument("--repeat", type=_positive_int, default=1, help="use the inputs this many times (fills large batches)")
+    b.add_argument("--repeat", type=integer(1), default=1, help="use the inputs this many times (fills large batches)")
 
     c = sub.add_parser("compile", help="compile every shape bucket ahead of time")
     model_args(c)

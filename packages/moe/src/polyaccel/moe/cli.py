@@ -6,7 +6,9 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+
+from polyaccel.core.argtypes import integer, number
 
 _EPILOG = """examples:
   polyaccel-moe presets
@@ -23,30 +25,6 @@ docs: docs/moe_finetune.md"""
 
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
-
-
-def _at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum``."""
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {n}")
-        return n
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < x < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return x
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -121,10 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override one config key, e.g. --set train.lr=2e-5 (repeatable)")
     f.add_argument("--ray", action="store_true", help="run on Ray Train workers")
-    f.add_argument("--workers", type=_at_least(1), default=1, help="Ray Train workers (one GPU each when GPUs exist)")
+    f.add_argument("--workers", type=integer(1), default=1, help="Ray Train workers (one GPU each when GPUs exist)")
     f.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
     f.add_argument("--storage-path", help="Ray Train run storage (shared storage on several nodes)")
-    f.add_argument("--peak-tflops", type=_positive_float, help="peak bf16 TFLOP/s per device for MFU (default: datasheet)")
+    f.add_argument("--peak-tflops", type=number(0, strict=True), help="peak bf16 TFLOP/s per device for MFU (default: datasheet)")
     f.set_defaults(fn=_finetune)
 
     b = sub.add_parser("bench", help="measure tokens/s, MFU and peak memory of a preset or config",
@@ -132,9 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--preset", help="preset name (polyaccel-moe presets)")
     b.add_argument("--config", help="YAML config instead of / on top of the preset")
     b.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one config key")
-    b.add_argument("--steps", type=_at_least(1), default=10, help="measured optimizer steps")
-    b.add_argument("--warmup", type=_at_least(0), default=3, help="steps run before measuring")
-    b.add_argument("--peak-tflops", type=_positive_float, help="peak bf16 TFLOP/s per device for MFU")
+    b.add_argument("--steps", type=integer(1), default=10, help="measured optimizer steps")
+    b.add_argument("--warmup", type=integer(0), default=3, help="steps run before measuring")
+    b.add_argument("--peak-tflops", type=number(0, strict=True), help="peak bf16 TFLOP/s per device for MFU")
     b.set_defaults(fn=_bench)
 
     pr = sub.add_parser("presets", help="list the named presets")
