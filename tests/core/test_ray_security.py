@@ -150,6 +150,16 @@ def test_connect_to_local_starts_a_private_loopback_cluster(how: str, fresh_toke
     assert applied["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
 
 
+def test_a_job_starts_its_own_cluster_only_without_an_address_or_with_local(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert ray_local.starts_private_cluster(None) and ray_local.starts_private_cluster("local")
+    assert not ray_local.starts_private_cluster("10.0.0.5:6379")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # under `ray job submit`
+    assert not ray_local.starts_private_cluster(None) and ray_local.starts_private_cluster("local")
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert ray_local.starts_private_cluster(None) and not ray_local.starts_private_cluster("10.0.0.5:6379")
+
+
 def test_connect_never_starts_a_cluster_of_its_own(fresh_token: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No address at all: join what "auto" finds (or fail), never ray.init(None)'s new cluster."""
     fake, applied = _FakeRay(), []

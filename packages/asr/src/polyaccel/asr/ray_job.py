@@ -155,16 +155,13 @@ def transcribe_with_ray(items: Sequence[InputItem], opts: RayJobOptions) -> Iter
     ray = import_ray()
     started_here = False
     if not ray.is_initialized():
-        from polyaccel.core.ray_local import connect, init_local
+        from polyaccel.core.ray_local import connect, init_local, starts_private_cluster
 
-        address = opts.address or os.environ.get("RAY_ADDRESS")  # RAY_ADDRESS: e.g. under `ray job submit`
-        if address and address != "local":
-            connect(opts.address, logging_level="WARNING")
-        else:
-            # Always a fresh private cluster (loopback, token auth), never one that happens to
-            # be running on this machine already; stopped when the job ends.
+        if starts_private_cluster(opts.address):  # stopped when the job ends
             init_local(opts.local_num_cpus or os.cpu_count(), log_to_driver=False)
             started_here = True
+        else:
+            connect(opts.address, logging_level="WARNING")
     ctx = ray.data.DataContext.get_current()
     saved = ctx.execution_options.preserve_order, ctx.enable_progress_bars
     try:

@@ -137,6 +137,14 @@ def is_loopback_address(address: str | None) -> bool:
     return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
+def starts_private_cluster(address: str | None) -> bool:
+    """Whether a job given ``address`` should start its own cluster (:func:`init_local`) rather
+    than :func:`connect`: no address and no ``RAY_ADDRESS`` (which ``ray job submit`` sets), or
+    ``"local"``. Never one that happens to be running on this machine already."""
+    target = address or os.environ.get("RAY_ADDRESS")
+    return not target or target == "local"
+
+
 def connect(address: str | None = None, **kwargs: Any) -> Any:
     """Join an existing cluster (``address``, or ``RAY_ADDRESS``) with our token; return ``ray``.
     A cluster on loopback is joined from loopback (Ray would otherwise look for this node

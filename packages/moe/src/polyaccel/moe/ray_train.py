@@ -10,7 +10,6 @@ cluster through ``RAY_ADDRESS``; run directly it starts a local one.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -78,9 +77,9 @@ def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = Non
     if max_failures < 0:
         raise ValueError(f"max_failures must be >= 0 (bounded), got {max_failures}")
     if not ray.is_initialized():
-        from polyaccel.core.ray_local import connect, init_local
+        from polyaccel.core.ray_local import connect, init_local, starts_private_cluster
 
-        if address == "local" or (address is None and not os.environ.get("RAY_ADDRESS")):
+        if starts_private_cluster(address):
             init_local()  # a private cluster: loopback only, token auth
         else:
             connect(address)
