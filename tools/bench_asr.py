@@ -531,11 +531,12 @@ def e2e_ours(args, corpus: Path, batch: int) -> dict:
     clock = StageClock()
     restore = instrument(clock)
     fp8 = "f8" if args.e2e_fp8 else ""
-    out = Path(args.e2e_out) / f"ours_b{batch}{f'x{args.e2e_replicas}' if args.e2e_replicas else ''}{fp8}.jsonl"
+    label = f"b{batch}" if batch else "default"
+    out = Path(args.e2e_out) / f"ours_{label}{f'x{args.e2e_replicas}' if args.e2e_replicas else ''}{fp8}.jsonl"
     argv = ["transcribe", *paths, "-o", str(out), "--model", args.e2e_model, "--backend", args.backend,
-            "--batch-size", str(batch), "--overwrite", "-q"]
-    if args.device == "cuda":
-        argv += ["--dtype", args.e2e_dtype]
+            "--overwrite", "-q"]
+    if batch:  # batch 0: the CLI's own defaults (batch size and dtype)
+        argv += ["--batch-size", str(batch)] + (["--dtype", args.e2e_dtype] if args.device == "cuda" else [])
     if args.e2e_replicas:
         argv += ["--replicas", str(args.e2e_replicas)]
     if args.e2e_fp8:
@@ -553,7 +554,8 @@ def e2e_ours(args, corpus: Path, batch: int) -> dict:
     last = max((b for _, b in clock.batches), default=t0)
     texts = {Path(r["path"]).stem: r["text"] for r in ok}
     audio_s = sum(durations[Path(r["path"]).stem] for r in ok)
-    return {"system": "polyaccel_e2e" + ("_fp8" if args.e2e_fp8 else ""), "model": args.e2e_model, "batch": batch,
+    return {"system": "polyaccel_e2e" + ("_fp8" if args.e2e_fp8 else ""), "model": args.e2e_model,
+            "batch": batch or "default",
             "replicas": args.e2e_replicas,
             "rc": rc, "files": len(recs),
             "failed": len(recs) - len(ok), "audio_s": round(audio_s, 1), "wall_s": round(wall, 3),
@@ -651,6 +653,7 @@ def section_e2e(args) -> None:
     for entry in args.e2e_batches.split(",") if "ours" in systems else []:
         entry, fp8 = (entry[:-2], True) if entry.endswith("f8") else (entry, False)
         b, _, r = entry.partition("x")
+        b = "0" if b == "default" else b
         rows.append(("ours", ["--e2e-batch", b] + (["--e2e-replicas", r] if r else []) + (["--e2e-fp8"] if fp8 else [])))
     rows += [("hf", ["--e2e-batch", b]) for b in args.e2e_hf_batches.split(",") if "hf" in systems]
     base = [sys.executable, os.path.abspath(__file__), "--backend", args.backend, "--dtype", args.dtype,
@@ -720,7 +723,8 @@ def main(argv=None) -> int:
     e2e.add_argument("--e2e-model", default="whisper-base", help="model name or directory (ours and the pipeline)")
     e2e.add_argument("--e2e-systems", default="prep,ours,hf")
     e2e.add_argument("--e2e-batches", default="32,64,128",
-                     help="our rows: B, BxR (R replicas); an f8 suffix adds --fp8-encoder (e.g. 128f8)")
+                     help="our rows: B, BxR (R replicas), or default (the CLI with no --batch-size "
+                          "nor --dtype); an f8 suffix adds --fp8-encoder (e.g. 128f8)")
     e2e.add_argument("--e2e-hf-batches", default="16,64")
     e2e.add_argument("--e2e-dtype", default="float16", help="dtype on cuda (cpu always runs float32)")
     e2e.add_argument("--e2e-replicas", type=int, default=None, help="our replicas (default: the CLI's)")

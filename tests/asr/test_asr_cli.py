@@ -27,14 +27,14 @@ FAKE = textwrap.dedent("""
     import time
     from polyaccel.asr.transcriber import Transcriber
 
-    def fake_from_pretrained(path_or_name="fake", *, batch_size=8, replicas=None, delay=0.0, **kw):
+    def fake_from_pretrained(path_or_name="fake", *, batch_size=None, replicas=None, delay=0.0, **kw):
         def factory(i):
             def recognize(batch):
                 time.sleep(delay)
                 return [f"{len(a)} samples" for a in batch]
             return recognize
         return Transcriber(factory, sample_rate=16000, max_audio_seconds=30.0, replicas=replicas or 1,
-                           batch_size=batch_size, model_name=str(path_or_name))
+                           batch_size=batch_size or 8, model_name=str(path_or_name))
 """)
 
 

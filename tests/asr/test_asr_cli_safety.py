@@ -34,7 +34,7 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         if name == "typo":
             raise KeyError("unknown model 'typo'; known: whisper-tiny.en, whisper-base")
         return Transcriber(lambda i: (lambda batch: [f"{len(a)} samples" for a in batch]), sample_rate=SR,
-                           max_audio_seconds=30.0, replicas=replicas or 1, batch_size=batch_size,
+                           max_audio_seconds=30.0, replicas=replicas or 1, batch_size=batch_size or 8,
                            model_name=name)
 
     monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(fake_from_pretrained))
@@ -313,12 +313,12 @@ def test_two_processes_on_one_output(tmp_path: Path) -> None:
         from polyaccel.asr import cli
         from polyaccel.asr.transcriber import Transcriber
 
-        def slow(name="fake", *, batch_size=8, replicas=None, **kw):
+        def slow(name="fake", *, batch_size=None, replicas=None, **kw):
             def recognize(batch):
                 time.sleep(0.5)
                 return ["x" for _ in batch]
             return Transcriber(lambda i: recognize, sample_rate=16000, max_audio_seconds=30.0, replicas=1,
-                               batch_size=batch_size, model_name=name)
+                               batch_size=batch_size or 8, model_name=name)
         Transcriber.from_pretrained = staticmethod(slow)
         sys.exit(cli.main(["transcribe", {str(folder)!r}, "-o", {str(out)!r}, "-q", "--batch-size", "1"]))
     """))

@@ -204,9 +204,9 @@ def test_model_provenance_of_each_spelling_is_one_name_and_hash(cache: Path, off
 
 
 def _fake_transcriber(name: str, sha: str | None):
-    def from_pretrained(path_or_name="fake", *, batch_size=8, replicas=None, **kw):
+    def from_pretrained(path_or_name="fake", *, batch_size=None, replicas=None, **kw):
         tr = Transcriber(lambda i: (lambda batch: [f"{len(a)} samples" for a in batch]), sample_rate=16000,
-                         replicas=1, batch_size=batch_size, model_name=name)
+                         replicas=1, batch_size=batch_size or 8, model_name=name)
         tr.weights_sha256 = sha
         return tr
     return staticmethod(from_pretrained)

@@ -344,9 +344,9 @@ def test_a_failed_later_window_fails_the_whole_file() -> None:
 @pytest.fixture
 def fake_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """``transcribe`` with a recognizer that says how many samples it got (no model load)."""
-    def from_pretrained(path_or_name="fake", *, batch_size=8, replicas=None, **kw):
+    def from_pretrained(path_or_name="fake", *, batch_size=None, replicas=None, **kw):
         return Transcriber(lambda i: lambda batch: [f"{len(a)} samples" for a in batch], sample_rate=SR,
-                           max_audio_seconds=30.0, replicas=replicas or 1, batch_size=batch_size,
+                           max_audio_seconds=30.0, replicas=replicas or 1, batch_size=batch_size or 8,
                            model_name=str(path_or_name))
 
     monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(from_pretrained))

@@ -261,22 +261,25 @@ def test_real_weights_on_cuda_replicas_match_cpu(one_thread: None) -> None:
     assert wer([r.text for r in cpu] * 4, [r.text for r in gpu]) <= 0.02
 
 
-def test_default_replicas_come_from_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_replicas_and_batch_size_come_from_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """No ``replicas``: the backend's ``default_replicas()`` (device count x replicas per device;
-    CUDA puts two on each GPU)."""
+    CUDA puts two on each GPU); no ``batch_size``: its ``default_batch_size`` (64 on a GPU)."""
     from polyaccel.core import select_backend
     from polyaccel.cuda.plugin import CudaBackend
 
-    assert CudaBackend.replicas_per_device == 2
+    assert CudaBackend.replicas_per_device == 2 and CudaBackend.default_batch_size == 64
     cpu = type(select_backend("cpu"))
-    assert cpu().default_replicas() == 1
+    assert cpu().default_replicas() == 1 and cpu.default_batch_size == 8
     monkeypatch.setattr(cpu, "replicas_per_device", 3)
+    monkeypatch.setattr(cpu, "default_batch_size", 5)
     try:
-        tr = Transcriber.from_pretrained("whisper-tiny.en", backend="cpu", batch_size=2)
+        tr = Transcriber.from_pretrained("whisper-tiny.en", backend="cpu")
     except (ImportError, FileNotFoundError, weights.ModelNotInstalled) as e:
         pytest.skip(f"whisper-tiny.en not available: {e}")
     with tr:
-        assert tr.replicas == 3
+        assert tr.replicas == 3 and tr.batch_size == 5
+    with Transcriber.from_pretrained("whisper-tiny.en", backend="cpu", batch_size=2) as tr:
+        assert tr.batch_size == 2
 
 
 @pytest.mark.parametrize("kw", [{"replicas": 0}, {"replicas": -2}, {"batch_size": 0}, {"batch_size": -1},

@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--backend", default="auto", help="auto, cpu, cuda or neuron (default: %(default)s)")
         sp.add_argument("--replicas", type=integer(1), default=None,
                         help="model replicas (default: the backend's: one on the CPU, two per GPU)")
-        sp.add_argument("--batch-size", type=integer(1), default=8, help="items per replica batch (default: %(default)s)")
+        sp.add_argument("--batch-size", type=integer(1), default=None,
+                        help="items per replica batch (default: the backend's: 8 on the CPU, 64 on a GPU)")
         sp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="model dtype (default: the backend's)")
         sp.add_argument("--batch-invariant", action="store_true",

@@ -32,7 +32,7 @@ class RayJobOptions:
     model: str = "whisper-tiny.en"
     backend: str = "auto"
     replicas: int | None = None
-    batch_size: int = 8
+    batch_size: int | None = None  # None: the backend's default_batch_size
     dtype: str | None = None
     overlap_s: float = 3.0
     address: str | None = None
@@ -167,7 +167,7 @@ def transcribe_with_ray(items: Sequence[InputItem], opts: RayJobOptions) -> Iter
     try:
         backend, resources = cluster_backend(ray, opts.backend)
         actors = opts.num_actors or _default_actors(ray, resources)
-        per_call = opts.rows_per_call or max(1, 4 * opts.batch_size * (opts.replicas or 1))
+        per_call = opts.rows_per_call or max(1, 4 * (opts.batch_size or 8) * (opts.replicas or 1))
         logging.getLogger("ray.data").setLevel(logging.WARNING)  # per-dataset INFO lines are noise here
         ctx.execution_options.preserve_order = True  # results in input order, on the driver
         ctx.enable_progress_bars = False

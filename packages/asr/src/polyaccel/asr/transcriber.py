@@ -247,7 +247,7 @@ class Transcriber:
 
     @classmethod
     def from_pretrained(cls, path_or_name: str | os.PathLike = "whisper-tiny.en", *, backend: Any = "auto",
-                        replicas: int | None = None, batch_size: int = 8, dtype: Any = None,
+                        replicas: int | None = None, batch_size: int | None = None, dtype: Any = None,
                         overlap_s: float = DEFAULT_OVERLAP_S, use_graphs: bool = True,
                         max_new_tokens: int | None = None, timestamps: bool = False,
                         fp8_encoder: bool = False, batch_invariant: bool = False,
@@ -255,7 +255,8 @@ class Transcriber:
         """Load a model (a directory, or a known name such as ``"whisper-tiny.en"``) and build
         ``replicas`` runners on ``backend`` (``"auto"``, ``"cpu"``, ``"cuda"``, ``"neuron"``).
 
-        ``replicas`` defaults to the backend's ``default_replicas()`` (1 on CPU, 2 per GPU). Replicas on one device
+        ``replicas`` defaults to the backend's ``default_replicas()`` (1 on CPU, 2 per GPU) and
+        ``batch_size`` to its ``default_batch_size`` (8 on CPU, 64 on a GPU). Replicas on one device
         share the weights; each owns its runner, graphs and caches. ``dtype`` defaults to the
         backend's. Extra keyword arguments go to the runner (e.g. ``batch_buckets``).
         ``timestamps``: decode with Whisper's timestamp tokens; each result gets ``segments``.
@@ -272,10 +273,11 @@ class Transcriber:
                              "batch-invariant kernels")
         if replicas is not None and not (isinstance(replicas, int) and replicas >= 1):
             raise ValueError(f"replicas must be an integer >= 1 (None: the backend's default), got {replicas!r}")
-        if not (isinstance(batch_size, int) and batch_size >= 1):
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if batch_size is not None and not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"batch_size must be an integer >= 1 (None: the backend's default), got {batch_size!r}")
         _check_overlap(overlap_s)
         be = select_backend(backend)
+        batch_size = batch_size or be.default_batch_size
         n = replicas or be.default_replicas()
         dtype = dtype or be.default_dtype()
         resolved = _resolve_model(path_or_name)  # offline: installed packages, directories, HF cache

@@ -26,6 +26,7 @@ class CudaBackend(Backend):
     # while the other's kernels do; whisper-base end to end on an H200 went from 67% to 84%
     # GPU busy and 5,004 to 6,449 steady RTFx (docs/benchmarks.md).
     replicas_per_device = 2
+    default_batch_size = 64  # whisper-base end to end, 2 replicas: 64 beat 128 and 32 in files/s (docs/benchmarks.md)
 
     def availability(self) -> Availability:
         if torch.version.cuda is None:

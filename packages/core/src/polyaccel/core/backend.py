@@ -53,6 +53,9 @@ class Backend:
     visible_devices_env: str | None = None
     replicas_per_device: int = 1
     """Replicas a serving pool puts on each device by default (see :meth:`default_replicas`)."""
+    default_batch_size: int = 8
+    """Items a replica batches when the user names no batch size (a GPU wants larger batches
+    than a CPU core to keep busy)."""
 
     # ---- facts -----------------------------------------------------------------
     def availability(self) -> Availability:
