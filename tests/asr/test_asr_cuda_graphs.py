@@ -56,3 +56,50 @@ def test_cuda_graph_tokens_equal_eager(make, dtype):
     # a second pass over the same graphs (state reused in place) is still exact
     again = ASRRunner(model, backend="cuda", batch_buckets=(2,), max_new_tokens=20, use_graphs=False)
     assert [h.tokens for h in graphs.recognize(audio[:2])] == [h.tokens for h in again.recognize(audio[:2])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_replicas_capturing_while_the_other_runs(dtype, caplog):
+    """Two runners sharing one model on two threads, as the Transcriber's replicas do: each
+    captures its batch buckets lazily while the other decodes. No capture may fail (on an
+    H200, fp32 replicas lost 16 of 20 files to invalidated captures before the capture gate)
+    and every replica's tokens equal one eager runner's."""
+    import logging
+    import threading
+
+    from polyaccel.asr.runner import ASRRunner
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = _whisper(dtype)
+    rng = np.random.default_rng(int(torch.seed() % 2**31))
+    audio = [(0.3 * rng.standard_normal(int(16000 * s))).astype(np.float32) for s in rng.uniform(1, 29, 24)]
+    sizes = [1, 3, 8, 2, 5, 4, 1]  # each new size is a new bucket: captures all along the run
+
+    def run(use_graphs: bool) -> list:
+        runner = ASRRunner(model, backend="cuda", batch_buckets=(1, 2, 4, 8), max_new_tokens=12,
+                           use_graphs=use_graphs)
+        got, start = [], 0
+        for k in sizes * 2:
+            got.append([h.tokens for h in runner.recognize([audio[(start + j) % len(audio)] for j in range(k)])])
+            start += k
+        return got
+
+    want = run(use_graphs=False)  # the same batches in the same buckets, eagerly, alone
+    results, errors = {}, []
+
+    def replica(i: int) -> None:
+        try:
+            results[i] = run(use_graphs=True)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    with caplog.at_level(logging.WARNING, logger="polyaccel.asr.runner"):
+        threads = [threading.Thread(target=replica, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert not errors, errors
+    assert not [r for r in caplog.records if "capture failed" in r.getMessage()]
+    assert len(results) == 2 and all(got == want for got in results.values())

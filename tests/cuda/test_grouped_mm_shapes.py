@@ -34,7 +34,7 @@ def _case(T: int, K: int, N: int, E: int, seed: int, device: str = "cpu"):
 def _values_and_grads(fn, x, w, offsets):
     x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
     y = fn(x, w, offsets)
-    (y.float() * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+    (y.float() * torch.linspace(-1, 1, y.numel(), device=y.device).reshape(y.shape)).sum().backward()
     return y.float(), x.grad.float(), w.grad.float()
 
 

@@ -185,6 +185,9 @@ def test_lora_on_random_shapes_on_cuda_compiled(case: tuple[str, int], tmp_path)
     mine = dict(ours.named_parameters())
     for name, p in ref.named_parameters():
         if p.requires_grad:
-            g = mine[name].grad.float().cpu().flatten()
-            cos = torch.nn.functional.cosine_similarity(g, p.grad.flatten(), dim=0)
+            g, want_g = mine[name].grad.float().cpu().flatten(), p.grad.flatten()
+            if want_g.norm() < 1e-6:  # e.g. the router of one expert: its weight is always 1
+                assert g.norm() < 1e-3, name
+                continue
+            cos = torch.nn.functional.cosine_similarity(g, want_g, dim=0)
             assert cos > 0.98, (name, cos.item())

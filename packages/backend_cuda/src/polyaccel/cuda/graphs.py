@@ -6,20 +6,94 @@ as a decoder KV cache is shared between the caller and the graph. Other inputs a
 into those buffers before each replay. Outputs are the graph's static output tensors and
 are overwritten by the next replay: consume or clone them first.
 
-Replicas capture from their own threads: captures are serialized by a process-wide lock and
-use ``thread_local`` capture mode, so another replica's work on its own stream never
-invalidates a capture in progress.
+Replicas capture from their own threads. Another thread's CUDA calls during a capture can
+invalidate it (a library call that synchronizes the device: two Whisper replicas in fp32 lost
+16 of 20 files that way on an H200), so :data:`GATE` makes a capture exclusive: it waits until
+every replica is out of its GPU section (:meth:`CaptureGate.work`, entered by the backend's
+``replica_stream``), and replicas wait while a capture runs or is waiting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-_CAPTURE_LOCK = threading.Lock()
+
+class CaptureGate:
+    """Replicas' GPU work (shared) against graph captures (exclusive), in one process.
+
+    :meth:`work` sections nest; a capture waits for every section to end, and new sections
+    wait while a capture runs or waits (a stream of short sections cannot starve it). A thread
+    that captures from inside its own section steps out of it for the capture and back in
+    after, so lazy captures in the middle of a replica's work never deadlock.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0  # threads inside a section
+        self._capturing = False
+        self._waiting = 0  # captures waiting for the sections to end
+        self._local = threading.local()
+
+    def _depth(self) -> int:
+        return getattr(self._local, "depth", 0)
+
+    @contextlib.contextmanager
+    def work(self) -> Iterator[None]:
+        """A replica's GPU section: no capture runs while any thread is inside one."""
+        depth = self._depth()
+        if depth == 0:
+            with self._cond:
+                while self._capturing or self._waiting:
+                    self._cond.wait()
+                self._active += 1
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+            if depth == 0:
+                with self._cond:
+                    self._active -= 1
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Exclusive: no other capture and no thread inside a section meanwhile."""
+        inside = self._depth() > 0
+        with self._cond:
+            if inside:
+                self._active -= 1
+                self._cond.notify_all()
+            self._waiting += 1
+            while self._capturing or self._active:
+                self._cond.wait()
+            self._waiting -= 1
+            self._capturing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._capturing = False
+                if inside:
+                    self._active += 1
+                self._cond.notify_all()
+
+
+GATE = CaptureGate()
+"""The process's gate: CUDA graph captures against replicas' GPU sections."""
+
+
+def replica_section(stream: torch.cuda.Stream) -> contextlib.AbstractContextManager:
+    """A replica's work on its own ``stream``, inside a :data:`GATE` section."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(GATE.work())
+    stack.enter_context(torch.cuda.stream(stream))
+    return stack
 
 
 class CudaGraphRunner:
@@ -29,7 +103,7 @@ class CudaGraphRunner:
                  name: str = "graph", warmup: int = 2, pool: Any = None) -> None:
         self.name = name
         self.static_inputs = list(example_inputs)
-        with _CAPTURE_LOCK:
+        with GATE.capture():
             stream = torch.cuda.Stream(device=self.static_inputs[0].device)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm up outside the capture (allocator, cuBLAS handles)

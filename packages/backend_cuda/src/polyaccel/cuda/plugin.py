@@ -46,8 +46,10 @@ class CudaBackend(Backend):
         torch.cuda.synchronize(device)
 
     def replica_stream(self, device: torch.device):
+        from polyaccel.cuda.graphs import replica_section
+
         stream = torch.cuda.Stream(device=device)
-        return lambda: torch.cuda.stream(stream)
+        return lambda: replica_section(stream)
 
     def compile_graph(self, fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor], *,
                       name: str = "graph") -> Callable[..., Any]:
