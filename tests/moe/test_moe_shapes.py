@@ -117,10 +117,9 @@ def test_random_shapes_on_cuda_in_bf16(case: tuple[str, int], tmp_path) -> None:
 LORA_CASES = [(arch, seed) for arch in ("qwen3_moe", "mixtral", "olmoe") for seed in range(2)]
 
 
-@pytest.mark.parametrize("case", LORA_CASES, ids=[f"{a}-seed{s}" for a, s in LORA_CASES])
-def test_lora_on_random_shapes_matches_peft(case: tuple[str, int], tmp_path) -> None:
-    """Expert LoRA inside our grouped path at ranks 1-8 (including ranks whose widths are not
-    16-byte multiples) against PEFT on plain Transformers, which forms ``W + B·A``."""
+def _lora_pair(case: tuple[str, int], tmp_path, dtype: torch.dtype, backend: BackendConfig):
+    """PEFT on Transformers (fp32) and PEFT on our model (``dtype``, ``backend``), with the same
+    random adapters (B not zero: every path contributes), and a batch of ids."""
     peft = pytest.importorskip("peft")
     import copy
 
@@ -133,13 +132,21 @@ def test_lora_on_random_shapes_matches_peft(case: tuple[str, int], tmp_path) -> 
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(tiny(arch, **fields), experts_implementation="eager").float()
     hf.save_pretrained(tmp_path)
-    ours = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, backend=BackendConfig(backend="cpu"))
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype, backend=backend)
     config = settings.peft_config()
-    config.init_lora_weights = False  # B is not zero: every path contributes
+    config.init_lora_weights = False
     ref = peft.get_peft_model(hf, copy.deepcopy(config))
     ours = peft.get_peft_model(ours, copy.deepcopy(config))
-    ours.load_state_dict(ref.state_dict())
+    ours.load_state_dict({k: v.to(dtype) for k, v in ref.state_dict().items()})
     ids = torch.randint(3, fields["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(seed))
+    return ref, ours, ids
+
+
+@pytest.mark.parametrize("case", LORA_CASES, ids=[f"{a}-seed{s}" for a, s in LORA_CASES])
+def test_lora_on_random_shapes_matches_peft(case: tuple[str, int], tmp_path) -> None:
+    """Expert LoRA inside our grouped path at ranks 1-8 (including ranks whose widths are not
+    16-byte multiples) against PEFT on plain Transformers, which forms ``W + B·A``."""
+    ref, ours, ids = _lora_pair(case, tmp_path, torch.float32, BackendConfig(backend="cpu"))
     want, got = ref(input_ids=ids, labels=ids).loss, ours(input_ids=ids, labels=ids).loss
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     want.backward()
@@ -158,26 +165,8 @@ def test_lora_on_random_shapes_on_cuda_compiled(case: tuple[str, int], tmp_path)
     widths are padded to 16 bytes, traced by inductor) against PEFT on Transformers in fp32."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    peft = pytest.importorskip("peft")
-    import copy
-
-    from polyaccel.moe.lora import LoraSettings
-
-    arch, seed = case
-    rng = random.Random(f"lora-{arch}-{seed}")
-    fields = _draw(arch, rng)
-    settings = LoraSettings(r=rng.choice([1, 3, 4, 8]), alpha=rng.choice([1.0, 6.0, 16.0]), router=True)
-    torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(tiny(arch, **fields), experts_implementation="eager").float()
-    hf.save_pretrained(tmp_path)
-    ours = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
-                                                backend=BackendConfig(backend="cuda", compile=True)).cuda()
-    config = settings.peft_config()
-    config.init_lora_weights = False
-    ref = peft.get_peft_model(hf, copy.deepcopy(config))
-    ours = peft.get_peft_model(ours, copy.deepcopy(config))
-    ours.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()})
-    ids = torch.randint(3, fields["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(seed))
+    ref, ours, ids = _lora_pair(case, tmp_path, torch.bfloat16, BackendConfig(backend="cuda", compile=True))
+    ours.cuda()
     want, got = ref(input_ids=ids, labels=ids).loss, ours(input_ids=ids.cuda(), labels=ids.cuda()).loss
     assert abs(got.item() - want.item()) < 0.02 * want.item()
     want.backward()
