@@ -34,6 +34,9 @@ DEFAULT_OVERLAP_S = 3.0
 MIN_SAMPLE_RATE = 1000
 """Lowest rate taken as audio: a header saying 1 Hz (a corrupt one) would make a 100 kB file
 hours of audio to transcribe."""
+MAX_SAMPLE_RATE = 768_000
+"""Highest rate taken as audio (the fastest audio interfaces): a header saying 100 MHz would make
+a 200 MB file "1 s" of audio, decoded whole instead of streamed (memory would grow with the file)."""
 
 
 class AudioError(ValueError):
@@ -41,10 +44,10 @@ class AudioError(ValueError):
 
 
 def _check_rate(rate: float) -> None:
-    """Refuse a sample rate below :data:`MIN_SAMPLE_RATE`."""
-    if not rate >= MIN_SAMPLE_RATE:
-        raise AudioError(f"implausible sample rate ({rate} Hz; a corrupt header?): audio needs at least "
-                         f"{MIN_SAMPLE_RATE} Hz")
+    """Refuse a sample rate outside [:data:`MIN_SAMPLE_RATE`, :data:`MAX_SAMPLE_RATE`]."""
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise AudioError(f"implausible sample rate ({rate} Hz; a corrupt header?): audio has "
+                         f"{MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE} Hz")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,8 +79,10 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000, *,
                                  channels=raw.channels, subtype=raw.subtype, endian=raw.endian,
                                  format="RAW")
         else:
+            info = sf.info(name)
+            _check_rate(info.samplerate)  # before reading: a corrupt rate must not decide the memory
             data, rate = sf.read(name, dtype="float32", always_2d=True)
-            _check_complete(path, len(data), rate, sf.info(name).frames)
+            _check_complete(path, len(data), rate, info.frames)
     return prepare_waveform(data, rate, sample_rate)
 
 
@@ -121,7 +126,7 @@ def _check_complete(path: Path, frames_read: int, rate: int, header_frames: int)
     copy). libsndfile quietly returns the part that is there, which would lose words."""
     if _ogg_cut_off(path):
         raise AudioError(f"truncated audio: the Ogg stream has no end (file holds {frames_read / rate:.2f} s)")
-    declared = _wav_declared_frames(path)
+    declared = _declared_frames(path)
     if declared is None:
         declared = header_frames
     if declared > frames_read and frames_read >= 0:
@@ -150,29 +155,107 @@ def _ogg_cut_off(path: Path) -> bool:
     return True
 
 
-def _wav_declared_frames(path: Path) -> int | None:
-    """Frames a RIFF/WAVE header declares in its data chunk (None: not a plain WAV, or a
-    streaming writer's "unknown length" marker)."""
+def _declared_frames(path: Path) -> int | None:
+    """Frames the file's header declares, for the formats whose header states its data length
+    (WAV, RF64/BW64, Wave64, AIFF, AU, NIST SPHERE): libsndfile quietly shortens a cut-off
+    file to what is there. None: another format, or a header that says "unknown length" (or
+    sizes no file system can seek to: libsndfile judges such a file)."""
     with open(path, "rb") as f:
         head = f.read(12)
-        if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        f.seek(0)
+        try:
+            if head[:4] in (b"RIFF", b"RF64", b"BW64") and head[8:12] == b"WAVE":
+                return _wav_declared_frames(f)
+            if head[:4] == b"riff" and len(head) == 12:
+                return _w64_declared_frames(f)
+            if head[:4] == b"FORM" and head[8:12] in (b"AIFF", b"AIFC"):
+                return _aiff_declared_frames(f)
+            if head[:4] == b".snd":
+                return _au_declared_frames(f)
+            if head[:7] == b"NIST_1A":
+                m = re.search(rb"\nsample_count -i (\d+)", f.read(1024))
+                return int(m[1]) if m else None
+        except (OSError, OverflowError):
             return None
-        block_align = 0
-        while True:
-            chunk = f.read(8)
-            if len(chunk) < 8:
-                return None
-            cid, size = chunk[:4], int.from_bytes(chunk[4:], "little")
+    return None
+
+
+_UNKNOWN_SIZES = (0, 0xFFFFFFFF, 0x7FFFFFFF)  # what streaming writers leave in a size field
+
+
+def _wav_declared_frames(f: Any) -> int | None:
+    """Frames a RIFF/WAVE (or RF64/BW64, sized by its ``ds64`` chunk) header declares in its
+    data chunk (None: no data chunk, or a streaming writer's "unknown length" marker)."""
+    f.seek(12)
+    block_align = ds64_size = 0
+    while True:
+        chunk = f.read(8)
+        if len(chunk) < 8:
+            return None
+        cid, size = chunk[:4], int.from_bytes(chunk[4:], "little")
+        if cid in (b"fmt ", b"ds64"):
+            body = f.read(min(size, 64))  # what is needed; a header cannot make this read large
             if cid == b"fmt ":
-                fmt = f.read(size)
-                block_align = int.from_bytes(fmt[12:14], "little") if len(fmt) >= 14 else 0
-                f.seek(size % 2, 1)
-            elif cid == b"data":
-                if not block_align or size in (0, 0xFFFFFFFF, 0x7FFFFFFF):
-                    return None
-                return size // block_align
-            else:
-                f.seek(size + size % 2, 1)
+                block_align = int.from_bytes(body[12:14], "little") if len(body) >= 14 else 0
+            elif len(body) >= 16:
+                ds64_size = int.from_bytes(body[8:16], "little")
+            f.seek(size - len(body) + size % 2, 1)
+        elif cid == b"data":
+            size = ds64_size if size == 0xFFFFFFFF and ds64_size else size
+            if not block_align or size in _UNKNOWN_SIZES:
+                return None
+            return size // block_align
+        else:
+            f.seek(size + size % 2, 1)
+
+
+def _w64_declared_frames(f: Any) -> int | None:
+    """Frames a Sony Wave64 header declares (chunks: 16-byte GUID, 64-bit size that counts the
+    24-byte chunk header, 8-byte aligned)."""
+    f.seek(40)  # riff GUID, riff size, wave GUID
+    block_align = 0
+    while True:
+        chunk = f.read(24)
+        if len(chunk) < 24:
+            return None
+        cid, size = chunk[:4], int.from_bytes(chunk[16:], "little")
+        if size < 24:
+            return None
+        if cid == b"fmt ":
+            body = f.read(min(size - 24, 64))
+            block_align = int.from_bytes(body[12:14], "little") if len(body) >= 14 else 0
+            f.seek(size - 24 - len(body) + -size % 8, 1)
+        elif cid == b"data":
+            return (size - 24) // block_align if block_align else None
+        else:
+            f.seek(size - 24 + -size % 8, 1)
+
+
+def _aiff_declared_frames(f: Any) -> int | None:
+    """Frames an AIFF/AIFC ``COMM`` chunk declares."""
+    f.seek(12)
+    while True:
+        chunk = f.read(8)
+        if len(chunk) < 8:
+            return None
+        cid, size = chunk[:4], int.from_bytes(chunk[4:], "big")
+        if cid == b"COMM":
+            body = f.read(6)
+            return int.from_bytes(body[2:6], "big") if len(body) == 6 else None
+        f.seek(size + size % 2, 1)
+
+
+_AU_SAMPLE_BYTES = {1: 1, 2: 1, 3: 2, 4: 3, 5: 4, 6: 4, 7: 8, 27: 1}  # by encoding; others: unknown
+
+
+def _au_declared_frames(f: Any) -> int | None:
+    """Frames a Sun/NeXT AU header declares (its data size, in bytes, or ~0 for unknown)."""
+    head = f.read(24)
+    if len(head) < 24:
+        return None
+    size, encoding, _, channels = (int.from_bytes(head[i:i + 4], "big") for i in (8, 12, 16, 20))
+    width = _AU_SAMPLE_BYTES.get(encoding, 0) * channels
+    return size // width if width and size not in _UNKNOWN_SIZES else None
 
 
 def _describe_decode_error(path: Path, detail: str) -> str:

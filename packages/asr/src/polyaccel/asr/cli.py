@@ -461,14 +461,12 @@ def _progress(total: int, quiet: bool) -> Any:
 
 def cmd_wer(args: argparse.Namespace) -> int:
     """Print the corpus WER of a results file against references (as one JSON line)."""
-    from polyaccel.asr.manifest import load_results, read_refs
+    from polyaccel.asr.manifest import read_refs
     from polyaccel.asr.wer import wer, wer_counts
 
     refs = _read_refs(args.refs, read_refs)
-    if not Path(args.hyps).is_file():
-        raise UsageError(f"results file not found: {args.hyps}")
     pairs, missing, failed = [], 0, 0
-    for rec in load_results(args.hyps):
+    for rec in _read_hyps(args.hyps):
         ref = refs.get(rec["path"], refs.get(Path(rec["path"]).stem))
         if ref is None:
             missing += 1
@@ -487,6 +485,21 @@ def cmd_wer(args: argparse.Namespace) -> int:
                       "substitutions": c.substitutions, "deletions": c.deletions, "insertions": c.insertions,
                       "failed": failed, "without_ref": missing}))
     return 0
+
+
+def _read_hyps(path: str) -> list[dict[str, Any]]:
+    """The records of a results file; anything else (a reference file or manifest given by
+    mistake would score itself: WER 0) is a usage error."""
+    from polyaccel.asr.results_file import NotResultsFile, scan_results
+
+    if not Path(path).is_file():
+        raise UsageError(f"results file not found: {path}")
+    try:
+        return scan_results(path).records
+    except NotResultsFile as e:
+        raise UsageError(f"--hyps {path} is not a polyaccel-asr results file ({e})") from None
+    except OSError as e:
+        raise UsageError(f"--hyps {path}: {e.strerror or e}") from None
 
 
 # ---- bench -----------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def read_manifest(path: str | os.PathLike) -> list[InputItem]:
     """Read a NeMo-style JSONL manifest: ``{"audio_filepath" | "path": str, "text"?: str}``."""
     path = Path(path)
     items = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -89,6 +89,8 @@ def read_manifest(path: str | os.PathLike) -> list[InputItem]:
             raise ValueError(f"{path}:{lineno}: no 'audio_filepath' or 'path' field")
         if not isinstance(audio, str):
             raise ValueError(f"{path}:{lineno}: the audio path must be a string, got {audio!r}")
+        if "\x00" in audio:
+            raise ValueError(f"{path}:{lineno}: the audio path {audio!r} holds a NUL character")
         text = rec.get("text")
         if text is not None and not isinstance(text, str):
             raise ValueError(f"{path}:{lineno}: 'text' must be a string, got {text!r}")
@@ -106,7 +108,7 @@ def read_refs(path: str | os.PathLike) -> dict[str, str]:
     """Reference texts keyed by path and by id (file stem): JSONL ``{"path"|"audio_filepath"|
     "id", "text"}`` lines or Sphinx ``<s> text </s> (id)`` lines (detected per line)."""
     refs: dict[str, str] = {}
-    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):

@@ -101,13 +101,14 @@ def _lines(f: Any) -> Iterator[tuple[int, bytes | None, bool]]:
 
 
 def _parse(line: bytes, fields: tuple[str, ...]) -> dict[str, Any] | None:
-    """The record on ``line`` if it is an object with ``fields`` and a string path, else None."""
+    """The record on ``line`` if it is an object with ``fields`` and a string path that a file
+    can have (no NUL: no run writes one, and every file call would raise on it), else None."""
     try:
         rec = json.loads(line)
     except ValueError:  # also invalid UTF-8
         return None
     if isinstance(rec, dict) and all(k in rec for k in fields) and isinstance(rec.get("path"), str):
-        return rec
+        return rec if "\x00" not in record_path(rec) else None
     return None
 
 
