@@ -108,7 +108,7 @@ def test_damaged_files_give_an_error_naming_the_file(finished, tmp_path, damage)
     f = step2 / name
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2] if damage.endswith("truncated") else b"")
     with pytest.raises(ckpt.CheckpointError, match=rf"{name} cannot be read, damaged or truncated"):
-        finetune(_tiny(root, f"checkpoint.resume={step2}"))
+        finetune(_tiny(root, f"checkpoint.resume={step2}", f"checkpoint.dir={root / 'rewind'}"))
 
 
 def test_a_pickle_that_runs_code_is_refused(finished, tmp_path):
@@ -124,7 +124,7 @@ def test_a_pickle_that_runs_code_is_refused(finished, tmp_path):
     torch.save({**state, "scheduler": Payload()}, step2 / ckpt.TRAINER_STATE)
     ckpt.write_manifest(step2, 2)  # someone else's checkpoint: its manifest matches its bytes
     with pytest.raises(ckpt.CheckpointError, match="trainer_state.pt: refused"):
-        finetune(_tiny(root, f"checkpoint.resume={step2}"))
+        finetune(_tiny(root, f"checkpoint.resume={step2}", f"checkpoint.dir={root / 'rewind'}"))
     assert not marker.exists()
 
 

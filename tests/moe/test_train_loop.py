@@ -99,6 +99,9 @@ def test_resume_none_starts_over_and_explicit_path_is_checked(tmp_path):
     cfg = _tiny(tmp_path, "train.max_steps=2", "checkpoint.every_steps=1")
     first = finetune(cfg)
     cfg.checkpoint.resume = "none"
+    with pytest.raises(ConfigError, match="holds checkpoints past the step this run starts from"):
+        finetune(cfg)  # would overwrite the first run's checkpoints
+    cfg.checkpoint.dir = str(tmp_path / "ck2")
     again = finetune(cfg)
     assert again.start_step == 0 and again.losses == first.losses
     cfg.checkpoint.resume = str(tmp_path / "nowhere")

@@ -16,6 +16,8 @@ other architecture loads as plain Transformers with a log line saying why, plus 
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +56,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
                         backend: BackendConfig | None = None, device_mesh: Any = None,
                         parallel: Any = None, **kwargs: Any) -> PreTrainedModel:
         backend = _check_backend(backend)
+        _check_local_index(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
         config, kwargs = _resolve_config(pretrained_model_name_or_path, kwargs)
         model_class, reason = _pick_class(config)
         if model_class is None:
@@ -108,6 +111,15 @@ def _check_backend(backend: BackendConfig | None) -> BackendConfig:
     if not isinstance(backend, BackendConfig):
         raise TypeError(f"backend must be a polyaccel.moe.BackendConfig, not {type(backend).__name__}")
     return backend
+
+
+def _check_local_index(path: Any, subfolder: str) -> None:
+    """Refuse a local checkpoint whose weight index names shards outside its folder (an
+    absolute path or ``..``: Transformers would read any safetensors file on the machine)."""
+    from polyaccel.moe.ep_checkpoint import index_escape
+
+    if isinstance(path, str | os.PathLike) and (why := index_escape(Path(path, subfolder))) is not None:
+        raise ValueError(why)
 
 
 def _expert_parallel_setup(device_mesh: Any, parallel: Any) -> tuple[Any, Any] | None:

@@ -74,6 +74,12 @@ def complete_checkpoints(root: str | Path | None) -> list[Path]:
     return [p for p in _step_dirs(root) if (p / MANIFEST).is_file()]
 
 
+def written_checkpoints(root: str | Path | None) -> list[Path]:
+    """Checkpoints under ``root`` that hold a run's state: complete ones and those written before
+    manifests existed (a trainer state, no manifest), oldest first; not ``.tmp`` leftovers."""
+    return [p for p in _step_dirs(root) if (p / MANIFEST).is_file() or (p / TRAINER_STATE).is_file()]
+
+
 def latest_checkpoint(root: str | Path | None) -> Path | None:
     """The newest complete checkpoint under ``root``, or None."""
     found = complete_checkpoints(root)

@@ -58,14 +58,19 @@ def _finetune(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from polyaccel.moe.train import benchmark
+    from polyaccel.moe.train import NonFiniteError, benchmark
     from polyaccel.moe.train_config import load_config
 
     overrides = _overrides(args)
     if args.preset:
         overrides.insert(0, f"model.preset={args.preset}")
     cfg = load_config(args.config, overrides)
-    print(json.dumps(benchmark(cfg, steps=args.steps, warmup=args.warmup)))
+    try:
+        result = benchmark(cfg, steps=args.steps, warmup=args.warmup)
+    except NonFiniteError as e:
+        print(f"polyaccel-moe: error: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
+    print(json.dumps(result))
     return 0
 
 

@@ -26,7 +26,7 @@ import json
 import logging
 import re
 from collections import defaultdict
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import safetensors
@@ -49,11 +49,40 @@ _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
 _RENAMES = ((".block_sparse_moe.", ".mlp."),)
 
 
+def index_escape(path: str | Path) -> str | None:
+    """Why a weight index (``*.index.json``) of checkpoint directory ``path`` is unsafe: a
+    shard named by an absolute path or with ``..`` would be read from outside the folder (any
+    file on the machine); None when every index names files inside it, or there is none."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    for index in sorted(path.glob("*.index.json")):
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            names = set(weight_map.values())
+        except (OSError, ValueError, AttributeError, TypeError) as e:
+            return f"{index} cannot be read ({type(e).__name__}: {e})"
+        for name in sorted(names, key=str):
+            if not isinstance(name, str) or not _inside(name):
+                return (f"{index} names the shard {name!r}, outside {path}; a checkpoint's shards must be files "
+                        "in its own folder, so it is refused")
+    return None
+
+
+def _inside(name: str) -> bool:
+    """Whether the relative file name ``name`` stays inside its folder (no absolute path, no ``..``)."""
+    parts = PurePosixPath(name.replace("\\", "/")).parts
+    return bool(parts) and parts[0] != "/" and ".." not in parts and not PureWindowsPath(name).drive
+
+
 def checkpoint_files(path: str | Path) -> list[Path]:
-    """The safetensors files of the checkpoint directory ``path`` (sharded or not)."""
+    """The safetensors files of the checkpoint directory ``path`` (sharded or not); a
+    ``ValueError`` when its index names files outside it (:func:`index_escape`)."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
+        if (why := index_escape(path)) is not None:
+            raise ValueError(why)
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [path / n for n in names]
     single = path / "model.safetensors"
@@ -305,5 +334,5 @@ def save_pretrained(model: nn.Module, save_directory: str | Path, **kwargs: Any)
     dist.barrier()
 
 
-__all__ = ["build_local_model", "checkpoint_files", "checkpoint_shapes", "full_state_dict", "load_expert_parallel",
-           "load_local_weights", "save_pretrained", "unreadable_file"]
+__all__ = ["build_local_model", "checkpoint_files", "checkpoint_shapes", "full_state_dict", "index_escape",
+           "load_expert_parallel", "load_local_weights", "save_pretrained", "unreadable_file"]

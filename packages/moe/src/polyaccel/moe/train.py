@@ -39,6 +39,7 @@ from polyaccel.core.parallel import ParallelPlan
 from polyaccel.moe import checkpoint as ckpt
 from polyaccel.moe import fast_path, grouped_linear
 from polyaccel.moe.data import IGNORE_INDEX, Batches, build_dataset
+from polyaccel.moe.ep_checkpoint import index_escape
 from polyaccel.moe.flops import mfu, peak_flops, train_flops_per_token
 from polyaccel.moe.optim import clip_coefficient, step_scaled
 from polyaccel.moe.train_config import ConfigError, FinetuneConfig, ModelConfig, TrainConfig, did_you_mean
@@ -138,6 +139,8 @@ def resolve_model_config(cfg: ModelConfig):
     if cfg.path is not None:
         if not Path(cfg.path, "config.json").is_file():
             raise ConfigError(f"model.path {cfg.path} is not a Hugging Face checkpoint (no config.json)")
+        if (why := index_escape(cfg.path)) is not None:
+            raise ConfigError(f"model.path: {why}")
         try:
             fields = AutoConfig.from_pretrained(cfg.path, local_files_only=True).to_dict() | {
                 k: v for k, v in fields.items() if k != "model_type"}
@@ -246,6 +249,8 @@ def build_model(cfg: ModelConfig, model_config: Any, *, dtype: torch.dtype, devi
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     source = weights or cfg.path
+    if source is not None and (why := index_escape(source)) is not None:
+        raise ConfigError(why)
     if source is not None:
         # Loaded on the CPU, then moved: a device_map would need `accelerate`.
         model = cls.from_pretrained(str(source), config=model_config, local_files_only=True, **kwargs)
@@ -391,6 +396,8 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
 
     check_outputs(cfg)
     resume_from = ckpt.find_resume(cfg.checkpoint.dir, cfg.checkpoint.resume)
+    _check_later_checkpoints(cfg, resume_from)
+    _check_checkpoint_kind(cfg, resume_from)
     if resume_from is not None and (ckpt.checkpoint_step(resume_from) or 0) >= t.max_steps:
         return _already_finished(cfg, rt, model_config, resume_from)
     source = build_dataset(cfg.data, seq_len=t.seq_len, vocab_size=model_config.vocab_size, seed=t.seed,
@@ -447,9 +454,7 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
             state = ckpt.load_trainer_state(resume_from, model, optimizer, per_rank_optimizer=replicas)
         except (ckpt.LayoutMismatch, FileNotFoundError) as e:
             raise ConfigError(f"checkpoint.resume: {e}") from e
-        scheduler.load_state_dict(state["scheduler"])
-        batches.load_state_dict(state["data"])
-        step = state["step"]
+        step = _restore_position(resume_from, state, scheduler, batches)
     start_step = step
 
     tokens_per_step = batches.samples_per_step * t.seq_len
@@ -558,6 +563,22 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
         fast_path=_fast_path_summary(model, optimizer, t), skipped_steps=skipped)
 
 
+def _restore_position(path: Path, state: dict[str, Any], scheduler: Any, batches: Batches) -> int:
+    """Load a checkpoint's LR schedule and data position; return its step. A trainer state
+    without them is a :class:`~polyaccel.moe.checkpoint.CheckpointError`; one whose data order
+    this run cannot continue (another ``train.seed``) a :class:`ConfigError`."""
+    try:
+        scheduler.load_state_dict(state["scheduler"])
+        batches.load_state_dict(state["data"])
+        return int(state["step"])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ckpt.CheckpointError(f"{path / ckpt.TRAINER_STATE} is not a polyaccel trainer state "
+                                   f"({type(e).__name__}: {e})") from None
+    except ValueError as e:
+        raise ConfigError(f"checkpoint.resume: {path}: {e}; resume with the train.seed it was written with, "
+                          "or use a new checkpoint.dir") from None
+
+
 def _param_dtype(t: TrainConfig) -> torch.dtype:
     """The dtype parameters are stored in."""
     return torch.float32 if t.fp32_master else _DTYPES[t.dtype]
@@ -655,6 +676,9 @@ def check_outputs(cfg: FinetuneConfig) -> None:
         metrics = Path(cfg.log.metrics_jsonl)
         if metrics.is_dir():
             raise ConfigError(f"log.metrics_jsonl: {metrics} is a directory, not a file")
+        if (line := _foreign_line(metrics)) is not None:
+            raise ConfigError(f"log.metrics_jsonl: {metrics} already exists and is not a metrics log (line {line} "
+                              "is not a step record); this run would rewrite it. Choose another file")
         _writable_dir("log.metrics_jsonl", metrics.parent, create=True)
     if cfg.checkpoint.dir:
         _writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir), create=True)
@@ -676,10 +700,59 @@ def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
                           "or be pruned with the checkpoints. Choose a directory outside it")
     if out.is_dir():
         names = sorted(p.name for p in out.iterdir() if not p.is_dir())
-        if names and not any(n in ("config.json", "adapter_config.json") for n in names):
+        if names and not any(n in ("config.json", _ADAPTER_CONFIG) for n in names):
             raise ConfigError(f"output_dir: {out} already holds files and no saved model ({', '.join(names[:5])}"
                               f"{', ...' if len(names) > 5 else ''}); saving there could overwrite or delete some. "
                               "Choose a new or empty directory")
+        _check_output_kind(cfg, out, names)
+
+
+def _check_output_kind(cfg: FinetuneConfig, out: Path, names: list[str]) -> None:
+    """Refuse saving LoRA adapters over a saved full model, or a full model over saved adapters:
+    the earlier weights would be deleted and the folder left half one kind, half the other."""
+    weights = [n for n in names if _WEIGHT_FILE.match(n)]
+    if cfg.lora is not None:
+        other = [n for n in weights if not n.startswith("adapter_model")]
+        what = "a full model"
+    else:
+        other = [n for n in names if n == _ADAPTER_CONFIG or n.startswith("adapter_model")]
+        what = "LoRA adapters"
+    if other:
+        raise ConfigError(f"output_dir: {out} holds {what} ({', '.join(other[:3])}); this run saves "
+                          f"{'LoRA adapters' if cfg.lora is not None else 'a full model'}, which would delete or "
+                          "mix with it. Choose a new or empty directory")
+
+
+_ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _check_checkpoint_kind(cfg: FinetuneConfig, resume_from: Path | None) -> None:
+    """Refuse resuming a LoRA run from a full fine-tuning checkpoint, or the reverse."""
+    if resume_from is None or (resume_from / _ADAPTER_CONFIG).is_file() == (cfg.lora is not None):
+        return
+    held, run = (("LoRA adapters", "full fine-tuning (no lora section)") if cfg.lora is None
+                 else ("a full model, no LoRA adapters", "LoRA"))
+    raise ConfigError(f"checkpoint.resume: {resume_from} holds {held}, and this run is {run}; resume with the "
+                      "settings that wrote it, or use a new checkpoint.dir", key="checkpoint.resume")
+
+
+def _check_later_checkpoints(cfg: FinetuneConfig, resume_from: Path | None) -> None:
+    """Refuse a run that would overwrite (or mix with its own) intact checkpoints in
+    ``checkpoint.dir`` past the step it starts from: any, with ``checkpoint.resume=none``; the
+    newer ones, when a checkpoint is named (those that fail their manifest may be written over,
+    as ``auto`` does with damaged newer ones)."""
+    if not cfg.checkpoint.dir or cfg.checkpoint.resume == "auto":
+        return
+    start = (ckpt.checkpoint_step(resume_from) or 0) if resume_from is not None else -1
+    later = [p for p in ckpt.written_checkpoints(cfg.checkpoint.dir) if (ckpt.checkpoint_step(p) or 0) > start
+             and (resume_from is None or not (p / ckpt.MANIFEST).is_file() or ckpt.verify_checkpoint(p) is None)]
+    if later:
+        names = ", ".join(p.name for p in later[:4]) + (", ..." if len(later) > 4 else "")
+        start_from = "starts over" if resume_from is None else f"restarts from step {start}"
+        raise ConfigError(f"checkpoint.dir {cfg.checkpoint.dir} holds checkpoints past the step this run starts from "
+                          f"({names}); checkpoint.resume={cfg.checkpoint.resume} {start_from}, so they would be "
+                          "overwritten or mixed with this run's. Choose a new checkpoint.dir, or move them away",
+                          key="checkpoint.dir")
 
 
 def _writable_dir(key: str, path: Path, *, create: bool) -> None:
@@ -694,6 +767,23 @@ def _writable_dir(key: str, path: Path, *, create: bool) -> None:
         raise ConfigError(f"{key}: {existing} is a file, so {path} cannot be a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}: the directory {existing} is not writable")
+
+
+def _foreign_line(path: Path) -> int | None:
+    """The first line of an existing file at ``path`` that a metrics log cannot hold (a JSON
+    object with an integer ``step``), or None; a last line without newline (cut by a kill)
+    is allowed."""
+    if not path.is_file():
+        return None
+    lines = path.read_bytes().split(b"\n")[:-1]  # the last piece is empty or a cut line
+    for n, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line) if line.strip() else {"step": 0}
+        except ValueError:  # not JSON, or not UTF-8
+            return n
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            return n
+    return None
 
 
 def _open_metrics(path: str, start_step: int):
