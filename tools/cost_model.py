@@ -314,6 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one existing file (through links too)."""
+    try:
+        return Path(a).samefile(b)
+    except OSError:
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Print one JSON line per row, then the assumptions, the table and the MFU sensitivity."""
     parser = build_parser()
@@ -336,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     and s.gflop_per_audio_s + s.gbyte_per_audio_s > 0)]
     if bad:
         parser.error("bad numbers: " + "; ".join(bad))
+    if args.out and any(_same_file(args.out, m) for m in args.measured):
+        parser.error(f"--out {args.out} is a --measured input: writing the rows there would destroy it")
     chip = dataclasses.replace(TRN2, peak_tflops=args.trn_tflops, hbm_tb_s=args.trn_hbm_tb_s)
     if not shapes:
         shapes = list(PRESETS.values())

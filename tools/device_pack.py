@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tarfile
@@ -40,12 +41,39 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+PART = re.compile(r"part-\d{3,}")
+
+
+def _earlier_pack(outdir: Path) -> list[Path]:
+    """The files of an earlier pack in ``outdir`` (its manifest and parts), which a new pack
+    replaces. Raises ``SystemExit`` if ``outdir`` holds a ``manifest.json`` or ``part-NNN``
+    that no pack of this tool wrote (a user's file is never overwritten) or a link."""
+    manifest, parts = outdir / "manifest.json", [p for p in outdir.glob("part-*") if PART.fullmatch(p.name)]
+    if not manifest.exists() and not manifest.is_symlink():
+        if parts:
+            raise SystemExit(f"{outdir} holds {parts[0].name} but no manifest.json: not a pack's; choose another OUTDIR")
+        return []
+    try:
+        listed = {part["name"] for part in json.loads(manifest.read_text())["parts"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{manifest} is not a pack's manifest ({e!r}); choose another OUTDIR") from None
+    foreign = [p.name for p in [manifest, *parts] if p.is_symlink() or not p.is_file()]
+    foreign += [p.name for p in parts if p.name not in listed]
+    if foreign:
+        raise SystemExit(f"{outdir}: {', '.join(foreign)} not written by this tool's last pack there; "
+                         "choose another OUTDIR")
+    return [manifest, *parts]
+
+
 def pack(outdir: Path, sources: list[Path], part_bytes: int) -> dict:
-    """Tar ``sources`` (each under its own name) and cut the tar into parts in ``outdir``."""
+    """Tar ``sources`` (each under its own name) and cut the tar into parts in ``outdir``,
+    replacing an earlier pack there (never a user's file: :func:`_earlier_pack`)."""
     inside = [str(s) for s in sources if outdir.resolve().is_relative_to(s.resolve())]
     if inside:
         raise SystemExit(f"OUTDIR {outdir} is inside {', '.join(inside)}: the pack would hold itself")
     outdir.mkdir(parents=True, exist_ok=True)
+    for old in _earlier_pack(outdir):  # no stale part of a longer pack is left to stage
+        old.unlink()
     fd, name = tempfile.mkstemp(prefix=".pack-", suffix=".tar", dir=outdir)  # never a file of the user's
     os.close(fd)
     whole = Path(name)
@@ -53,6 +81,10 @@ def pack(outdir: Path, sources: list[Path], part_bytes: int) -> dict:
         with tarfile.open(whole, "w") as tar:
             for src in sources:
                 tar.add(src, arcname=src.name)
+        names = [f"part-{i:03d}" for i in range(-(-whole.stat().st_size // part_bytes))]
+        # The names are claimed first: parts left by a kill belong to this pack, a rerun replaces them.
+        (outdir / "manifest.json").write_text(json.dumps({"tar_sha256": None, "parts": [
+            {"name": n, "sha256": None} for n in names]}))
         parts = []
         with open(whole, "rb") as f:
             for i, chunk in enumerate(iter(lambda: f.read(part_bytes), b"")):
@@ -67,10 +99,10 @@ def pack(outdir: Path, sources: list[Path], part_bytes: int) -> dict:
 
 
 def stage(outdir: Path, stage_dir: Path = STAGE) -> list[str]:
-    """Move the parts (and the manifest) found in ``outdir`` into ``stage_dir``."""
+    """Move the parts (``part-NNN``) and the manifest found in ``outdir`` into ``stage_dir``."""
     stage_dir.mkdir(parents=True, exist_ok=True)
     moved = []
-    for p in sorted(outdir.glob("part-*")) + sorted(outdir.glob("manifest.json")):
+    for p in sorted(p for p in outdir.glob("part-*") if PART.fullmatch(p.name)) + sorted(outdir.glob("manifest.json")):
         shutil.move(str(p), stage_dir / p.name)
         moved.append(p.name)
     return moved

@@ -35,6 +35,7 @@ import dataclasses
 import json
 import os
 import re
+import stat
 import sys
 import time
 from pathlib import Path
@@ -192,13 +193,37 @@ _OURS = re.compile(r"\d{4,}\.(wav|flac|ogg|mp3|m4a|opus|webm)")
 _WRITTEN = ("corpus.json", "manifest.jsonl", "refs.jsonl", "audio")
 
 
+def _unsafe(path: Path) -> str | None:
+    """Why writing in or through ``path`` could reach another user's files (None if safe): a
+    link (written through), or a file or folder that another user owns or may write in (such
+    as a folder left in a shared ``/tmp``, where links can be put in after the checks)."""
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if st.st_uid != os.getuid():
+        return "belongs to another user"
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        return "is writable by every user"
+    return None
+
+
+def _check_safe(out: Path) -> None:
+    """Refuse an ``out`` where writing could reach another user's files (:func:`_unsafe`)."""
+    for path in [out.resolve(), *(out / name for name in _WRITTEN), *(out / "audio").glob("*")]:
+        why = _unsafe(path) if os.path.lexists(path) else None
+        if why:
+            raise SystemExit(f"{path} {why}: the corpus is not written there; choose a new or empty folder")
+
+
 def _check_out(out: Path) -> None:
     """Refuse an ``out`` that holds anything but a corpus this tool wrote (its files are
-    replaced on a rebuild): a user's folder, or its ``audio/``, is never emptied."""
+    replaced on a rebuild): a user's folder, or its ``audio/``, is never emptied. Nothing is
+    written through a link or into a folder another user controls."""
     if not out.exists():
         return
     if not out.is_dir():
         raise SystemExit(f"{out} exists and is not a folder")
+    _check_safe(out)
     others = sorted(p.name for p in out.iterdir() if p.name not in _WRITTEN)
     if others or (any(out.iterdir()) and not (out / "corpus.json").is_file()):
         raise SystemExit(f"{out} is not a corpus this tool wrote ({', '.join(others[:5]) or 'no corpus.json'}); "
@@ -218,6 +243,7 @@ def build(out: Path, *, files: int, long: int, long_s: float, seed: int, src: Pa
     formats = writable_formats()
     _check_out(out)
     (out / "audio").mkdir(parents=True, exist_ok=True)
+    _check_safe(out)  # again: another user may have made the folder between the check and mkdir
     for old in (out / "audio").iterdir():  # a rebuild never mixes in files of another seed
         if old.is_file() and _OURS.fullmatch(old.name):
             old.unlink()

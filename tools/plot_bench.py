@@ -74,6 +74,14 @@ def plot(records: Sequence[dict], *, x: str, y: str, series: str | None = None, 
     return fig
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one existing file (through links too)."""
+    try:
+        return Path(a).samefile(b)
+    except OSError:
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Read the files, draw, write the PNG; exit 1 when no record has the keys."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,10 +111,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     fig = plot(records, x=args.x, y=args.y, series=args.series, logx=args.logx, logy=args.logy,
                title=args.title)
+    if any(_same_file(args.out, f) for f in args.files):
+        print(f"error: -o {args.out} is an input file: drawing there would destroy it", file=sys.stderr)
+        return 2
     try:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(args.out)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a suffix matplotlib cannot write (-o out.jsonl)
         print(f"error: -o {args.out}: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out} ({len(records)} points, {len(fig.axes[0].get_lines())} lines)")

@@ -98,6 +98,20 @@ def test_token_file_is_private_and_stable(fresh_token: Path) -> None:
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
+def test_token_folder_is_made_private_and_one_of_another_user_refused(fresh_token: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whoever may write in the token's folder can swap the file for one whose token they know
+    (and then join every cluster started here); whoever owns the file knows the token."""
+    fresh_token.parent.mkdir(parents=True, mode=0o777)
+    fresh_token.parent.chmod(0o777)
+    ensure_token()
+    assert stat.S_IMODE(fresh_token.parent.stat().st_mode) == 0o700
+    other = os.getuid() + 1
+    monkeypatch.setattr(os, "getuid", lambda: other)
+    with pytest.raises(PermissionError, match="another user"):
+        ensure_token()
+
+
 def test_token_file_left_empty_is_replaced(fresh_token: Path) -> None:
     """A kill between creating the file and writing the token left it empty (Ray refuses an
     empty token, so every later cluster would fail to start): the next call writes one."""
@@ -150,6 +164,25 @@ def test_connect_to_local_starts_a_private_loopback_cluster(how: str, fresh_toke
     assert applied["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
 
 
+def test_init_local_keeps_its_files_out_of_the_shared_tmp_ray(fresh_token: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's default temp dir /tmp/ray and every session, logs and sockets folder in it are
+    0777 without a sticky bit: another local user could read the logs or swap the raylet's
+    socket. A private cluster's files go in a fresh folder only its owner can enter."""
+    fake = _FakeRay()
+    monkeypatch.setattr(ray_local, "import_ray", lambda *a: fake)
+    monkeypatch.setattr(ray_local, "_apply", lambda env: None)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    ray_local.init_local(1)
+    ray_local.init_local(1)
+    dirs = [Path(c["_temp_dir"]).parent for c in fake.calls]  # Ray makes _temp_dir itself 0777
+    assert dirs[0] != dirs[1] and all(d.parent == tmp_path for d in dirs)
+    for d in dirs:
+        st = d.lstat()
+        assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700
+        assert not any(d.iterdir())
+
+
 def test_a_job_starts_its_own_cluster_only_without_an_address_or_with_local(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert ray_local.starts_private_cluster(None) and ray_local.starts_private_cluster("local")
@@ -189,6 +222,9 @@ def test_local_env_turns_auth_on_even_when_disabled(fresh_token: Path, monkeypat
 def test_ray_start_head_is_loopback_only_and_needs_the_token(fresh_token: Path, tmp_path: Path) -> None:
     with start_head(num_cpus=1) as head:
         assert_loopback_only(psutil.Process(head.proc.pid))
+        (temp,) = [a.split("=", 1)[1] for a in head.proc.args if a.startswith("--temp-dir=")]
+        above = Path(temp).parent.stat()  # Ray makes the temp dir itself 0777
+        assert above.st_uid == os.getuid() and stat.S_IMODE(above.st_mode) == 0o700, temp
         token = Path(head.env.get("RAY_AUTH_TOKEN_PATH", os.devnull)).read_text()
         jobs = f"{head.dashboard_url}/api/jobs/"
         assert http_status(jobs) == 401
@@ -206,6 +242,7 @@ INIT_LOCAL = textwrap.dedent("""
     from polyaccel.core.ray_local import init_local
     ray = init_local(num_cpus=1, log_to_driver=False)
     print(ray.get_runtime_context().gcs_address, flush=True)
+    print(ray._private.worker._global_node.get_session_dir_path(), flush=True)
     sys.stdin.read()  # until the test closes our stdin
     ray.shutdown()
 """)
@@ -219,6 +256,10 @@ def test_in_process_cluster_is_loopback_only_and_needs_the_token(fresh_token: Pa
     try:
         gcs_address = driver.stdout.readline().strip()
         assert gcs_address.startswith("127.0.0.1:"), gcs_address
+        session = Path(driver.stdout.readline().strip())
+        private = [p for p in session.parents if p.stat().st_uid == os.getuid()
+                   and not stat.S_IMODE(p.stat().st_mode) & 0o077]
+        assert private, f"{session}: every folder above it lets other users in"
         assert_loopback_only(psutil.Process(driver.pid))
         joined, out = joins(gcs_address, tmp_path / "stranger", wait_s=30)
         assert not joined, out

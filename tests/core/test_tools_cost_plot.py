@@ -170,3 +170,25 @@ def test_unreadable_inputs_and_outputs_are_errors_not_tracebacks(tmp_path, capsy
     (tmp_path / "file").write_text("")
     assert plot_bench.main([str(good), "--x", "batch", "--y", "rtfx", "-o", str(tmp_path / "file" / "p.png")]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_an_output_that_is_an_input_is_refused_and_kept(tmp_path, capsys):
+    """`cost_model --measured bench.jsonl --out bench.jsonl` replaced the benchmark records
+    with the cost rows; plot_bench -o at an input (or a suffix it cannot draw) was a traceback."""
+    bench = _write_jsonl(tmp_path / "bench.jsonl", SWEEP)
+    before = bench.read_bytes()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(bench)
+    for out in (bench, link):
+        with pytest.raises(SystemExit) as e:
+            cost_model.main(["--measured", str(bench), "--out", str(out)])
+        assert e.value.code == 2 and "is a --measured input" in capsys.readouterr().err
+        assert bench.read_bytes() == before
+    svg = tmp_path / "plot.svg"
+    assert plot_bench.main([str(bench), "--x", "batch", "--y", "rtfx", "-o", str(svg)]) == 0
+    drawn = svg.read_bytes()
+    assert plot_bench.main([str(bench), str(svg), "--x", "batch", "--y", "rtfx", "-o", str(svg)]) == 2
+    assert svg.read_bytes() == drawn
+    assert plot_bench.main([str(bench), "--x", "batch", "--y", "rtfx", "-o", str(tmp_path / "p.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "is an input file" in err and "not supported" in err and "Traceback" not in err

@@ -79,3 +79,69 @@ def test_pack_keeps_a_users_pack_tar_and_refuses_an_outdir_inside_a_source(dp, t
     with pytest.raises(SystemExit, match="inside"):
         dp.pack(model / "parts", [model], part_bytes=1 << 20)
     assert not (model / "parts").exists()
+
+
+def test_pack_never_overwrites_a_users_manifest_or_part(dp, tmp_path):
+    model = _source(tmp_path)
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "manifest.json").write_text('{"name": "the user\'s project"}')
+    with pytest.raises(SystemExit, match="not a pack's manifest"):
+        dp.pack(here, [model], part_bytes=1 << 20)
+    assert (here / "manifest.json").read_text() == '{"name": "the user\'s project"}'
+    (here / "manifest.json").unlink()
+    (here / "part-001").write_text("the user's notes")
+    with pytest.raises(SystemExit, match="part-001 but no manifest"):
+        dp.pack(here, [model], part_bytes=1 << 20)
+    assert (here / "part-001").read_text() == "the user's notes"
+    (here / "part-001").unlink()
+    dp.pack(here, [model], part_bytes=1 << 20)
+    (here / "part-001").write_text("the user's notes")  # beside a pack, yet not one of its parts
+    with pytest.raises(SystemExit, match="part-001 not written by"):
+        dp.pack(here, [model], part_bytes=1 << 20)
+    assert (here / "part-001").read_text() == "the user's notes"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's file")
+    (here / "part-001").unlink()
+    (here / "part-000").unlink()
+    (here / "part-000").symlink_to(victim)
+    with pytest.raises(SystemExit, match="part-000"):
+        dp.pack(here, [model], part_bytes=1 << 20)
+    assert victim.read_text() == "the user's file"
+
+
+def test_a_repack_replaces_the_earlier_parts_and_stage_moves_only_parts(dp, tmp_path):
+    model = _source(tmp_path)
+    here, stage = tmp_path / "here", tmp_path / "stage"
+    assert len(dp.pack(here, [model], part_bytes=20_000)["parts"]) == 5
+    (model / "model.bin").write_bytes(os.urandom(10_000))
+    assert len(dp.pack(here, [model], part_bytes=20_000)["parts"]) == 2
+    assert sorted(p.name for p in here.iterdir()) == ["manifest.json", "part-000", "part-001"]
+    (here / "part-time-rota.txt").write_text("the user's file")
+    assert dp.stage(here, stage) == ["part-000", "part-001", "manifest.json"]
+    assert (here / "part-time-rota.txt").read_text() == "the user's file"
+    assert dp.unpack(tmp_path / "out", stage) == ["model"]
+    assert _tree(tmp_path / "out" / "model") == _tree(model)
+
+
+def test_parts_left_by_a_killed_pack_are_replaced_by_a_rerun(dp, tmp_path, monkeypatch):
+    model = _source(tmp_path)
+    here = tmp_path / "here"
+    writes = []
+    real = Path.write_bytes
+
+    def dies_on_the_third_part(self, data):
+        writes.append(self.name)
+        if len(writes) == 3:
+            raise KeyboardInterrupt
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", dies_on_the_third_part)
+    with pytest.raises(KeyboardInterrupt):
+        dp.pack(here, [model], part_bytes=20_000)
+    monkeypatch.undo()
+    with pytest.raises(SystemExit, match="sha256 differs"):  # the half pack is never unpacked
+        dp.unpack(tmp_path / "half", here)
+    dp.pack(here, [model], part_bytes=20_000)
+    assert dp.unpack(tmp_path / "out", here) == ["model"]
+    assert _tree(tmp_path / "out" / "model") == _tree(model)

@@ -57,9 +57,9 @@ def ensure_token(path: Path | None = None) -> Path:
     refuses it) is replaced."""
     path = Path(path or default_token_path())
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _make_private(path.parent, 0o700)  # nobody else may swap the file for one whose token they know
     if path.exists() and path.stat().st_size:
-        if stat.S_IMODE(path.stat().st_mode) & 0o077:
-            path.chmod(0o600)
+        _make_private(path, 0o600)
         return path
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # 0600
     try:
@@ -76,6 +76,17 @@ def ensure_token(path: Path | None = None) -> Path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     return path
+
+
+def _make_private(path: Path, mode: int) -> None:
+    """Take every access of group and others off ``path`` (to ``mode``); refuse one that another
+    user owns (they know the token it holds, or can swap the file in the folder)."""
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to another user (uid {st.st_uid}): it cannot hold your Ray token; "
+                              "set XDG_CONFIG_HOME or RAY_AUTH_TOKEN_PATH to a place of your own")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        path.chmod(mode)
 
 
 def auth_env(env: MutableMapping[str, str] | None = None, *, force: bool = True) -> dict[str, str]:
@@ -121,10 +132,23 @@ def import_ray(hint: str = RAY_INSTALL_HINT) -> Any:
     return ray
 
 
+def private_temp_dir() -> str:
+    """A path for one cluster's temp dir (sessions, logs, sockets) inside a new folder that only
+    this user can enter; Ray makes it.
+
+    Ray makes its temp dir (``/tmp/ray`` by default, or the one given) and every folder in it
+    world-writable (0777, no sticky bit): any local user could read the logs or swap a socket,
+    unless a folder above lets nobody else in. Short (Ray's socket paths must fit 107 bytes);
+    honours ``RAY_TMPDIR``."""
+    return os.path.join(tempfile.mkdtemp(prefix="ray-", dir=os.environ.get("RAY_TMPDIR") or "/tmp"), "t")
+
+
 def init_local(num_cpus: int | None = None, **kwargs: Any) -> Any:
-    """Start a private in-process Ray cluster on loopback with token auth; return ``ray``."""
+    """Start a private in-process Ray cluster on loopback with token auth, its files in a
+    :func:`private_temp_dir`; return ``ray``."""
     _apply(local_cluster_env())
     ray = import_ray()
+    kwargs.setdefault("_temp_dir", private_temp_dir())
     kwargs.setdefault("include_dashboard", False)
     kwargs.setdefault("logging_level", "WARNING")
     ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **kwargs)
@@ -211,7 +235,8 @@ def start_head(num_cpus: int = 2, *, env: dict[str, str] | None = None, timeout:
     env.update(local_cluster_env(env))
     env.update(AUTOSCALER_METRIC_PORT=str(free_port()), DASHBOARD_METRIC_PORT=str(free_port()))
     ports = {flag: free_port() for flag in HEAD_PORT_FLAGS}
-    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    temp = private_temp_dir()
+    os.mkdir(temp)
     ray_bin = Path(sys.executable).with_name("ray")
     cmd = [str(ray_bin), "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--node-ip-address={LOOPBACK}",
            f"--dashboard-host={LOOPBACK}", f"--temp-dir={temp}", "--disable-usage-stats",
@@ -230,7 +255,7 @@ def start_head(num_cpus: int = 2, *, env: dict[str, str] | None = None, timeout:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        shutil.rmtree(temp, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(temp), ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
