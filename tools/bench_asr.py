@@ -32,6 +32,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -730,8 +731,8 @@ def main(argv=None) -> int:
     e2e.add_argument("--e2e-replicas", type=int, default=None, help="our replicas (default: the CLI's)")
     e2e.add_argument("--e2e-fp8", action="store_true", help=argparse.SUPPRESS)  # an --e2e-batches entry ending in f8
     e2e.add_argument("--e2e-hf-workers", type=int, default=None, help="threads decoding for the pipeline (default: cores - 2)")
-    e2e.add_argument("--e2e-out", default=os.path.join(os.environ.get("OUT") or "/tmp", "asr_e2e"),
-                     help="where each row's transcripts go")
+    e2e.add_argument("--e2e-out", default=None,
+                     help="where each row's transcripts go (default: a new private temporary folder)")
     e2e.add_argument("--e2e-timeout", type=int, default=600, help="seconds per row")
     e2e.add_argument("--limit", type=int, default=None, help="only the corpus's first N files")
     e2e.add_argument("--prep-files", type=int, default=60, help="files for the CPU preprocessing row")
@@ -741,6 +742,9 @@ def main(argv=None) -> int:
     e2e.add_argument("--e2e-worker", choices=("prep", "ours", "hf"), help=argparse.SUPPRESS)
     e2e.add_argument("--e2e-batch", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.e2e and args.e2e_out is None:  # never a predictable name in a shared /tmp
+        args.e2e_out = tempfile.mkdtemp(prefix="polyaccel-asr-e2e-")
+        print(f"# transcripts in {args.e2e_out}", file=sys.stderr)
     if args.device != "auto":
         args.backend = args.device
 

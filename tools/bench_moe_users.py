@@ -35,6 +35,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ENTRIES = ("hf", "hf-compile", "hf-trainer-compile", "loop-adamw", "loop", "trainer", "cli")
@@ -234,9 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--timeout", type=float, default=900, help="seconds per row")
     p.add_argument("--out", help="also append the JSON lines here")
-    p.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp"), help="Trainer output folders")
+    p.add_argument("--out-dir", default=None, help="Trainer output folders (default: a new private temporary folder)")
     p.add_argument("--one", nargs=2, metavar=("SHAPE", "ENTRY"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.out_dir is None:  # never a predictable name in a shared /tmp
+        a.out_dir = tempfile.mkdtemp(prefix="polyaccel-moe-users-")
     if a.one:
         print(_MARK + json.dumps(run_one(*a.one, a)), flush=True)
         return 0
