@@ -1,13 +1,17 @@
 """Inputs a careless user or an attacker hands ``polyaccel-asr``: cut-off copies of every format
 whose header states its length, headers with absurd sample rates, reference and manifest files
-saved with a byte-order mark, the wrong file given to ``wer --hyps``, and paths holding a NUL.
-All use a fake recognizer or no model at all (fast, exact)."""
+saved with a byte-order mark, the wrong file given to ``wer --hyps``, paths holding a NUL, files
+of many channels, FIFOs and devices, results files listing an input twice, and input names that
+differ only in letter case. All use a fake recognizer or no model at all (fast, exact)."""
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import struct
+import threading
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -145,3 +149,113 @@ def test_a_nul_in_a_manifest_or_results_path_is_a_usage_error(fake: None, tmp_pa
         assert "not a polyaccel-asr results file" in capsys.readouterr().err
         assert res.read_bytes() == before
         assert cli.main(["wer", "--refs", str(manifest), "--hyps", str(res)]) == 2
+
+
+# ---- many channels ----------------------------------------------------------------------------------------
+
+
+def test_a_file_of_many_channels_is_read_in_bounded_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """libsndfile allows 1024 channels: a file shorter than one window was decoded whole (frames
+    x channels of float32, twice over) and streamed 10 s x channels at a time, so memory grew
+    with the channel count. Budgets are made small here instead of writing a GB file; the
+    transcript and samples stay those of the whole-file read."""
+    from polyaccel.asr import audio
+    from polyaccel.asr import transcriber as transcriber_mod
+
+    channels, seconds = 32, 12.0
+    t = np.arange(int(seconds * SR)) / SR
+    wide = np.stack([0.5 * np.sin(2 * np.pi * (200 + 40 * c) * t) for c in range(channels)], axis=1)
+    p = tmp_path / "wide.wav"
+    sf.write(p, wide.astype(np.float32), SR, subtype="PCM_16")  # 24.6 MB of float32 decoded whole
+    tr = Transcriber(lambda i: (lambda batch: [f"{len(a)} samples" for a in batch]), sample_rate=SR)
+    whole, [expected] = load_audio(p), tr.transcribe([str(p)])
+
+    monkeypatch.setattr(transcriber_mod, "MAX_WHOLE_BYTES", 1 << 20)
+    monkeypatch.setattr(audio, "STREAM_BLOCK_SAMPLES", 1 << 16)
+    reads: list[int] = []
+    read = sf.SoundFile.read
+    monkeypatch.setattr(sf.SoundFile, "read", lambda f, *a, **k: reads.append((out := read(f, *a, **k)).size) or out)
+    monkeypatch.setattr(sf, "read", lambda *a, **k: pytest.fail("decoded a wide file whole"))
+    tracemalloc.start()
+    try:
+        [got] = tr.transcribe([str(p)])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (got.text, got.windows, got.error) == (expected.text, expected.windows, None)
+    assert got.duration_s == pytest.approx(seconds)
+    assert max(reads) <= 1 << 16 and peak < 8 << 20, (max(reads), peak)
+    np.testing.assert_array_equal(np.concatenate(list(stream_audio(p))), whole)
+
+
+# ---- inputs that are not regular files ----------------------------------------------------------------------
+
+
+def _finishes(fn, timeout_s: float = 10.0) -> None:
+    """Run ``fn`` on a daemon thread; fail (instead of hanging) if it blocks, as opening a FIFO does."""
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 (re-raised below)
+            err.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(timeout_s)
+    assert not th.is_alive(), "blocked: the FIFO was opened"
+    if err:
+        raise err[0]
+
+
+def test_a_fifo_or_a_device_is_not_a_regular_file_and_is_never_opened(fake: None, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    """A FIFO or /dev/null was reported as "empty file (0 bytes)"; opening a FIFO to read it
+    would wait for a writer forever."""
+    fifo = tmp_path / "live.wav"
+    os.mkfifo(fifo)
+    for p, kind in ((fifo, "a FIFO"), (Path("/dev/null"), "a character device")):
+        for read in (audio_duration, load_audio, lambda q: list(stream_audio(q))):
+            with pytest.raises(AudioError, match=rf"^not a regular file \({kind}\)$"):
+                _finishes(lambda: read(p))  # noqa: B023 (called at once)
+    out, status = tmp_path / "out.jsonl", []
+    _finishes(lambda: status.append(cli.main(["transcribe", str(fifo), "-o", str(out)])))
+    [rec] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (status, rec["error"]) == ([3], "not a regular file (a FIFO)")
+    assert f"failed: {fifo}: not a regular file (a FIFO)" in capsys.readouterr().err
+
+
+# ---- wer and export: one line per input -----------------------------------------------------------------
+
+
+def _results_file(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps({"duration_s": 1.0, "error": None, **r}) + "\n" for r in records))
+    return path
+
+
+def test_wer_counts_an_input_listed_twice_once(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Two results files concatenated list every input twice: wer scored each twice (and a
+    failed line before the good one as a failure), where export keeps one line per input."""
+    refs = tmp_path / "refs.jsonl"
+    refs.write_text('{"path": "a.wav", "text": "hello world"}\n{"path": "b.wav", "text": "good day"}\n')
+    first = [{"path": "a.wav", "text": "hello world"}, {"path": "b.wav", "text": "", "error": "boom"}]
+    second = [{"path": "a.wav", "text": "hello world"}, {"path": "b.wav", "text": "good"}]
+    hyps = _results_file(tmp_path / "out.jsonl", first + second)
+    assert cli.main(["wer", "--refs", str(refs), "--hyps", str(hyps)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["files"], got["ref_words"], got["deletions"], got["failed"]) == (2, 4, 1, 0)
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_export_names_differing_only_in_case_do_not_collide(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                            overwrite: list[str]) -> None:
+    """On a case-insensitive file system A.txt and a.txt are one file: the second input was
+    "exists", or with --overwrite replaced the first one's file."""
+    res = _results_file(tmp_path / "out.jsonl", [{"path": "x/A.wav", "text": "upper"},
+                                                 {"path": "y/a.wav", "text": "lower"}])
+    subs = tmp_path / "subs"
+    assert cli.main(["export", str(res), "-f", "txt", "-d", str(subs), *overwrite]) == 0
+    assert sorted(f.name for f in subs.iterdir()) == ["A.txt", "a-2.txt"]
+    assert ((subs / "A.txt").read_text(), (subs / "a-2.txt").read_text()) == ("upper\n", "lower\n")
+    assert "y/a.wav -> " in capsys.readouterr().err

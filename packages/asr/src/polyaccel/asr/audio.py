@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import re
+import stat
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -102,11 +103,21 @@ def _checked_path(path: str | os.PathLike, raw: RawFormat | None) -> tuple[Path,
         raise AudioError("missing file")
     if path.is_dir():
         raise AudioError("is a directory, not an audio file")
-    if path.stat().st_size == 0:
+    st = path.stat()  # never open(): opening a FIFO blocks until something writes to it
+    if not stat.S_ISREG(st.st_mode):
+        raise AudioError(f"not a regular file ({_file_kind(st.st_mode)})")
+    if st.st_size == 0:
         raise AudioError("empty file (0 bytes)")
     if raw is None and path.suffix.lower() in RAW_EXTENSIONS:
         raw = RawFormat()
     return path, raw
+
+
+def _file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words."""
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 @contextlib.contextmanager
@@ -314,25 +325,40 @@ def audio_duration(path: str | os.PathLike, raw: RawFormat | None = None) -> flo
 
     Raises :class:`AudioError` (with the same reasons as :func:`load_audio`) when the file
     cannot be read: a bad file never passes for 0 s of audio."""
+    return audio_extent(path, raw)[0]
+
+
+_RAW_SAMPLE_BYTES = {"PCM_S8": 1, "PCM_U8": 1, "PCM_16": 2, "PCM_24": 3, "PCM_32": 4, "FLOAT": 4, "DOUBLE": 8}
+
+
+def audio_extent(path: str | os.PathLike, raw: RawFormat | None = None) -> tuple[float, int]:
+    """(seconds, samples) from the header alone: :func:`audio_duration`'s seconds, and the
+    float32 samples :func:`load_audio` decodes at once (frames x channels; PyAV's formats are
+    mixed to mono frame by frame: frames). Raises :class:`AudioError` as :func:`audio_duration`."""
     path, raw = _checked_path(path, raw)
     if raw is not None:
-        frame_bytes = raw.channels * {"PCM_S8": 1, "PCM_U8": 1, "PCM_16": 2, "PCM_24": 3,
-                                      "PCM_32": 4, "FLOAT": 4, "DOUBLE": 8}.get(raw.subtype, 2)
-        return path.stat().st_size / frame_bytes / raw.sample_rate
+        sample_bytes = _RAW_SAMPLE_BYTES.get(raw.subtype, 2)
+        size = path.stat().st_size
+        return size / (raw.channels * sample_bytes) / raw.sample_rate, size // sample_bytes
     if kind := _av_kind(path):
-        return _av_duration(path, kind)
+        seconds, rate = _av_duration(path, kind)
+        return seconds, math.ceil(seconds * rate)
     with _decode_errors(path):
         info = _soundfile().info(os.fsencode(path))
     if info.frames <= 0:
         raise AudioError("empty audio (0 samples)")
     _check_rate(info.samplerate)
-    return float(info.frames) / info.samplerate
+    return float(info.frames) / info.samplerate, info.frames * info.channels
 
 
 # ---- streaming: bounded memory whatever the file length ----------------------------------
 
 STREAM_BLOCK_S = 10.0
 """Seconds of audio :func:`stream_audio` decodes at a time."""
+
+STREAM_BLOCK_SAMPLES = 1 << 22
+"""Most samples (frames x channels: 16 MiB of float32) :func:`stream_audio` decodes in one read,
+so a block's memory does not grow with the channel count (libsndfile allows 1024)."""
 
 
 def stream_audio(path: str | os.PathLike, sample_rate: int = 16000, *, block_s: float = STREAM_BLOCK_S,
@@ -365,15 +391,36 @@ def stream_audio(path: str | os.PathLike, sample_rate: int = 16000, *, block_s: 
         resample = _Resampler(rate, sample_rate)
         frames_read = 0
         block = -1 if math.isinf(block_s) else max(1, int(block_s * rate))  # -1: all that is left
-        while len(data := f.read(block, dtype="float32", always_2d=True)):
-            frames_read += len(data)
-            yield resample(_mono_finite(data))
+        for mono in _mono_blocks(f, block):
+            frames_read += len(mono)
+            yield resample(mono)
         if raw is None:
             _check_complete(path, frames_read, rate, header_frames)
         if frames_read == 0:
             raise AudioError("empty audio (0 samples)")
         if len(tail := resample(np.zeros(0, np.float32), last=True)):
             yield tail
+
+
+def _mono_blocks(f: Any, block: int) -> Iterator[np.ndarray]:
+    """Mono blocks of ``block`` frames (the last may be shorter; -1: all, in one read) of the
+    open SoundFile ``f``, each read :data:`STREAM_BLOCK_SAMPLES` samples at most at a time and
+    mixed down as it is read, so memory is bounded whatever the channel count."""
+    if block < 0:  # one read: libsndfile garbles MP3 read in parts
+        if len(data := f.read(-1, dtype="float32", always_2d=True)):
+            yield _mono_finite(data)
+        return
+    step = max(1, STREAM_BLOCK_SAMPLES // f.channels)
+    while True:
+        parts: list[np.ndarray] = []
+        n = 0
+        while n < block and len(data := f.read(min(step, block - n), dtype="float32", always_2d=True)):
+            parts.append(_mono_finite(data))
+            n += len(data)
+        if parts:
+            yield parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if n < block:  # the end of the file
+            return
 
 
 class _Resampler:
@@ -529,8 +576,10 @@ def _av_declared_s(c: Any, s: Any) -> float | None:
     return None
 
 
-def _av_duration(path: Path, kind: str) -> float:
+def _av_duration(path: Path, kind: str) -> tuple[float, int]:
+    """(seconds, sample rate) of a file PyAV decodes."""
     with _av_open(path, kind) as (c, s):
+        rate = int(s.codec_context.sample_rate or 0)
         seconds = _av_declared_s(c, s)
         if seconds is None and c.duration:
             seconds = c.duration / 1e6
@@ -538,7 +587,7 @@ def _av_duration(path: Path, kind: str) -> float:
         seconds = sum(len(b) for b in _av_stream(path, kind, 16000, STREAM_BLOCK_S)) / 16000
     if seconds <= 0:
         raise AudioError("empty audio (0 samples)")
-    return float(seconds)
+    return float(seconds), rate
 
 
 _AV_TRUNCATION_SLACK_S = 0.1  # codec delay and frame granularity: what a complete file may miss

@@ -462,11 +462,12 @@ def _progress(total: int, quiet: bool) -> Any:
 def cmd_wer(args: argparse.Namespace) -> int:
     """Print the corpus WER of a results file against references (as one JSON line)."""
     from polyaccel.asr.manifest import read_refs
+    from polyaccel.asr.results_file import one_per_input
     from polyaccel.asr.wer import wer, wer_counts
 
     refs = _read_refs(args.refs, read_refs)
     pairs, missing, failed = [], 0, 0
-    for rec in _read_hyps(args.hyps):
+    for rec in one_per_input(_read_hyps(args.hyps)):  # an input listed twice counts once, as in export
         ref = refs.get(rec["path"], refs.get(Path(rec["path"]).stem))
         if ref is None:
             missing += 1

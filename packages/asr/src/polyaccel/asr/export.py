@@ -3,9 +3,10 @@ results JSONL written by ``transcribe``.
 
 Files are named after the input's stem (``clips/a.wav`` -> ``DIR/a.srt``); a file name that is
 not valid UTF-8 is rebuilt from the record's ``path_bytes`` so the subtitle sits next to the
-right name byte for byte. Two inputs with one stem get ``a.srt`` and ``a-2.srt`` (in record
-order, each said on stderr). An existing file is never replaced unless ``--overwrite``; a new
-one is created exclusively (``O_EXCL``), a replaced one written next to it and renamed over it.
+right name byte for byte. Two inputs with one stem, in any letter case (``A.wav``, ``a.wav``),
+get ``A.srt`` and ``a-2.srt`` on every file system (in record order, each said on stderr). An
+existing file is never replaced unless ``--overwrite``; a new one is created exclusively
+(``O_EXCL``), a replaced one written next to it and renamed over it.
 
 Exit status: 0 every transcribed input has its file; 1 some could not be written (the record
 failed, has no segments for srt/vtt, the file exists, a write error), each said on stderr;
@@ -98,7 +99,7 @@ def add_parser(sub: Any) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write one file per transcribed input; see the module docstring for exit statuses."""
-    from polyaccel.asr.results_file import NotResultsFile, path_key, record_path, scan_results
+    from polyaccel.asr.results_file import NotResultsFile, one_per_input, record_path, scan_results
 
     try:
         if not os.path.isfile(args.results):
@@ -114,15 +115,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"polyaccel-asr export: error: {e}", file=sys.stderr)
         return EXIT_USAGE
 
-    # A resumed file may hold a failed line and, later, the same input's good one: keep the
-    # good one; an input that only failed is reported once.
-    best: dict[str, dict[str, Any]] = {}
-    for rec in records:
-        key = path_key(record_path(rec))
-        if key not in best or (best[key].get("error") and not rec.get("error")):
-            best[key] = rec
+    # one line per input: a resumed file's good line over its failed one; a failure said once
     written, problems, taken = 0, 0, set()
-    for rec in best.values():
+    for rec in one_per_input(records):
         path = record_path(rec)
         shown = rec.get("path", path)
         if rec.get("error"):
@@ -182,15 +177,23 @@ def _name(path: str, fmt: str) -> bytes:
     return stem + b"." + fmt.encode()
 
 
-def _target(out_dir: bytes, path: str, fmt: str, taken: set[bytes]) -> bytes:
+def _target(out_dir: bytes, path: str, fmt: str, taken: set[str]) -> bytes:
+    """The file for ``path`` in ``out_dir``: its :func:`_name`, or ``stem-2.fmt``, ... when another
+    input took that name in any letter case (``A.srt`` and ``a.srt`` are one file on macOS and
+    Windows file systems)."""
     name = _name(path, fmt)
     stem = name[: -len(fmt) - 1]
     k = 1
-    while name in taken:
+    while _fold(name) in taken:
         k += 1
         name = stem + b"-%d." % k + fmt.encode()
-    taken.add(name)
+    taken.add(_fold(name))
     return os.path.join(out_dir, name)
+
+
+def _fold(name: bytes) -> str:
+    """A file name without letter case, for comparing names (odd bytes kept as they are)."""
+    return os.fsdecode(name).casefold()
 
 
 def _same_file(a: bytes, b: str) -> bool:

@@ -175,6 +175,18 @@ def completed(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept
 
 
+def one_per_input(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per input (:func:`path_key`), in first-seen order: its first good one, else
+    its first failed one. A resumed (or concatenated) file may hold an input's failed line and,
+    later, its good one, or the same input twice."""
+    best: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        key = path_key(record_path(rec))
+        if key not in best or (best[key].get("error") and not rec.get("error")):
+            best[key] = rec
+    return list(best.values())
+
+
 # ---- writing ----------------------------------------------------------------------------------
 
 

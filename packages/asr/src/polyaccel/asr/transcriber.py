@@ -29,7 +29,7 @@ import numpy as np
 from polyaccel.asr.audio import (
     DEFAULT_OVERLAP_S,
     AudioError,
-    audio_duration,
+    audio_extent,
     bucket_order,
     load_audio,
     prepare_waveform,
@@ -67,6 +67,10 @@ WARN_BELOW_WPS, WARN_ABOVE_WPS = 0.5, 6.0
 """Words per second of speech outside these bounds put a warning on the file's result."""
 
 _MIN_SPEECH_S = 5.0  # below this much speech, a low word rate is no evidence of loss
+
+MAX_WHOLE_BYTES = 64 << 20
+"""Most decoded float32 (frames x channels x 4 bytes) a file shorter than one window is decoded
+whole with; a wider one (libsndfile allows 1024 channels) is streamed, in bounded memory."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -169,14 +173,16 @@ class _Decoded:
 
 @dataclasses.dataclass(slots=True)
 class _Pending:
-    """An input whose windows are in flight: their texts so far, how many are out, and
-    whether its reader has submitted them all."""
+    """An input whose windows are in flight: their texts so far, how many are out, whether
+    its reader has submitted them all, and (streamed inputs) whether its header says it is
+    longer than one window."""
 
     result: TranscriptResult
     texts: list[str | None] = dataclasses.field(default_factory=list)
     spans_s: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     left: int = 0
     read: bool = True
+    long: bool = False
 
     @property
     def done(self) -> bool:
@@ -450,7 +456,7 @@ class Transcriber:
                 if isinstance(source, np.ndarray):
                     numbered += self._cut(idx, source, p)
                 elif source is not None:
-                    p.read = False
+                    p.read, p.long = False, result.duration_s > self.max_audio_seconds
                     streams.append((idx, source))
                 idx += 1
             m.windows += len(numbered)
@@ -484,7 +490,7 @@ class Transcriber:
             p = pending[i]
             if kind == "window":
                 w, speech = x
-                win = _Window(i, w.index, w.audio, w.start_s, long=True, speech_s=speech)
+                win = _Window(i, w.index, w.audio, w.start_s, long=p.long or w.index > 0, speech_s=speech)
                 p.add(win, self.sample_rate)
                 p.result.duration_s = p.spans_s[-1][1]
                 m.windows += 1
@@ -520,7 +526,8 @@ class Transcriber:
 
     def _open(self, idx: int, item: AudioInput) -> tuple[TranscriptResult, np.ndarray | str | None]:
         """Decode one input whole, or name the file to stream when it is longer than one
-        window; a failure becomes a result with ``error`` set and no audio."""
+        window or its decoded samples exceed :data:`MAX_WHOLE_BYTES`; a failure becomes a
+        result with ``error`` set and no audio."""
         ref = None
         if isinstance(item, InputItem):
             ref, item = item.ref, item.path
@@ -533,10 +540,11 @@ class Transcriber:
                 audio = prepare_waveform(arr, int(rate), self.sample_rate)
             elif isinstance(item, np.ndarray):
                 audio = prepare_waveform(item, self.sample_rate, self.sample_rate)
-            elif (seconds := audio_duration(name)) > self.max_audio_seconds:
-                result.duration_s = seconds
-                return result, name
             else:
+                seconds, samples = audio_extent(name)
+                if seconds > self.max_audio_seconds or 4 * samples > MAX_WHOLE_BYTES:
+                    result.duration_s = seconds
+                    return result, name
                 audio = load_audio(name, self.sample_rate)
         except AudioError as e:
             return self._read_failed(result, str(e)), None
