@@ -71,3 +71,65 @@ def test_captures_from_inside_sections_never_deadlock_and_never_overlap() -> Non
 
     _run(*[replica] * 4, timeout=10)
     assert state["overlaps"] == 0
+
+
+class _Graph:
+    replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def _runner(*buffers):
+    """A CudaGraphRunner over CPU buffers with a stand-in graph (no GPU needed)."""
+    from polyaccel.cuda.graphs import CudaGraphRunner
+
+    r = CudaGraphRunner.__new__(CudaGraphRunner)
+    r.name, r.static_inputs, r.graph, r.static_outputs = "g", list(buffers), _Graph(), None
+    return r
+
+
+def test_graph_replay_refuses_inputs_of_another_shape_or_dtype() -> None:
+    """copy_ broadcasts: a batch of 1 fed to a graph captured at batch 4 filled all 4 rows and
+    replayed, returning 4 outputs for one input; floats were truncated into an integer buffer."""
+    import pytest
+    import torch
+
+    r = _runner(torch.zeros(4, 3), torch.zeros(4, dtype=torch.int64))
+    for bad in ((torch.ones(1, 3), torch.ones(4, dtype=torch.int64)), (torch.ones(3), torch.ones(4, dtype=torch.int64)),
+                (torch.ones(4, 3), torch.full((4,), 2.7))):
+        with pytest.raises(ValueError, match="captured for"):
+            r(*bad)
+    assert r.graph.replays == 0 and r.static_inputs[0].sum() == 0
+    r(torch.ones(4, 3, dtype=torch.float64), torch.ones(4, dtype=torch.int32))  # same-kind casts are fine
+    assert r.graph.replays == 1 and r.static_inputs[0].sum() == 12
+
+
+def test_a_capture_interrupted_while_waiting_leaves_the_gate_usable() -> None:
+    """A KeyboardInterrupt (or any exception) in a capture's wait must not leave it counted as
+    waiting: every later section would block forever."""
+    gate = CaptureGate()
+
+    class Interrupting(threading.Condition):
+        def wait(self, timeout=None):
+            raise KeyboardInterrupt
+
+    release = threading.Event()
+
+    def replica():
+        with gate.work():
+            release.wait(5)
+
+    holder = threading.Thread(target=replica, daemon=True)
+    holder.start()
+    time.sleep(0.05)
+    gate._cond = Interrupting(gate._cond._lock)
+    try:
+        with gate.capture():
+            raise AssertionError("captured while a section was open")
+    except KeyboardInterrupt:
+        pass
+    gate._cond = threading.Condition(gate._cond._lock)
+    entered = []
+    _run(lambda: entered.append(gate.work().__enter__()) or None, timeout=2)  # not blocked by a stale waiter
+    assert entered == [None]

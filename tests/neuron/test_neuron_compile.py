@@ -42,7 +42,10 @@ def test_graph_dir_names_and_neff_discovery(tmp_path):
     (enc / "sub" / "model.neff").write_bytes(b"a")
     (enc / "sub" / "deeper" / "graph.neff").write_bytes(b"b")
     (enc / "sub" / "model.hlo").write_bytes(b"not a neff")
+    (enc / ncompile.MARKER).write_text("encode{'batch': 8}\n")  # compile_graph wrote it
     (tmp_path / "empty").mkdir()
+    (tmp_path / "planted").mkdir()  # NEFFs in a folder compile_graph did not write are not listed
+    (tmp_path / "planted" / "model.neff").write_bytes(b"c")
     assert {p.name for p in ncompile.find_neffs(enc)} == {"model.neff", "graph.neff"}
     assert ncompile.find_neffs(tmp_path / "missing") == []
     found = ncompile.collect_neffs(tmp_path)
@@ -143,3 +146,76 @@ def test_compile_does_not_replace_a_folder_it_did_not_write(tmp_path, monkeypatc
     with pytest.raises(FileExistsError, match="not written by compile_graph"):
         ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "notes", root=tmp_path)
     assert (tmp_path / "notes" / "mine.txt").read_text() == "keep"
+
+
+def test_two_graph_names_on_one_directory_never_replace_each_other(tmp_path, monkeypatch):
+    """"encode.v2" and "encode v2" both map to encode-v2: the second compile replaced the first
+    graph's NEFFs, and the first CompiledGraph then listed the second graph's NEFF."""
+    a, b = "encode.v2", "encode v2"
+    assert ncompile.graph_dir_name(a) == ncompile.graph_dir_name(b)
+    _fake_compile(monkeypatch, lambda: b"FF-minus")
+    g = ncompile.compile_graph(lambda x: x, [torch.zeros(1)], a, root=tmp_path)
+    _fake_compile(monkeypatch, lambda: b"FF-plus")
+    with pytest.raises(FileExistsError, match="holds the NEFFs of graph"):
+        ncompile.compile_graph(lambda x: x, [torch.zeros(1)], b, root=tmp_path)
+    assert [p.read_bytes() for p in g.neffs] == [b"NEFF-minus"]
+    again = ncompile.compile_graph(lambda x: x, [torch.zeros(1)], a, root=tmp_path)
+    assert [p.read_bytes() for p in again.neffs] == [b"NEFF-plus"]  # the same graph recompiles
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o775])
+def test_an_artifacts_root_others_can_write_is_refused(tmp_path, monkeypatch, mode):
+    """A root such as /tmp/neffs (world- or group-writable) let another user plant a graph
+    directory with their NEFF, which collect_neffs handed to the runtime."""
+    _fake_compile(monkeypatch, lambda: b"FF")
+    root = tmp_path / "shared"
+    root.mkdir()
+    ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "encode", root=root)
+    root.chmod(mode)
+    with pytest.raises(PermissionError, match="not writable by others"):
+        ncompile.collect_neffs(root)
+    with pytest.raises(PermissionError, match="not writable by others"):
+        ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "encode", root=root)
+    root.chmod(0o700)
+    assert list(ncompile.collect_neffs(root)) == ["encode"]
+
+
+def test_graph_directories_of_another_user_are_not_collected(tmp_path, monkeypatch):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown a folder to another user")
+    _fake_compile(monkeypatch, lambda: b"FF")
+    ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "encode", root=tmp_path)
+    other = tmp_path / "decode"
+    other.mkdir()
+    (other / ncompile.MARKER).write_text("decode\n")
+    (other / "graph.neff").write_bytes(b"NEFF-theirs")
+    os.chown(other, 65534, 65534)
+    assert list(ncompile.collect_neffs(tmp_path)) == ["encode"]
+    os.chown(tmp_path, 65534, 65534)
+    with pytest.raises(PermissionError, match="owned by uid 65534"):
+        ncompile.collect_neffs(tmp_path)
+    os.chown(tmp_path, 0, 0)
+
+
+def test_a_fresh_artifacts_root_is_private_whatever_the_umask(tmp_path, monkeypatch):
+    _fake_compile(monkeypatch, lambda: b"FF")
+    old = os.umask(0o002)
+    try:
+        g = ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "encode", root=tmp_path / "new")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "new").stat().st_mode & 0o077 == 0 and g.neffs
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("0-3,2", "names a core twice"),  # core 2 got two replicas of a 5-replica pool
+    ("7-0", "ascending range"),  # parsed as no core at all: replica_cores divided by zero
+    ("0-", "ascending range"),
+    ("a", "ascending range"),
+])
+def test_bad_visible_cores_are_refused(monkeypatch, spec, match):
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", spec)
+    with pytest.raises(ValueError, match=match):
+        NeuronBackend().replica_cores(5)
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", " 0-3 , 5 ")
+    assert NeuronBackend().replica_cores(5) == [0, 1, 2, 3, 5]

@@ -209,3 +209,29 @@ def test_depthwise_conv1d_random_shapes(B, C, T, K, pad, seed):
     x, w, b = torch.randn(B, C, T, generator=g), torch.randn(C, K, generator=g), torch.randn(C, generator=g)
     out = dw_mod.depthwise_conv1d(x, w, b, pad, impl="sim")
     _close(out, ops.depthwise_conv1d.reference(x, w, b, pad), torch.float32)
+
+
+# ---- argument checks: what the reference refuses, the kernels refuse (never a silent subset) ----
+
+@pytest.mark.parametrize("w_shape,nh,nkv", [
+    ((13, 8), 2, 1),  # 13 columns are not (2 + 2 * 1) * D: the kernel dropped the last one
+    ((12, 10), 2, 1),  # w's H (10) is not x's H (8): the kernel read 8 of 10 weight columns
+])
+def test_fused_qkv_refuses_weights_of_the_wrong_shape(w_shape, nh, nkv):
+    x, w = torch.randn(1, 3, 8), torch.randn(*w_shape)
+    with pytest.raises(RuntimeError):
+        ops.fused_qkv.reference(x, w, None, nh, nkv)
+    with pytest.raises(ValueError, match="w_qkv must be"):
+        qkv_mod.fused_qkv(x, w, None, nh, nkv, impl="sim")
+
+
+@pytest.mark.parametrize("w_shape,pad,match", [
+    ((6, 1, 3), None, "same C"),  # 6 channels of taps for x's 4: the kernel used the first 4
+    ((4, 1, 3), -1, "padding must be >= 0"),  # -1 was the kernel's "same" sentinel
+])
+def test_depthwise_conv1d_refuses_what_the_reference_refuses(w_shape, pad, match):
+    x, w = torch.randn(1, 4, 10), torch.randn(*w_shape)
+    with pytest.raises(RuntimeError):
+        ops.depthwise_conv1d.reference(x, w, None, pad)
+    with pytest.raises(ValueError, match=match):
+        dw_mod.depthwise_conv1d(x, w, None, pad, impl="sim")

@@ -235,3 +235,73 @@ def test_a_missing_neuron_rt_lib_is_not_replaced_by_another_libnrt(tmp_path, mon
     assert find_libnrt() is None
     with pytest.raises(OSError, match="NEURON_RT_LIB=.*typo.* does not exist"):
         nrt.load()
+
+
+def test_inputs_of_another_shape_or_kind_are_refused(fake_libnrt):
+    """Equal byte counts were enough: a [2, 3] array ran as the NEFF's [6], and an input the
+    NEFF reads as integers would have taken floats truncated."""
+    model = runtime.NeuronModel(b"FAKE 6 0", core=2, lib=fake_libnrt)
+    before = fake_libnrt.lib.fake_exec_count(2)
+    with pytest.raises(ValueError, match=r"shape \(2, 3\), the NEFF expects \(6,\)"):
+        model.execute([np.zeros((2, 3), np.float32)])
+    with pytest.raises(TypeError, match="does not convert safely"):
+        runtime._input_array(nrt.TensorInfo("ids", nrt.USAGE_INPUT, 24, np.dtype(np.int32), (6,)),
+                             np.full(6, 2.7, np.float32))
+    assert fake_libnrt.lib.fake_exec_count(2) == before
+    (y,) = model.execute([np.arange(6, dtype=np.float64)])  # float64 -> the NEFF's float32 is fine
+    np.testing.assert_array_equal(y, 2 * np.arange(6, dtype=np.float32))
+    model.close()
+
+
+def test_a_model_whose_setup_fails_is_unloaded_from_its_core(fake_libnrt, monkeypatch):
+    """A failure after nrt_load (here: no tensor set) left the model loaded on its core until the
+    half-built object was garbage collected, which the kept exception (a pool stores per-item
+    errors) delays: a restarted replica's load on that core met the stale model."""
+    unloaded = []
+    real_unload = fake_libnrt.lib.nrt_unload
+
+    def unload(model):
+        unloaded.append(model)
+        return real_unload(model)
+
+    monkeypatch.setattr(fake_libnrt.lib, "nrt_unload", unload)
+    monkeypatch.setattr(fake_libnrt.lib, "nrt_allocate_tensor_set", lambda out: 4)
+    with pytest.raises(nrt.NrtError, match="NRT_RESOURCE") as kept:
+        runtime.NeuronModel(b"FAKE 4 0", core=5, lib=fake_libnrt)
+    assert len(unloaded) == 1 and kept.value.status == "NRT_RESOURCE"
+
+
+@pytest.mark.parametrize("file_mode,dir_mode", [(0o666, 0o755), (0o755, 0o777), (0o775, 0o755)])
+def test_a_libnrt_others_can_write_is_not_loaded(fake_libnrt, tmp_path, monkeypatch, file_mode, dir_mode):
+    """NEURON_RT_LIB at a library (or in a folder) another user can write, e.g. under /tmp,
+    was dlopen'ed: their code ran in our process."""
+    d = tmp_path / "lib"
+    d.mkdir()
+    so = d / "libnrt.so.1"
+    shutil.copy(fake_libnrt.path, so)
+    so.chmod(file_mode)
+    d.chmod(dir_mode)
+    monkeypatch.setenv("NEURON_RT_LIB", str(so))
+    with pytest.raises(OSError, match="must not be writable by others"):
+        nrt.load()
+    so.chmod(0o755)
+    d.chmod(0o755)
+    assert nrt.load().path == str(so)
+
+
+def test_a_relative_or_bare_libnrt_never_loads_from_the_current_folder(tmp_path, monkeypatch):
+    """A relative NEURON_RT_LIB, or the bare name find_library returns, was turned into
+    ./libnrt.so.1 whenever the current folder had a file of that name."""
+    (tmp_path / "libnrt.so.1").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NEURON_RT_LIB", "./libnrt.so.1")
+    with pytest.raises(OSError, match="relative"):
+        nrt.load()
+    monkeypatch.delenv("NEURON_RT_LIB")
+    monkeypatch.setattr("polyaccel.neuron.plugin.LIBNRT_PATHS", ())
+    monkeypatch.setattr("ctypes.util.find_library", lambda name: "libnrt.so.1")
+    opened = []
+    monkeypatch.setattr(nrt, "Libnrt", lambda path: opened.append(path) or path)
+    monkeypatch.setattr(nrt, "_libs", {})
+    nrt.load()
+    assert opened == ["libnrt.so.1"]  # dlopen's search, not the file in the current folder

@@ -70,8 +70,15 @@ class CaptureGate:
                 self._active -= 1
                 self._cond.notify_all()
             self._waiting += 1
-            while self._capturing or self._active:
-                self._cond.wait()
+            try:
+                while self._capturing or self._active:
+                    self._cond.wait()
+            except BaseException:  # interrupted while waiting: leave the counts as they were
+                self._waiting -= 1
+                if inside:
+                    self._active += 1
+                self._cond.notify_all()
+                raise
             self._waiting -= 1
             self._capturing = True
         try:
@@ -116,11 +123,24 @@ class CudaGraphRunner:
             torch.cuda.current_stream().wait_stream(stream)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        for dst, src in zip(self.static_inputs, inputs, strict=True):
-            if src.data_ptr() != dst.data_ptr():
-                dst.copy_(src, non_blocking=True)
+        if len(inputs) != len(self.static_inputs):
+            raise ValueError(f"graph {self.name} takes {len(self.static_inputs)} inputs, got {len(inputs)}")
+        copies = [(i, dst, src) for i, (dst, src) in enumerate(zip(self.static_inputs, inputs))
+                  if src is not dst and src.data_ptr() != dst.data_ptr()]  # the buffer itself: nothing to do
+        for i, dst, src in copies:  # all checked before any is copied
+            self._check_input(i, dst, src)
+        for _, dst, src in copies:
+            dst.copy_(src, non_blocking=True)
         self.graph.replay()
         return self.static_outputs
+
+    def _check_input(self, i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """An input copied in must have its buffer's shape and a dtype that casts to the buffer's
+        within its kind: ``copy_`` would broadcast a smaller batch into the whole buffer, or
+        truncate floats into an integer buffer, and the replay return wrong results."""
+        if src.shape != dst.shape or not torch.can_cast(src.dtype, dst.dtype):
+            raise ValueError(f"graph {self.name} input {i}: captured for {tuple(dst.shape)} {dst.dtype}, "
+                             f"got {tuple(src.shape)} {src.dtype}")
 
 
 def capture(fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor], *, name: str = "graph"

@@ -83,13 +83,49 @@ def find_neffs(directory: Path) -> list[Path]:
     return sorted(directory.rglob("*.neff"), key=lambda p: (p.stat().st_mtime, str(p)))
 
 
+def check_private_root(root: Path) -> None:
+    """Refuse an artifacts root that another user could write to: owned by someone else, or
+    writable by group or others (a shared ``/tmp`` folder), where anyone could plant or swap
+    the NEFFs the runtime then loads."""
+    st = root.stat()
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{root} is owned by uid {st.st_uid} with mode {st.st_mode & 0o7777:o}: the "
+                              f"NEFF artifacts root must be yours and not writable by others (chmod go-w, "
+                              f"or point {ARTIFACTS_ENV} at a private folder)")
+
+
+def _graph_dirs(root: Path) -> list[Path]:
+    """Graph directories under ``root`` that compile_graph wrote (marker present, ours)."""
+    return [d for d in sorted(root.iterdir()) if not d.name.startswith(".") and d.is_dir()
+            and (d / MARKER).is_file() and d.stat().st_uid == os.geteuid()]
+
+
 def collect_neffs(root: Path | None = None) -> dict[str, list[Path]]:
-    """Every compiled graph under the artifacts root: graph directory name -> its NEFFs."""
+    """Every compiled graph under the artifacts root: graph directory name -> its NEFFs. Only
+    directories compile_graph wrote count, and only in a root nobody else can write to."""
     root = Path(root) if root is not None else artifacts_root()
     if not root.is_dir():
         return {}
-    out = {d.name: find_neffs(d) for d in sorted(root.iterdir()) if d.is_dir() and not d.name.startswith(".")}
+    check_private_root(root)
+    out = {d.name: find_neffs(d) for d in _graph_dirs(root)}
     return {k: v for k, v in out.items() if v}
+
+
+def _check_replaceable(out_dir: Path, name: str) -> None:
+    """``out_dir`` may be replaced only if it is absent, empty, or compile_graph's directory for
+    this very ``name`` (another name can map to the same directory: ``a.b`` and ``a-b``)."""
+    if not out_dir.exists():
+        return
+    marker = out_dir / MARKER
+    if not marker.exists():
+        if any(out_dir.iterdir()):
+            raise FileExistsError(f"{out_dir} exists and was not written by compile_graph; move it away "
+                                  f"or point {ARTIFACTS_ENV} elsewhere")
+        return
+    owner = marker.read_text().rstrip("\n")
+    if owner != name:
+        raise FileExistsError(f"{out_dir} holds the NEFFs of graph {owner!r}, which maps to the same "
+                              f"directory as {name!r}: rename one of the graphs")
 
 
 @dataclasses.dataclass
@@ -111,11 +147,10 @@ def compile_graph(fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor]
     the NEFFs under ``root/<name>`` (see the module docstring)."""
     require_torch_neuronx()
     root = Path(root) if root is not None else artifacts_root()
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    check_private_root(root)
     out_dir = root / graph_dir_name(name)
-    if out_dir.exists() and not (out_dir / MARKER).exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} exists and was not written by compile_graph; move it away "
-                              f"or point {ARTIFACTS_ENV} elsewhere")
-    root.mkdir(parents=True, exist_ok=True)
+    _check_replaceable(out_dir, name)
     # compile into a fresh hidden directory and swap it in only when the compile finished: a
     # failed or killed compile never leaves a partial NEFF, nor stale ones from an earlier compile,
     # where collect_neffs looks

@@ -162,6 +162,22 @@ class Libnrt:
         return infos
 
 
+def check_trusted_library(path: str) -> None:
+    """Refuse to load ``path`` unless it is absolute and neither it nor its folder can be
+    written by a user other than us or root (a libnrt in a shared folder runs their code)."""
+    if not os.path.isabs(path):
+        raise OSError(f"libnrt path {path!r} is relative (it would load from the current folder): "
+                      f"give NEURON_RT_LIB an absolute path")
+    real = os.path.realpath(path)
+    for p in (real, os.path.dirname(real)):
+        st = os.stat(p)
+        others_write = st.st_mode & 0o022 and not (p != real and st.st_mode & 0o1000 and
+                                                     os.stat(real).st_uid in (0, os.geteuid()))
+        if st.st_uid not in (0, os.geteuid()) or others_write:
+            raise OSError(f"refusing to load {path}: {p} is owned by uid {st.st_uid} with mode "
+                          f"{st.st_mode & 0o7777:o}; libnrt and its folder must not be writable by others")
+
+
 _libs: dict[str, Libnrt] = {}
 _libs_lock = threading.Lock()
 
@@ -177,7 +193,8 @@ def load(path: str | None = None) -> Libnrt:
     if path is None:
         raise OSError(f"libnrt.so.1 (the Neuron runtime) was not found; install {INSTALL_HINT} "
                       f"or point NEURON_RT_LIB at it")
-    path = os.path.abspath(path) if os.path.exists(path) else path
+    if os.sep in path:  # a file path; a bare name is dlopen's to find in the system's paths, never ./
+        check_trusted_library(path)
     with _libs_lock:
         if path not in _libs:
             _libs[path] = Libnrt(path)

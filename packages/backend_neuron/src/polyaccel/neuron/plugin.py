@@ -42,9 +42,19 @@ def visible_cores(default: int) -> list[int]:
         return list(range(default))
     cores: list[int] = []
     for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        cores.extend(range(int(lo), int(hi or lo) + 1))
+        cores.extend(_core_range(part.strip(), spec))
+    if len(set(cores)) != len(cores):
+        raise ValueError(f"NEURON_RT_VISIBLE_CORES={spec!r} names a core twice: two replicas would share it")
     return cores
+
+
+def _core_range(part: str, spec: str) -> range:
+    """One ``"3"`` or ``"0-7"`` item of NEURON_RT_VISIBLE_CORES; a clear error for anything else."""
+    lo, sep, hi = part.partition("-")
+    if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
+        raise ValueError(f"NEURON_RT_VISIBLE_CORES={spec!r}: {part!r} is not a core id or an "
+                         f"ascending range such as 0-7")
+    return range(int(lo), int(hi or lo) + 1)
 
 
 class NeuronBackend(Backend):

@@ -44,16 +44,21 @@ class NeuronModel:
     def __init__(self, neff: bytes | str | Path, core: int, lib: nrt.Libnrt | None = None) -> None:
         self.lib = lib or nrt.load()
         self.core = core
+        self._tensors: list[ctypes.c_void_p] = []
+        self._sets: list[ctypes.c_void_p] = []
+        self._model = ctypes.c_void_p()
         self.lib.init()
         data = neff if isinstance(neff, bytes) else Path(neff).read_bytes()
         self._model = self.lib.load(data, core)
-        self._tensors: list[ctypes.c_void_p] = []
-        self._sets: list[ctypes.c_void_p] = []
-        self.infos = self.lib.tensor_info(self._model)
-        self.inputs = [i for i in self.infos if i.is_input]
-        self.outputs = [i for i in self.infos if not i.is_input]
-        self._in_set, self._in_handles = self._tensor_set(self.inputs)
-        self._out_set, self._out_handles = self._tensor_set(self.outputs)
+        try:
+            self.infos = self.lib.tensor_info(self._model)
+            self.inputs = [i for i in self.infos if i.is_input]
+            self.outputs = [i for i in self.infos if not i.is_input]
+            self._in_set, self._in_handles = self._tensor_set(self.inputs)
+            self._out_set, self._out_handles = self._tensor_set(self.outputs)
+        except BaseException:
+            self.close()  # a half-built model must not stay loaded on its core
+            raise
 
     def _tensor_set(self, infos: Sequence[nrt.TensorInfo]) -> tuple[ctypes.c_void_p, list[ctypes.c_void_p]]:
         """Allocate one device tensor per entry on this core and bind them by name in a new set."""
@@ -83,9 +88,7 @@ class NeuronModel:
         if len(inputs) != len(self.inputs):
             raise ValueError(f"the NEFF takes {len(self.inputs)} inputs, got {len(inputs)}")
         for info, handle, value in zip(self.inputs, self._in_handles, inputs):
-            arr = np.ascontiguousarray(_as_numpy(value), dtype=info.dtype)
-            if arr.nbytes != info.size:
-                raise ValueError(f"input {info.name}: {arr.nbytes} bytes, the NEFF expects {info.size}")
+            arr = _input_array(info, value)
             self.lib.check("nrt_tensor_write", lib.nrt_tensor_write(handle, arr.ctypes.data, 0, arr.nbytes))
         self.lib.check("nrt_execute", lib.nrt_execute(self._model, self._in_set, self._out_set))
         outs = []
@@ -163,6 +166,21 @@ def replica_factory(neffs: Mapping[str, bytes | str | Path], *, first_core: int 
         return NeuronReplica(blobs, first_core + index, lib, process)
 
     return factory
+
+
+def _input_array(info: nrt.TensorInfo, value: Any) -> np.ndarray:
+    """``value`` as the contiguous array the NEFF input ``info`` takes. Its shape must be the
+    NEFF's (equal byte counts are not enough: a transposed or reshaped input would run on
+    scrambled data) and its dtype must cast within its kind (floats never into integers)."""
+    src = _as_numpy(value)
+    if info.dtype is not None and not np.can_cast(src.dtype, info.dtype, casting="same_kind"):
+        raise TypeError(f"input {info.name}: {src.dtype} does not convert safely to the NEFF's {info.dtype}")
+    if info.shape and tuple(src.shape) != info.shape:
+        raise ValueError(f"input {info.name}: shape {tuple(src.shape)}, the NEFF expects {info.shape}")
+    arr = np.ascontiguousarray(src, dtype=info.dtype)
+    if arr.nbytes != info.size:
+        raise ValueError(f"input {info.name}: {arr.nbytes} bytes, the NEFF expects {info.size}")
+    return arr
 
 
 def _as_numpy(value: Any) -> np.ndarray:

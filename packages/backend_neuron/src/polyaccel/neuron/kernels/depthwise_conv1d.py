@@ -73,12 +73,24 @@ def depthwise_conv1d(x, weight, bias=None, padding=None, impl=None):
     (x [B, C, T], weight [C, 1, K] or [C, K])."""
     import torch
 
+    _check_args(tuple(x.shape), tuple(weight.shape), padding)
     w = weight.reshape(weight.shape[0], weight.shape[-1]).contiguous()
     if bias is None:
         bias = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
     b = bias.reshape(-1, 1).to(w.dtype)
     pad = -1 if padding is None else int(padding)
     return depthwise_conv1d_kernel(x.contiguous(), w, b.contiguous(), pad, impl=impl)
+
+
+def _check_args(x_shape: tuple[int, ...], w_shape: tuple[int, ...], padding: int | None) -> None:
+    """Refuse what the reference refuses: a weight that is not [C, 1, K] or [C, K] for x's C
+    (the kernel would use its first C rows), and negative padding (-1 is the kernel's "same")."""
+    ok = len(x_shape) == 3 and (len(w_shape) == 2 or (len(w_shape) == 3 and w_shape[1] == 1))
+    if not ok or w_shape[0] != x_shape[1]:
+        raise ValueError(f"depthwise_conv1d: x must be [B, C, T] and weight [C, 1, K] or [C, K] with the "
+                         f"same C, got x {list(x_shape)} and weight {list(w_shape)}")
+    if padding is not None and int(padding) < 0:
+        raise ValueError(f"depthwise_conv1d: padding must be >= 0, got {padding}")
 
 
 __all__ = ["depthwise_conv1d", "depthwise_conv1d_kernel"]

@@ -98,7 +98,7 @@ def fused_qkv(x, w_qkv, b_qkv, num_heads, num_kv_heads=None, impl=None):
     num_kv_heads = num_kv_heads or num_heads
     B, T, H = x.shape
     n_out = w_qkv.shape[0]
-    D = n_out // (num_heads + 2 * num_kv_heads)
+    D = _head_dim(H, tuple(w_qkv.shape), num_heads, num_kv_heads)
     if b_qkv is None:
         b_qkv = torch.zeros(n_out, dtype=w_qkv.dtype, device=w_qkv.device)
     b = b_qkv.reshape(1, n_out).to(w_qkv.dtype)
@@ -106,6 +106,16 @@ def fused_qkv(x, w_qkv, b_qkv, num_heads, num_kv_heads=None, impl=None):
                                         b.contiguous(), num_heads * D, num_kv_heads * D, impl=impl)
     return (q.view(B, T, num_heads, D).transpose(1, 2), k.view(B, T, num_kv_heads, D).transpose(1, 2),
             v.view(B, T, num_kv_heads, D).transpose(1, 2))
+
+
+def _head_dim(H: int, w_shape: tuple[int, ...], num_heads: int, num_kv_heads: int) -> int:
+    """The head size D for ``w_qkv`` [(NH + 2*NKV) * D, H]; raises if ``w_shape`` is not that
+    (the kernel would otherwise read part of the weight and drop columns silently)."""
+    heads = num_heads + 2 * num_kv_heads
+    if len(w_shape) != 2 or w_shape[1] != H or w_shape[0] % heads or not w_shape[0]:
+        raise ValueError(f"fused_qkv: w_qkv must be [(num_heads + 2 * num_kv_heads) * D, H] = "
+                         f"[{heads} * D, {H}], got {list(w_shape)}")
+    return w_shape[0] // heads
 
 
 __all__ = ["column_group", "fused_qkv", "fused_qkv_kernel"]
