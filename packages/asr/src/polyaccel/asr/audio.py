@@ -320,6 +320,48 @@ def prepare_waveform(data: np.ndarray, rate: int, sample_rate: int = 16000) -> n
     return data
 
 
+MAX_ARRAY_CHANNELS = 1024
+"""Most channels an in-memory array may have (libsndfile's own limit)."""
+
+
+def waveform_from_array(data: np.ndarray, rate: int, sample_rate: int = 16000) -> np.ndarray:
+    """:func:`prepare_waveform` for an array a caller built: [T], [T, C] or [C, T] (channels
+    are the shorter axis), float or integer PCM (signed ints scaled by 2**(bits-1), unsigned
+    ones centred first, as libsndfile reads them). Raises :class:`AudioError` for a square
+    (ambiguous) or too-wide array and for non-real dtypes (bool, complex, object)."""
+    data = np.asarray(data)
+    if data.dtype.kind not in "iuf":
+        raise AudioError(f"audio must be a real-valued (float or integer PCM) array, got dtype {data.dtype}")
+    if data.ndim == 2:
+        data = _channels_last(data)
+    if data.dtype.kind in "iu":
+        data = _int_pcm_to_float(data)
+    return prepare_waveform(data, rate, sample_rate)
+
+
+def _int_pcm_to_float(data: np.ndarray) -> np.ndarray:
+    """Integer PCM -> float32 in [-1, 1): divided by 2**(bits-1), unsigned centred on it first."""
+    full = 2.0 ** (8 * data.dtype.itemsize - 1)
+    x = data.astype(np.float32 if data.dtype.itemsize <= 2 else np.float64)
+    if data.dtype.kind == "u":
+        x -= full
+    x /= full
+    return x.astype(np.float32, copy=False)
+
+
+def _channels_last(data: np.ndarray) -> np.ndarray:
+    """A 2-D array as [T, C]: the longer axis is time."""
+    frames, channels = data.shape
+    if frames == channels and frames > 1:
+        raise AudioError(f"a {data.shape} array is ambiguous: is it [T, C] or [C, T]? pass a [T] waveform")
+    if frames < channels:
+        data, frames, channels = data.T, channels, frames
+    if channels > MAX_ARRAY_CHANNELS:
+        raise AudioError(f"a {data.shape} array has no channel axis of at most {MAX_ARRAY_CHANNELS}; "
+                         "pass [T], [T, C] or [C, T]")
+    return data
+
+
 def audio_duration(path: str | os.PathLike, raw: RawFormat | None = None) -> float:
     """Duration in seconds from the header alone (no decoding).
 

@@ -542,6 +542,7 @@ class ConformerAED(ASRModel):
         config = ConformerAEDConfig.load(directory)
         has_tokenizer = os.path.exists(os.path.join(directory, "tokenizer.json"))
         tokenizer = CharTokenizer.load(directory) if has_tokenizer else None
+        _check_fits_weights(cls, config, os.path.join(directory, WEIGHTS_NAME))
         with torch.device(device):
             model = cls(config, tokenizer)
         load_model(model, os.path.join(directory, WEIGHTS_NAME), strict=True,
@@ -561,3 +562,14 @@ class ConformerAED(ASRModel):
         if dtype is not None:
             model.to(dtype)
         return model.eval()
+
+
+def _check_fits_weights(cls: type, config: ConformerAEDConfig, weights: str) -> None:
+    """Refuse a config whose parameters could not be in ``weights`` (at least one byte each),
+    counted on the meta device before the model is allocated for real."""
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in cls(config).parameters())
+    size = os.path.getsize(weights)
+    if numel > size:
+        raise ValueError(f"{os.path.dirname(weights)}/config.json describes {numel:,} parameters but "
+                         f"{weights} holds {size:,} bytes: config and weights do not match")

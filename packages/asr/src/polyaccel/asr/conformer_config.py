@@ -114,8 +114,12 @@ class ConformerAEDConfig:
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> ConformerAEDConfig:
+        from polyaccel.asr.config_limits import check_sizes
+
         with open(os.path.join(directory, "config.json")) as f:
-            return cls.from_dict(json.load(f))
+            config = cls.from_dict(json.load(f))
+        check_sizes(config, directory)  # before any module of these sizes is made
+        return config
 
 
 def subsampled_length(n: int, layers: int) -> int:

@@ -32,12 +32,13 @@ from polyaccel.asr.audio import (
     audio_extent,
     bucket_order,
     load_audio,
-    prepare_waveform,
+    prepare_waveform,  # noqa: F401  (tools/bench_asr.py times it through this module)
     quietest_point,
     speech_seconds,
     stitch,
     stream_audio,
     stream_windows,
+    waveform_from_array,
     window_bounds,
 )
 from polyaccel.asr.manifest import InputItem
@@ -370,8 +371,9 @@ class Transcriber:
         self._running = (m, start)
         pending: dict[int, _Pending] = {}
         next_out = 0
+        source = _Guarded(iter(inputs))
         try:
-            for win, out in self._pool_map(self._windows(iter(inputs), block, pending, m)):
+            for win, out in self._pool_map(self._windows(source, block, pending, m)):
                 p = pending[win.idx]
                 if isinstance(out, BaseException) or not isinstance(out, _Decoded):
                     p.result.error = p.result.error or f"recognition failed: {_short(out)}"
@@ -386,6 +388,7 @@ class Transcriber:
             while next_out in pending:  # inputs that failed before producing any window
                 yield self._finish(pending.pop(next_out), m, start)
                 next_out += 1
+            source.reraise()  # the caller's iterable failed: every input read before it has its result
         finally:
             m.wall_s = time.perf_counter() - start
             self.last_metrics = m
@@ -532,14 +535,16 @@ class Transcriber:
         if isinstance(item, InputItem):
             ref, item = item.ref, item.path
         in_memory = isinstance(item, (np.ndarray, tuple))
+        if not in_memory and not isinstance(item, (str, os.PathLike)):
+            return self._read_failed(TranscriptResult(f"<input {idx}>", ref=ref), _unsupported(item)), None
         name = f"<array {idx}>" if in_memory else os.fspath(item)
         result = TranscriptResult(name, ref=ref)
         try:
             if isinstance(item, tuple):
-                arr, rate = item
-                audio = prepare_waveform(arr, int(rate), self.sample_rate)
+                arr, rate = _array_and_rate(item)
+                audio = waveform_from_array(arr, rate, self.sample_rate)
             elif isinstance(item, np.ndarray):
-                audio = prepare_waveform(item, self.sample_rate, self.sample_rate)
+                audio = waveform_from_array(item, self.sample_rate, self.sample_rate)
             else:
                 seconds, samples = audio_extent(name)
                 if seconds > self.max_audio_seconds or 4 * samples > MAX_WHOLE_BYTES:
@@ -789,6 +794,33 @@ def replicas_that_fit(wanted: int, free_bytes: int, state_bytes: int) -> int:
     return max(1, min(wanted, int(0.9 * free_bytes) // (4 * state_bytes)))
 
 
+class _Guarded:
+    """The caller's input iterator; an exception it raises ends the input (as exhaustion
+    would) and is raised again by :meth:`reraise` once the inputs read before it are done."""
+
+    def __init__(self, it: Iterator[Any]) -> None:
+        self._it = it
+        self._error: BaseException | None = None
+
+    def __iter__(self) -> _Guarded:
+        return self
+
+    def __next__(self) -> Any:
+        if self._error is not None:
+            raise StopIteration
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise
+        except Exception as e:
+            self._error = e
+            raise StopIteration from None
+
+    def reraise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
 def _take(it: Iterator[Any], n: int) -> list[Any]:
     out = []
     for x in it:
@@ -796,6 +828,22 @@ def _take(it: Iterator[Any], n: int) -> list[Any]:
         if len(out) == n:
             break
     return out
+
+
+def _unsupported(item: Any) -> str:
+    return (f"unsupported input of type {type(item).__name__}: give a path, an InputItem, a waveform "
+            "array or an (array, sample_rate) tuple")
+
+
+def _array_and_rate(item: tuple) -> tuple[np.ndarray, int]:
+    """An ``(array, sample_rate)`` input, checked: the rate must be a whole number of Hz."""
+    if len(item) != 2:
+        raise AudioError(f"a tuple input is (array, sample_rate), got {len(item)} elements")
+    arr, rate = item
+    if isinstance(rate, bool) or not isinstance(rate, (int, np.integer, float, np.floating)) \
+            or not math.isfinite(rate) or rate != int(rate):
+        raise AudioError(f"sample rate must be a whole number of Hz, got {rate!r}")
+    return arr, int(rate)
 
 
 def _short(e: Any) -> str:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyaccel.asr.batch_invariant import conv1d_as_gemm, fixed_rows_linear
+from polyaccel.asr.config_limits import check_sizes
 from polyaccel.asr.decoding import TimestampRules
 from polyaccel.asr.interface import ASRModel, DecoderState
 from polyaccel.core import ops
@@ -108,7 +109,13 @@ class WhisperConfig:
         kw["suppress_tokens"] = tuple(kw.get("suppress_tokens") or ())
         kw["begin_suppress_tokens"] = tuple(kw.get("begin_suppress_tokens") or ())
         kw.setdefault("is_multilingual", cfg.get("vocab_size", 51864) >= 51865)
-        return cls(**kw)
+        config = cls(**kw)
+        check_sizes(config, path)  # before any module or buffer of these sizes is made
+        if config.n_frames != 2 * config.max_source_positions:
+            raise ValueError(f"{path}/config.json: a {config.chunk_seconds} s window at {config.sample_rate} Hz, "
+                             f"hop {config.hop_length}, is {config.n_frames} frames; the encoder takes "
+                             f"{2 * config.max_source_positions} (2 x max_source_positions)")
+        return config
 
 
 # ---- log-mel front end --------------------------------------------------------------------

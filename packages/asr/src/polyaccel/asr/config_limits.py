@@ -1,0 +1,54 @@
+"""Bounds on the sizes a model's ``config.json`` may ask for, checked before anything is built.
+
+A config is read from a folder anyone may hand us; its sizes decide what is allocated (the
+model's modules, the mel filterbank, per-batch buffers) before the weights are compared with
+it. ``d_model: 1000000000`` or ``n_fft: 1000000000`` would otherwise allocate terabytes (or
+build millions of layers) before the first error. The bounds are far above every real
+checkpoint (Whisper large-v3: d_model 1280, 32 layers, 128 mels).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+LIMITS: dict[str, tuple[int, int]] = {
+    "d_model": (1, 16384), "decoder_dim": (1, 16384),
+    "num_mel_bins": (1, 1024), "n_mels": (1, 1024),
+    "encoder_layers": (1, 256), "decoder_layers": (1, 256), "subsampling_layers": (0, 8),
+    "encoder_attention_heads": (1, 1024), "decoder_attention_heads": (1, 1024),
+    "encoder_heads": (1, 1024), "decoder_heads": (1, 1024),
+    "encoder_ffn_dim": (1, 131072), "decoder_ffn_dim": (1, 131072),
+    "subsampling_channels": (1, 16384), "conv_kernel_size": (1, 1024),
+    "vocab_size": (1, 1 << 20),
+    "max_source_positions": (1, 1 << 20), "max_target_positions": (1, 1 << 16), "max_decode_len": (1, 1 << 16),
+    "n_fft": (16, 1 << 16), "win_length": (1, 1 << 16), "hop_length": (1, 1 << 16),
+    "sample_rate": (1000, 768_000), "chunk_seconds": (1, 3600),
+}
+"""Inclusive (lowest, highest) value of each integer size field that a config may set."""
+
+MAX_CHUNK_SAMPLES = 1 << 26
+"""Most samples in one window (sample_rate x chunk_seconds): 64 Mi, 70 min at 16 kHz."""
+
+
+def check_sizes(config: Any, source: str | os.PathLike) -> None:
+    """Raise ``ValueError`` naming ``source``'s config.json when a size field of ``config`` (a
+    dataclass) is not an integer within :data:`LIMITS`, or a head count does not divide its width."""
+    where = f"{source}/config.json"
+    for name, (lo, hi) in LIMITS.items():
+        if not hasattr(config, name):
+            continue
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ValueError(f"{where}: {name}={value!r} is not an integer in [{lo}, {hi}]; "
+                             f"refused before anything is allocated (a corrupt or hostile config?)")
+    for width, heads in (("d_model", "encoder_attention_heads"), ("d_model", "decoder_attention_heads"),
+                         ("d_model", "encoder_heads"), ("decoder_dim", "decoder_heads")):
+        if hasattr(config, width) and hasattr(config, heads) and getattr(config, width) % getattr(config, heads):
+            raise ValueError(f"{where}: {width}={getattr(config, width)} is not divisible by "
+                             f"{heads}={getattr(config, heads)}")
+    if hasattr(config, "chunk_seconds") and config.sample_rate * config.chunk_seconds > MAX_CHUNK_SAMPLES:
+        raise ValueError(f"{where}: a window of {config.chunk_seconds} s at {config.sample_rate} Hz is over "
+                         f"{MAX_CHUNK_SAMPLES} samples")
+    if hasattr(config, "hop_length") and hasattr(config, "n_fft") and config.hop_length > config.n_fft:
+        raise ValueError(f"{where}: hop_length={config.hop_length} is longer than n_fft={config.n_fft}")
