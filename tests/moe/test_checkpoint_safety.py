@@ -174,6 +174,60 @@ def test_nonfinite_steps_are_skipped_when_asked(tmp_path, monkeypatch, caplog):
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
+def _nan_model(finished: Path, tmp_path: Path) -> Path:
+    """The finished run's model with one NaN in ``model.norm.weight``, as a model.path."""
+    from safetensors.torch import save_file
+
+    model = shutil.copytree(finished / "out", tmp_path / "nan_model")
+    weights = train_weights(model)
+    weights["model.norm.weight"][3] = float("nan")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+def test_nonfinite_loaded_weights_are_refused_with_exit_2_naming_the_tensor(finished, tmp_path, capsys):
+    """NaN weights in model.path under train.nonfinite=skip: every step was skipped and the NaN
+    model replaced the earlier one in output_dir (exit 0); now refused at load (exit 2)."""
+    nan_model = _nan_model(finished, tmp_path)
+    out = shutil.copytree(finished / "out", tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, _, err = _cli(capsys, tmp_path, f"model.path={nan_model}", "train.nonfinite=skip")
+    assert code == 2 and "Traceback" not in err
+    assert f"model.path: the weights loaded from {nan_model} are not finite: model.norm.weight holds NaN" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert ckpt.complete_checkpoints(tmp_path / "ck") == []
+
+
+def test_a_run_whose_every_step_was_skipped_writes_no_output(finished, tmp_path, capsys, monkeypatch):
+    """All steps skipped (train.nonfinite=skip): the untrained model replaced output_dir and
+    was checkpointed as finished (exit 0); now exit 3, output_dir and the last checkpoint kept."""
+    out = shutil.copytree(finished / "out", tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    monkeypatch.setattr(train, "_scaled_loss", lambda out, *args: out.loss * float("nan"))
+    code, _, err = _cli(capsys, tmp_path, "train.nonfinite=skip")
+    assert code == 3 and "Traceback" not in err
+    assert "all 4 steps were skipped" in err and "neither output_dir nor the final checkpoint was written" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "ck")] == ["step_00000002"]
+
+
+def test_nonfinite_trained_weights_are_never_saved_as_the_final_model(tmp_path, capsys, monkeypatch):
+    """A last optimizer step that leaves a NaN weight (its loss was finite) was saved to
+    output_dir and as the final checkpoint; now exit 3 naming the tensor, nothing final saved."""
+    original, calls = train.step_scaled, [0]
+
+    def poisoning(optimizer, scale):
+        original(optimizer, scale)
+        calls[0] += 1
+        if calls[0] == 4:
+            optimizer.param_groups[0]["params"][0].data.fill_(float("nan"))
+    monkeypatch.setattr(train, "step_scaled", poisoning)
+    code, _, err = _cli(capsys, tmp_path)
+    assert code == 3 and "the trained weights are not finite (model.embed_tokens.weight holds NaN" in err
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "ck")] == ["step_00000002"]
+
+
 def train_weights(d: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -48,6 +48,30 @@ def test_two_ray_workers_match_one_process(tmp_path, monkeypatch, layout):
     assert os.path.isdir(summary["last_checkpoint"])
 
 
+@pytest.mark.parametrize("sets, message", [
+    (["train.lr=-1"], "train.lr must be a finite number >= 0, got -1.0"),
+    (["parallel.ep=3"], "ep=3 must divide the number of ranks"),
+    (["data.jsonl=missing.jsonl"], "missing.jsonl does not exist"),
+    (["lora.r=0"], "lora: lora.r=0 must be a positive integer"),
+])
+def test_a_bad_config_exits_2_on_the_driver_before_ray_starts(tmp_path, capsys, monkeypatch, sets, message):
+    """The driver checked nothing: each worker raised the ConfigError, Ray Train retried the
+    group max_failures times and the CLI ended with a WorkerGroupError traceback, not exit 2."""
+    from polyaccel.core import ray_local
+    from polyaccel.moe.cli import main
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started for a config that cannot run")
+    monkeypatch.setattr(ray_local, "init_local", no_ray)
+    monkeypatch.setattr(ray_local, "connect", no_ray)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    argv = [a for s in [f"checkpoint.dir={tmp_path}/ck", f"output_dir={tmp_path}/out", *sets] for a in ("--set", s)]
+    code = main(["finetune", str(TINY), "--ray", "--workers", "2", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists() and not any((tmp_path / "ck").glob("step_*"))
+
+
 def test_workers_must_be_positive():
     with pytest.raises(ValueError, match="--workers must be >= 1"):
         run_with_ray(load_config(TINY), workers=0)

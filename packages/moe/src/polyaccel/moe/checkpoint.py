@@ -263,12 +263,13 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def load_file(path: str | Path) -> Any:
+def load_file(path: str | Path, *, mmap: bool = False) -> Any:
     """``torch.load`` of a checkpoint file with ``weights_only=True`` (tensors and plain
-    containers; anything that would run code is refused), errors naming the file."""
+    containers; anything that would run code is refused), errors naming the file. ``mmap``:
+    tensors are mapped from the file, not read (to look at its small entries only)."""
     path = Path(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
     except pickle.UnpicklingError as e:

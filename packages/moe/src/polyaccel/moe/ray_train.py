@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from polyaccel.moe.train_config import FinetuneConfig, from_dict
+from polyaccel.moe.train_config import ConfigError, FinetuneConfig, from_dict
 
 SUMMARY_FILE = "summary.json"
 
@@ -51,12 +51,29 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
         ray.train.report({"final_loss": summary["final_loss"]}, checkpoint=checkpoint)
 
 
+def check_on_driver(cfg: FinetuneConfig, *, workers: int, use_gpu: bool | None, devices_only: bool = False) -> None:
+    """The checks the training function runs before it trains (:func:`polyaccel.moe.train.check_run`),
+    here, before any worker starts: a bad config then fails once with :class:`ConfigError`
+    (exit 2), instead of in every worker, retried ``max_failures`` times. ``use_gpu`` None:
+    the cluster's devices are not known yet; call again with ``devices_only`` once they are."""
+    import torch
+
+    from polyaccel.moe.train import check_run
+
+    if devices_only:
+        if cfg.train.cuda_graph is True and not use_gpu:
+            raise ConfigError("train.cuda_graph=true: it needs a CUDA device, and the Ray cluster has no GPUs")
+        return
+    check_run(cfg, world_size=workers, device=None if use_gpu is None else torch.device("cuda" if use_gpu else "cpu"))
+
+
 def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = None,
                  use_gpu: bool | None = None, storage_path: str | None = None,
                  max_failures: int = 3) -> dict[str, Any]:
     """Train ``cfg`` on ``workers`` Ray Train workers; return rank 0's summary metrics.
 
-    A worker (or its node) that dies makes Ray Train restart the whole group, up to
+    The config is checked here first (:func:`check_on_driver`): a :class:`ConfigError` before
+    Ray starts, nothing trained. A worker (or its node) that dies makes Ray Train restart the whole group, up to
     ``max_failures`` times; the restarted workers resume from the newest checkpoint in
     ``checkpoint.dir`` (``checkpoint.resume: auto``), so set ``checkpoint.every_steps`` to
     bound the lost work. Without ``checkpoint.dir`` a restart trains from step 0.
@@ -76,6 +93,7 @@ def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = Non
         raise ValueError(f"--workers must be >= 1, got {workers}")
     if max_failures < 0:
         raise ValueError(f"max_failures must be >= 0 (bounded), got {max_failures}")
+    check_on_driver(cfg, workers=workers, use_gpu=use_gpu)
     if not ray.is_initialized():
         from polyaccel.core.ray_local import connect, init_local, starts_private_cluster
 
@@ -85,6 +103,7 @@ def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = Non
             connect(address)
     if use_gpu is None:
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        check_on_driver(cfg, workers=workers, use_gpu=use_gpu, devices_only=True)
     trainer = TorchTrainer(
         _train_worker,
         train_loop_config={"config": cfg.to_dict(), "use_gpu": use_gpu},

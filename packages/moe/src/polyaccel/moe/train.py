@@ -42,6 +42,7 @@ from polyaccel.moe.data import IGNORE_INDEX, Batches, build_dataset
 from polyaccel.moe.ep_checkpoint import index_escape
 from polyaccel.moe.flops import mfu, peak_flops, train_flops_per_token
 from polyaccel.moe.optim import clip_coefficient, step_scaled
+from polyaccel.moe.resume_settings import apply_train_settings, check_resume_settings, model_shape
 from polyaccel.moe.train_config import ConfigError, FinetuneConfig, ModelConfig, TrainConfig, did_you_mean
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -361,29 +362,75 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device | None = None,
             dist.destroy_process_group()
 
 
-def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> TrainResult:
+def check_config(cfg: FinetuneConfig, *, world_size: int, device: torch.device | None) -> tuple[Any, Path | None]:
+    """Every check of ``cfg`` that needs no weights loaded (the local run's and, on the Ray
+    driver, before any worker starts): config values, model config, parallel layout, output
+    locations (``checkpoint.dir`` and the metrics file's folder are created), the checkpoint to
+    resume from and the settings it was written with. Raises :class:`ConfigError`; returns the
+    resolved model config and the checkpoint to resume from (or None).
+
+    :param device: the device the ranks train on; None: not known yet (the CUDA-only checks of
+        ``train.cuda_graph: true`` are then left to the caller).
+    """
     t = cfg.train
     model_config = resolve_model_config(cfg.model)
     validate(cfg, model_config)
     backend_config(cfg.model)  # fail on a bad backend section before loading anything
-    num_experts = next((getattr(model_config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                        if getattr(model_config, k, None)), None)
-    fsdp = rt.world_size > 1 and cfg.parallel.dense == "fsdp"
-    replicas = rt.world_size > 1 and cfg.parallel.dense == "replicate"
+    fsdp = world_size > 1 and cfg.parallel.dense == "fsdp"
     if t.optimizer == "flat_adamw" and fsdp:
         raise ConfigError("train.optimizer=flat_adamw does not run under FSDP2 (it shards the parameters as "
                           "DTensors); use train.optimizer=adamw or auto, or parallel.dense=replicate")
     if t.cuda_graph is True:
-        for why in fast_path.graph_blockers(device=rt.device, fsdp=fsdp, optimizer=t.optimizer,
+        for why in fast_path.graph_blockers(device=device or torch.device("cuda"), fsdp=fsdp, optimizer=t.optimizer,
                                             activation_checkpointing=t.activation_checkpointing,
                                             param_dtype=_param_dtype(t)):
             raise ConfigError(f"train.cuda_graph=true: {why}")
+    parallel_plan(cfg, world_size, model_config)
+    check_outputs(cfg)
+    resume_from = ckpt.find_resume(cfg.checkpoint.dir, cfg.checkpoint.resume)
+    _check_later_checkpoints(cfg, resume_from)
+    _check_checkpoint_kind(cfg, resume_from)
+    if resume_from is not None:
+        # A full model's shape is checked once its weights load (the differing tensors named).
+        check_resume_settings(cfg, model_config, resume_from, shape=cfg.lora is not None)
+    return model_config, resume_from
+
+
+def parallel_plan(cfg: FinetuneConfig, world_size: int, model_config: Any) -> ParallelPlan:
+    """The run's :class:`ParallelPlan`, checked against the world size and expert count."""
     try:
-        plan = ParallelPlan(dp=cfg.parallel.dp or rt.world_size, ep=cfg.parallel.ep,
-                            dp_replicate=cfg.parallel.dp_replicate)
-        plan.validate(rt.world_size, num_experts)
+        plan = ParallelPlan(dp=cfg.parallel.dp or world_size, ep=cfg.parallel.ep, dp_replicate=cfg.parallel.dp_replicate)
+        plan.validate(world_size, _num_experts(model_config))
     except ValueError as e:
         raise ConfigError(f"parallel: {e}") from e
+    return plan
+
+
+def _num_experts(model_config: Any) -> int | None:
+    return next((getattr(model_config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                 if getattr(model_config, k, None)), None)
+
+
+def check_run(cfg: FinetuneConfig, *, world_size: int, device: torch.device | None) -> None:
+    """What the training function checks before it trains, for a driver that starts the
+    ranks elsewhere (Ray): :func:`check_config`, the model shape of the checkpoint to resume
+    from, and the data (files, records, token ids), unless that checkpoint is already at
+    ``train.max_steps``. Raises :class:`ConfigError`."""
+    model_config, resume_from = check_config(cfg, world_size=world_size, device=device)
+    if resume_from is not None and (ckpt.checkpoint_step(resume_from) or 0) >= cfg.train.max_steps:
+        return  # the ranks only report it
+    if resume_from is not None and cfg.lora is None:  # no weights load here to name differing tensors
+        check_resume_settings(cfg, model_config, resume_from, shape=True)
+    build_dataset(cfg.data, seq_len=cfg.train.seq_len, vocab_size=model_config.vocab_size, seed=cfg.train.seed,
+                  tokenizer_path=cfg.model.path)
+
+
+def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> TrainResult:
+    t = cfg.train
+    model_config, resume_from = check_config(cfg, world_size=rt.world_size, device=rt.device)
+    fsdp = rt.world_size > 1 and cfg.parallel.dense == "fsdp"
+    replicas = rt.world_size > 1 and cfg.parallel.dense == "replicate"
+    plan = parallel_plan(cfg, rt.world_size, model_config)
 
     fused_accumulation = backend_config(cfg.model) is None or backend_config(cfg.model).grad_accumulation == "fused"
     fast = fast_path.plan(model_config=model_config, device=rt.device, cuda_graph=t.cuda_graph,
@@ -394,10 +441,6 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                           param_dtype=_param_dtype(t))
     t = dataclasses.replace(t, cuda_graph=fast.cuda_graph, wgrad_window=fast.wgrad_window)
 
-    check_outputs(cfg)
-    resume_from = ckpt.find_resume(cfg.checkpoint.dir, cfg.checkpoint.resume)
-    _check_later_checkpoints(cfg, resume_from)
-    _check_checkpoint_kind(cfg, resume_from)
     if resume_from is not None and (ckpt.checkpoint_step(resume_from) or 0) >= t.max_steps:
         return _already_finished(cfg, rt, model_config, resume_from)
     source = build_dataset(cfg.data, seq_len=t.seq_len, vocab_size=model_config.vocab_size, seed=t.seed,
@@ -419,6 +462,10 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
 
         model, t = finetune_setup(model, cfg.lora, t, resume_from, world_size=rt.world_size, ep=cfg.parallel.ep,
                                   graph_asked=cfg.train.cuda_graph is True)
+    elif resume_from is not None:  # loaded without a shape error; the layer count etc. may still differ
+        check_resume_settings(cfg, model_config, resume_from, shape=True)
+    if resume_from is not None or cfg.model.path is not None:
+        _check_loaded_weights(model, cfg, resume_from)
     sharded = rt.world_size > 1
     grad_sync = None
     if fsdp:
@@ -448,13 +495,15 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
     optimizer = build_optimizer(model, t, rt.device,
                                 overwritten=micro_step.overwritten_params if micro_step is not None else ())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t))
-    step = 0
+    step = skipped_before = 0
     if resume_from is not None:
         try:
             state = ckpt.load_trainer_state(resume_from, model, optimizer, per_rank_optimizer=replicas)
         except (ckpt.LayoutMismatch, FileNotFoundError) as e:
             raise ConfigError(f"checkpoint.resume: {e}") from e
         step = _restore_position(resume_from, state, scheduler, batches)
+        apply_train_settings(optimizer, scheduler, t, _saved_section(state, "train"))
+        skipped_before = int(state.get("skipped_steps", 0))
     start_step = step
 
     tokens_per_step = batches.samples_per_step * t.seq_len
@@ -539,10 +588,13 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                     metrics_file.flush()
                 if bar is None:
                     print(json.dumps(record), flush=True)
+            if step == t.max_steps:  # neither the final checkpoint nor output_dir of a model that did not train
+                _check_trained(model, skipped_before + skipped, step, last_saved or resume_from)
             every = cfg.checkpoint.every_steps
             if cfg.checkpoint.dir and ((every and step % every == 0) or step == t.max_steps):
                 last_saved = ckpt.save_checkpoint(cfg.checkpoint.dir, step, model, optimizer,
-                                                  _trainer_extra(cfg, scheduler, batches),
+                                                  _trainer_extra(cfg, scheduler, batches, model_config,
+                                                                 skipped_before + skipped),
                                                   keep_last=cfg.checkpoint.keep_last, per_rank_optimizer=replicas)
     finally:
         if bar is not None:
@@ -643,8 +695,17 @@ def _clip_grads(model: nn.Module, max_norm: float | None) -> float:
     return float(clip_grad_norm_(model.parameters(), max_norm))
 
 
-def _trainer_extra(cfg: FinetuneConfig, scheduler, batches: Batches) -> dict[str, Any]:
-    return {"scheduler": scheduler.state_dict(), "data": batches.state_dict(), "config": cfg.to_dict()}
+def _trainer_extra(cfg: FinetuneConfig, scheduler, batches: Batches, model_config: Any,
+                   skipped_steps: int) -> dict[str, Any]:
+    return {"scheduler": scheduler.state_dict(), "data": batches.state_dict(), "config": cfg.to_dict(),
+            "model_shape": model_shape(model_config), "skipped_steps": skipped_steps}
+
+
+def _saved_section(state: dict[str, Any], name: str) -> dict[str, Any]:
+    """Section ``name`` of the run config a trainer state records (empty when absent)."""
+    config = state.get("config")
+    section = config.get(name) if isinstance(config, dict) else None
+    return section if isinstance(section, dict) else {}
 
 
 class NonFiniteError(RuntimeError):
@@ -656,6 +717,64 @@ class NonFiniteError(RuntimeError):
         super().__init__(f"step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm}); stopped before "
                          f"saving anything from this step ({kept}). Lower train.lr, check the data, or set "
                          "train.nonfinite=skip to skip such steps")
+
+
+class NothingTrainedError(NonFiniteError):
+    """A run that reached ``train.max_steps`` without a usable model: every step skipped
+    (``train.nonfinite: skip``), or non-finite weights; nothing final was saved."""
+
+    def __init__(self, message: str):
+        RuntimeError.__init__(self, message)
+        self.step = None
+
+
+def _check_trained(model: nn.Module, skipped: int, steps: int, last_checkpoint: Path | None) -> None:
+    """Raise :class:`NothingTrainedError` when all ``steps`` were skipped or a weight is NaN or
+    infinite (collective when distributed)."""
+    kept = f"the last checkpoint, {last_checkpoint}, is untouched" if last_checkpoint else "no checkpoint was kept"
+    unsaved = f"neither output_dir nor the final checkpoint was written ({kept})"
+    if steps and skipped >= steps:
+        raise NothingTrainedError(f"all {steps} steps were skipped (non-finite loss or gradient norm, "
+                                  f"train.nonfinite=skip): the model did not train, so {unsaved}. Check the "
+                                  "model's weights and the data, or lower train.lr")
+    bad = first_nonfinite(model.named_parameters(), across_ranks=True)
+    if bad is not None:
+        raise NothingTrainedError(f"the trained weights are not finite ({bad} holds NaN or infinite values), so "
+                                  f"{unsaved}. Lower train.lr or check the data")
+
+
+def _check_loaded_weights(model: nn.Module, cfg: FinetuneConfig, resume_from: Path | None) -> None:
+    """Refuse (:class:`ConfigError`) weights that hold NaN or infinite values, naming the first
+    such tensor: no step could train from them."""
+    bad = first_nonfinite(model.named_parameters())
+    if bad is None:
+        return
+    from_checkpoint = resume_from is not None and (cfg.lora is None or "lora_" in bad)  # LoRA: adapters only
+    key, where = ("checkpoint.resume", resume_from) if from_checkpoint else ("model.path", cfg.model.path)
+    raise ConfigError(f"{key}: the weights loaded from {where} are not finite: {bad} holds NaN or infinite values "
+                      "(the first such tensor). Every step would be non-finite; use intact weights", key=key)
+
+
+def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]], *, across_ranks: bool = False) -> str | None:
+    """The name of the first tensor holding a NaN or an infinity, or None: one max-abs
+    reduction per tensor on its device (``torch._foreach_norm``, ord inf; NaN propagates) and
+    one host sync. ``across_ranks``: each rank checks its shards (DTensor ``to_local``) and the
+    verdicts are combined over the process group (collective; same names on every rank)."""
+    pairs = [(n, p.detach().to_local() if hasattr(p, "to_local") else p.detach()) for n, p in named]
+    if not pairs:
+        return None
+    names = [n for n, _ in pairs]
+    tensors = [x for _, x in pairs]
+    full = [i for i, x in enumerate(tensors) if x.numel()]
+    device = tensors[full[0]].device if full else tensors[0].device
+    finite = torch.ones(len(names), dtype=torch.int32, device=device)
+    if full:
+        norms = torch._foreach_norm([tensors[i] for i in full], float("inf"))
+        finite[full] = torch.stack([n.float().to(device) for n in norms]).isfinite().int()
+    if across_ranks and dist.is_initialized():
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    bad = (finite == 0).nonzero().flatten().tolist()  # the one host sync
+    return names[bad[0]] if bad else None
 
 
 def _finite(loss: torch.Tensor, grad_norm: torch.Tensor | float) -> bool:
