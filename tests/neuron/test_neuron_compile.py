@@ -4,9 +4,12 @@ the artifact environment, NEFF discovery, and compile_graph end to end against a
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
+import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,10 +87,11 @@ def test_encoder_and_decoder_compile_to_separate_neffs_per_bucket(fake_torch_neu
     cache = GraphCache(NeuronBackend(), specs)
     assert cache.warmup() == 3
     found = ncompile.collect_neffs(tmp_path)
-    assert sorted(found) == ["decode_step-batch2", "encode-batch1", "encode-batch2"]
+    assert sorted(k.rsplit("-", 1)[0] for k in found) == ["decode_step-batch2", "encode-batch1", "encode-batch2"]
     assert all(len(v) == 1 for v in found.values())
     enc = cache.get("encode", {"batch": 2})
-    assert isinstance(enc, ncompile.CompiledGraph) and enc.neffs == found["encode-batch2"]
+    assert isinstance(enc, ncompile.CompiledGraph) and enc.neffs == found[enc.artifacts_dir.name]
+    assert ncompile.collect_neffs(tmp_path, example_inputs=[torch.randn(2, 3, 4)]) == {enc.artifacts_dir.name: enc.neffs}
     x = torch.randn(2, 3, 4)
     torch.testing.assert_close(enc(x), torch.tanh(x @ w))
     assert ncompile.PRESERVE_ENV not in os.environ
@@ -95,8 +99,8 @@ def test_encoder_and_decoder_compile_to_separate_neffs_per_bucket(fake_torch_neu
 
 def test_replica_cores_follow_visible_cores(monkeypatch):
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "8-15")
-    assert visible_cores(0) == list(range(8, 16))
-    assert NeuronBackend().replica_cores(10) == [8, 9, 10, 11, 12, 13, 14, 15, 8, 9]
+    assert visible_cores(0) == list(range(8, 16))  # absolute ids; libnrt calls them 0..7
+    assert NeuronBackend().replica_cores(10, share=True) == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0,2-3")
     assert visible_cores(0) == [0, 2, 3]
     monkeypatch.delenv("NEURON_RT_VISIBLE_CORES")
@@ -135,17 +139,19 @@ def test_killed_compile_leaves_no_neff_that_is_trusted_later(tmp_path, monkeypat
     (g.artifacts_dir / "sub" / "stale.neff").write_bytes(b"old")
     g = ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "encode", root=tmp_path)
     assert [p.name for p in g.neffs] == ["graph.neff"]
-    assert ncompile.collect_neffs(tmp_path) == {"encode": g.neffs}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["encode"]
+    assert ncompile.collect_neffs(tmp_path) == {g.artifacts_dir.name: g.neffs}
+    name = ncompile.graph_dir_name("encode", g.key)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{name}.lock", name]  # no tmp or old folder left
 
 
 def test_compile_does_not_replace_a_folder_it_did_not_write(tmp_path, monkeypatch):
     _fake_compile(monkeypatch, lambda: b"FF")
-    (tmp_path / "notes").mkdir()
-    (tmp_path / "notes" / "mine.txt").write_text("keep")
+    notes = tmp_path / ncompile.graph_dir_name("notes", ncompile.graph_key([torch.zeros(1)]))
+    notes.mkdir()
+    (notes / "mine.txt").write_text("keep")
     with pytest.raises(FileExistsError, match="not written by compile_graph"):
         ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "notes", root=tmp_path)
-    assert (tmp_path / "notes" / "mine.txt").read_text() == "keep"
+    assert (notes / "mine.txt").read_text() == "keep"
 
 
 def test_two_graph_names_on_one_directory_never_replace_each_other(tmp_path, monkeypatch):
@@ -170,27 +176,27 @@ def test_an_artifacts_root_others_can_write_is_refused(tmp_path, monkeypatch, mo
     _fake_compile(monkeypatch, lambda: b"FF")
     root = tmp_path / "shared"
     root.mkdir()
-    ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "encode", root=root)
+    g = ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "encode", root=root)
     root.chmod(mode)
     with pytest.raises(PermissionError, match="not writable by others"):
         ncompile.collect_neffs(root)
     with pytest.raises(PermissionError, match="not writable by others"):
         ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "encode", root=root)
     root.chmod(0o700)
-    assert list(ncompile.collect_neffs(root)) == ["encode"]
+    assert list(ncompile.collect_neffs(root)) == [g.artifacts_dir.name]
 
 
 def test_graph_directories_of_another_user_are_not_collected(tmp_path, monkeypatch):
     if os.geteuid() != 0:
         pytest.skip("needs root to chown a folder to another user")
     _fake_compile(monkeypatch, lambda: b"FF")
-    ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "encode", root=tmp_path)
+    g = ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "encode", root=tmp_path)
     other = tmp_path / "decode"
     other.mkdir()
     (other / ncompile.MARKER).write_text("decode\n")
     (other / "graph.neff").write_bytes(b"NEFF-theirs")
     os.chown(other, 65534, 65534)
-    assert list(ncompile.collect_neffs(tmp_path)) == ["encode"]
+    assert list(ncompile.collect_neffs(tmp_path)) == [g.artifacts_dir.name]
     os.chown(tmp_path, 65534, 65534)
     with pytest.raises(PermissionError, match="owned by uid 65534"):
         ncompile.collect_neffs(tmp_path)
@@ -218,4 +224,91 @@ def test_bad_visible_cores_are_refused(monkeypatch, spec, match):
     with pytest.raises(ValueError, match=match):
         NeuronBackend().replica_cores(5)
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", " 0-3 , 5 ")
-    assert NeuronBackend().replica_cores(5) == [0, 1, 2, 3, 5]
+    assert NeuronBackend().replica_cores(5) == [0, 1, 2, 3, 4]  # libnrt's indices of cores 0-3 and 5
+
+
+def _neff_bytes(found: dict[str, list]) -> list[list[bytes]]:
+    return [[p.read_bytes() for p in neffs] for neffs in found.values()]
+
+
+def test_compiles_for_other_dtypes_shapes_or_compilers_keep_their_own_neffs(tmp_path, monkeypatch):
+    """A graph's folder was named after the graph only: an fp32 compile of "encode" replaced its
+    bf16 NEFF, and collect_neffs() in a later process handed out whichever compiled last."""
+    bf16_in, fp32_in, wide_in = [torch.zeros(2, 3, dtype=torch.bfloat16)], [torch.zeros(2, 3)], [torch.zeros(4, 3)]
+    graphs = {}
+    for tag, inputs in [(b"bf16", bf16_in), (b"fp32", fp32_in), (b"4x3", wide_in)]:
+        _fake_compile(monkeypatch, lambda tag=tag: b"FF-" + tag)
+        graphs[tag] = ncompile.compile_graph(lambda x: x, inputs, "encode", root=tmp_path)
+    assert len({g.artifacts_dir for g in graphs.values()}) == 3
+    assert [p.read_bytes() for p in graphs[b"bf16"].neffs] == [b"NEFF-bf16"]  # not replaced by fp32
+    assert _neff_bytes(ncompile.collect_neffs(tmp_path, name="encode", example_inputs=bf16_in)) == [[b"NEFF-bf16"]]
+    assert _neff_bytes(ncompile.collect_neffs(tmp_path, example_inputs=fp32_in)) == [[b"NEFF-fp32"]]
+    assert _neff_bytes(ncompile.collect_neffs(tmp_path, example_inputs=wide_in)) == [[b"NEFF-4x3"]]
+    assert ncompile.collect_neffs(tmp_path, name="decode", example_inputs=fp32_in) == {}
+    assert len(ncompile.collect_neffs(tmp_path, name="encode")) == 3
+    monkeypatch.setenv(ncompile.LNC_ENV, "2")  # NEFFs compiled for another LNC do not match
+    assert ncompile.collect_neffs(tmp_path, example_inputs=fp32_in) == {}
+    monkeypatch.delenv(ncompile.LNC_ENV)
+    monkeypatch.setattr(ncompile, "compiler_versions", lambda: {"neuronx-cc": "99.0"})  # another compiler
+    assert ncompile.collect_neffs(tmp_path, example_inputs=fp32_in) == {}
+
+
+def _racing_compile(root: str, tag: bytes, compile_s: float, hold_s: float, started, results) -> None:
+    """In a child process: compile "encode" into ``root`` with a fake compiler that takes
+    ``compile_s`` and writes a NEFF saying ``tag``; every NEFF listing takes ``hold_s`` (a slow
+    disk), then report the bytes the returned ``neffs`` hold."""
+    try:
+        sys.modules["torch_neuronx"] = types.ModuleType("torch_neuronx")
+
+        def compile_(fn, **kw):
+            def run(*xs):
+                started.set()
+                time.sleep(compile_s)
+                with open(os.path.join(os.environ[ncompile.DEBUG_DIR_ENV], "graph.neff"), "wb") as f:
+                    f.write(tag)
+                return fn(*xs)
+            return run
+
+        list_neffs = ncompile.find_neffs
+
+        def slow_find_neffs(directory):
+            time.sleep(hold_s)
+            return list_neffs(directory)
+
+        ncompile.torch.compile = compile_
+        ncompile.find_neffs = slow_find_neffs
+        g = ncompile.compile_graph(lambda x: x, [torch.zeros(2)], "encode", root=Path(root))
+        results.put((tag, [p.read_bytes() for p in g.neffs]))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        results.put((tag, repr(e)))
+
+
+def test_two_processes_compiling_one_graph_each_get_their_own_neffs(tmp_path):
+    """Nothing kept two processes compiling the same graph into one root apart: B swapped its
+    folder in while A was still listing its own, and A's CompiledGraph.neffs held B's NEFF."""
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    a_started, b_started = ctx.Event(), ctx.Event()
+    a = ctx.Process(target=_racing_compile, args=(str(tmp_path), b"NEFF-A", 0.0, 1.0, a_started, results))
+    b = ctx.Process(target=_racing_compile, args=(str(tmp_path), b"NEFF-B", 0.5, 0.0, b_started, results))
+    a.start()
+    assert a_started.wait(30)
+    b.start()
+    got = dict(results.get(timeout=60) for _ in range(2))
+    a.join(30)
+    b.join(30)
+    assert got == {b"NEFF-A": [b"NEFF-A"], b"NEFF-B": [b"NEFF-B"]}
+    assert _neff_bytes(ncompile.collect_neffs(tmp_path)) == [[b"NEFF-B"]]  # the later compile
+
+
+def test_the_compile_lock_never_follows_a_symlink(tmp_path, monkeypatch):
+    _fake_compile(monkeypatch, lambda: b"FF")
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("keep")
+    name = ncompile.graph_dir_name("encode", ncompile.graph_key([torch.zeros(1)]))
+    (root / f".{name}.lock").symlink_to(elsewhere)
+    with pytest.raises(PermissionError, match="symlink"):
+        ncompile.compile_graph(lambda x: x, [torch.zeros(1)], "encode", root=root)
+    assert elsewhere.read_text() == "keep" and ncompile.collect_neffs(root) == {}

@@ -35,16 +35,22 @@ static int initialized = 0;
 static int exec_count[64];
 static int live_tensors = 0;
 static int last_nc_count = 0;
+static int load_log[4096];
+static int load_n = 0;
 
 int nrt_init(int framework, const char *fw, const char *fal) { initialized = 1; return 0; }
 void nrt_close(void) { initialized = 0; }
 int fake_exec_count(int core) { return __atomic_load_n(&exec_count[core], __ATOMIC_SEQ_CST); }
 int fake_live_tensors(void) { return live_tensors; }
 int fake_last_nc_count(void) { return last_nc_count; }
+int fake_load_count(void) { return __atomic_load_n(&load_n, __ATOMIC_SEQ_CST); }
+int fake_loaded_core(int i) { return load_log[i]; }  /* start_nc of the i-th nrt_load call */
 
 int nrt_load(const void *neff, size_t size, int32_t start_nc, int32_t nc_count, model_t **model) {
     if (!initialized) return 13;
     last_nc_count = nc_count;
+    int slot = __atomic_fetch_add(&load_n, 1, __ATOMIC_SEQ_CST);
+    if (slot < 4096) load_log[slot] = start_nc;
     if (size < 4 || memcmp(neff, "FAKE", 4) != 0) return 10;
     if (start_nc > 7) return 9;
     char buf[64] = {0};
@@ -171,6 +177,8 @@ def test_status_codes_become_named_errors(fake_libnrt):
 def test_dp8_replicas_on_8_cores_run_in_parallel(fake_libnrt, tmp_path, monkeypatch):
     """8 replicas, one per NeuronCore, 8 threads, each execute sleeping 50 ms in C: with the
     GIL released the wall time is ~50 ms, not 400."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")  # so that both are restored after the test
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-7")
     env = runtime.configure_lnc1()
     assert env == {"NEURON_LOGICAL_NC_CONFIG": "1", "NEURON_RT_VISIBLE_CORES": "0-7"}
     (tmp_path / "encode.neff").write_bytes(b"FAKE 1024 50")
@@ -203,10 +211,11 @@ def test_dp8_replicas_on_8_cores_run_in_parallel(fake_libnrt, tmp_path, monkeypa
         r.close()
 
 
-def test_replica_works_in_core_replica_pool(fake_libnrt, tmp_path):
+def test_replica_works_in_core_replica_pool(fake_libnrt, tmp_path, monkeypatch):
     pool_mod = pytest.importorskip("polyaccel.core.runtime")
     if not hasattr(pool_mod, "ReplicaPool"):
         pytest.skip("polyaccel.core.runtime.ReplicaPool is not there yet")
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "4-7")
     (tmp_path / "g.neff").write_bytes(b"FAKE 8 1")
     factory = runtime.replica_factory({"g": tmp_path / "g.neff"}, lib_path=fake_libnrt.path)
     items = [[np.full(8, i, np.float32)] for i in range(20)]
@@ -305,3 +314,50 @@ def test_a_relative_or_bare_libnrt_never_loads_from_the_current_folder(tmp_path,
     monkeypatch.setattr(nrt, "_libs", {})
     nrt.load()
     assert opened == ["libnrt.so.1"]  # dlopen's search, not the file in the current folder
+
+
+def _loads_since(lib, start: int) -> list[int]:
+    """``start_nc`` of every nrt_load the fake libnrt saw since call number ``start``."""
+    return [lib.lib.fake_loaded_core(i) for i in range(start, lib.lib.fake_load_count())]
+
+
+def test_replicas_load_on_core_indices_relative_to_the_visible_cores(fake_libnrt, tmp_path, monkeypatch):
+    """libnrt numbers the cores a process sees from 0 (nrt-api-guide, nrt_load's start_nc: with
+    NEURON_RT_VISIBLE_CORES=3,4 "the two NeuronCores will be referred to as 0 and 1"). With 8-15
+    visible, replica_cores gave the absolute ids 8..15 (nrt_load: not enough cores), and
+    replica_factory loaded a 9th replica on a core index the process does not have."""
+    from polyaccel.neuron.plugin import NeuronBackend
+
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "8-15")
+    assert NeuronBackend().replica_cores(8) == list(range(8))
+    (tmp_path / "g.neff").write_bytes(b"FAKE 4 0")
+    neffs = {"g": tmp_path / "g.neff"}
+    factory = runtime.replica_factory(neffs, lib_path=fake_libnrt.path)
+    start = fake_libnrt.lib.fake_load_count()
+    replicas = [factory(i) for i in range(8)]
+    assert _loads_since(fake_libnrt, start) == list(range(8))
+    assert [r.core for r in replicas] == list(range(8))
+    with pytest.raises(ValueError, match="only 8 of the 8 visible cores"):
+        factory(8)
+    assert _loads_since(fake_libnrt, start) == list(range(8))  # refused before nrt_load
+    with pytest.raises(ValueError, match="not absolute core ids"):
+        runtime.replica_factory(neffs, first_core=8, lib_path=fake_libnrt.path)
+    for r in replicas:
+        r.close()
+
+
+def test_more_replicas_than_visible_cores_only_when_sharing_is_asked_for(fake_libnrt, tmp_path, monkeypatch):
+    from polyaccel.neuron.plugin import NeuronBackend
+
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "8-11")
+    with pytest.raises(ValueError, match="share=True"):
+        NeuronBackend().replica_cores(5)
+    assert NeuronBackend().replica_cores(6, share=True) == [0, 1, 2, 3, 0, 1]
+    (tmp_path / "g.neff").write_bytes(b"FAKE 4 0")
+    factory = runtime.replica_factory({"g": tmp_path / "g.neff"}, first_core=2, lib_path=fake_libnrt.path,
+                                      share_cores=True)
+    start = fake_libnrt.lib.fake_load_count()
+    replicas = [factory(i) for i in range(4)]
+    assert _loads_since(fake_libnrt, start) == [2, 3, 2, 3]  # round-robin over the cores from index 2
+    for r in replicas:
+        r.close()

@@ -57,6 +57,41 @@ def _core_range(part: str, spec: str) -> range:
     return range(int(lo), int(hi or lo) + 1)
 
 
+def neuron_chips() -> int:
+    """Neuron devices (``/dev/neuron*``) on this machine."""
+    return sum(os.path.exists(f"/dev/neuron{i}") for i in range(16))
+
+
+def visible_core_count() -> int:
+    """How many NeuronCores libnrt gives this process: those ``NEURON_RT_VISIBLE_CORES`` names,
+    else every core of every chip. libnrt numbers them 0..n-1 whatever their absolute ids."""
+    return len(visible_cores(neuron_chips() * NeuronBackend().cores_per_chip()))
+
+
+def core_index(replica: int, visible: int, *, first: int = 0, share: bool = False) -> int:
+    """The core index to pass libnrt (``nrt_load``'s ``start_nc``) for replica ``replica``.
+
+    libnrt counts from the first core visible to the process: with NEURON_RT_VISIBLE_CORES=8-15
+    absolute core 8 is index 0. Replica ``i`` gets index ``first + i``; more replicas than the
+    ``visible - first`` cores are refused unless ``share`` (then round-robin over those cores).
+    """
+    if visible < 1:
+        raise RuntimeError("no NeuronCore is visible to this process: set NEURON_RT_VISIBLE_CORES "
+                           "(e.g. runtime.configure_lnc1()) or check /dev/neuron*")
+    if not 0 <= first < visible:
+        raise ValueError(f"first core index {first} is not among the {visible} visible NeuronCores "
+                         f"(0..{visible - 1}): indices count from the first visible core, they are "
+                         f"not absolute core ids")
+    own = visible - first
+    if replica < own:
+        return first + replica
+    if share:
+        return first + replica % own
+    raise ValueError(f"replica {replica} needs a NeuronCore of its own but only {own} of the {visible} "
+                     f"visible cores are left from index {first}; use fewer replicas, or pass "
+                     f"share=True to load several replicas on one core")
+
+
 class NeuronBackend(Backend):
     """AWS Trainium2 through TorchNeuron (compile to NEFF) and libnrt (8 replicas per chip at LNC=1)."""
 
@@ -83,13 +118,15 @@ class NeuronBackend(Backend):
         return 8 if os.environ.get(self.lnc_env, "1") == "1" else 4
 
     def device_count(self) -> int:
-        chips = sum(os.path.exists(f"/dev/neuron{i}") for i in range(16))
+        chips = neuron_chips()
         return len(visible_cores(chips * self.cores_per_chip())) if chips else 0
 
-    def replica_cores(self, replicas: int) -> list[int]:
-        """The NeuronCore each replica binds to: round-robin over the visible cores."""
-        cores = visible_cores(max(1, self.device_count()))
-        return [cores[i % len(cores)] for i in range(replicas)]
+    def replica_cores(self, replicas: int, *, share: bool = False) -> list[int]:
+        """libnrt's core index per replica: 0..n-1 over the n visible cores (relative to
+        NEURON_RT_VISIBLE_CORES, as ``nrt_load`` numbers them; ``visible_cores()[i]`` is the
+        absolute id). More replicas than cores only with ``share=True`` (round-robin)."""
+        visible = visible_core_count()
+        return [core_index(i, visible, share=share) for i in range(replicas)]
 
     def replica_devices(self, replicas: int) -> list[torch.device]:
         """``torch.device("neuron", core)`` per replica (needs torch-neuronx for the device type)."""

@@ -1,8 +1,11 @@
 """Data-parallel NEFF execution: one :class:`NeuronModel` per (graph, NeuronCore), one
 :class:`NeuronReplica` per core, and a ``replica_factory`` for core's ``ReplicaPool``.
 
-At LNC=1 a Trainium2 chip exposes 8 NeuronCores; replica ``i`` is bound to core
-``first_core + i``, so 8 replicas (worker threads) per chip run side by side. Each replica
+At LNC=1 a Trainium2 chip exposes 8 NeuronCores; replica ``i`` is bound to core index
+``first_core + i``, so 8 replicas (worker threads) per chip run side by side. Core indices are
+libnrt's: they count from the first core visible to the process (NEURON_RT_VISIBLE_CORES=8-15
+makes absolute core 8 index 0), and there are never more replicas than visible cores unless
+sharing is asked for. Each replica
 owns its model handles, device tensors and tensor sets (libnrt does not promise thread
 safety for shared tensor sets) and calls ``nrt_execute`` with the GIL released.
 """
@@ -27,6 +30,7 @@ def configure_lnc1(num_cores: int = CORES_PER_CHIP_LNC1, first_core: int = 0) ->
     """Set the runtime environment for LNC=1 replicas on cores ``first_core..+num_cores-1``.
 
     Must run before ``nrt_init`` (i.e. before the first model loads). Returns what it set.
+    libnrt then numbers those cores 0..num_cores-1: replicas use indices, not ``first_core``.
     """
     env = {"NEURON_LOGICAL_NC_CONFIG": "1",
            "NEURON_RT_VISIBLE_CORES": f"{first_core}-{first_core + num_cores - 1}"}
@@ -36,6 +40,9 @@ def configure_lnc1(num_cores: int = CORES_PER_CHIP_LNC1, first_core: int = 0) ->
 
 class NeuronModel:
     """One NEFF loaded on one NeuronCore with its own input/output tensors and tensor sets.
+
+    ``core`` is libnrt's index among the cores visible to the process (0 = the first of
+    NEURON_RT_VISIBLE_CORES), not an absolute core id.
 
     Tensors are bound by the names in the NEFF's tensor table (``input0..``, ``output0..``
     for TorchNeuron graphs), allocated once on the model's core and reused every call.
@@ -150,20 +157,28 @@ class NeuronReplica:
 
 def replica_factory(neffs: Mapping[str, bytes | str | Path], *, first_core: int = 0,
                     lib_path: str | None = None,
-                    process: Callable[[NeuronReplica, list[Any]], Sequence[Any]] | None = None
-                    ) -> Callable[[int], NeuronReplica]:
-    """``factory(i)`` for ``ReplicaPool``: replica ``i`` loads ``neffs`` on core ``first_core + i``.
+                    process: Callable[[NeuronReplica, list[Any]], Sequence[Any]] | None = None,
+                    share_cores: bool = False) -> Callable[[int], NeuronReplica]:
+    """``factory(i)`` for ``ReplicaPool``: replica ``i`` loads ``neffs`` on core index
+    ``first_core + i``, counted from the first core visible to the process (what ``nrt_load``
+    takes). A replica beyond the visible cores is refused unless ``share_cores`` (round-robin).
 
-    NEFF files are read once here and shared (as bytes) by all replicas.
+    NEFF files are read once here and shared (as bytes) by all replicas. Set
+    NEURON_RT_VISIBLE_CORES (``configure_lnc1``) before calling this.
     """
+    from polyaccel.neuron.plugin import core_index, visible_core_count
+
+    visible = visible_core_count()
+    core_index(0, visible, first=first_core)  # a bad first_core fails here, not in a worker
     blobs = {k: v if isinstance(v, bytes) else Path(v).read_bytes() for k, v in neffs.items()}
     lock = threading.Lock()
 
     def factory(index: int) -> NeuronReplica:
+        core = core_index(index, visible, first=first_core, share=share_cores)
         lib = nrt.load(lib_path)
         with lock:  # nrt_init once, before the first load
             lib.init()
-        return NeuronReplica(blobs, first_core + index, lib, process)
+        return NeuronReplica(blobs, core, lib, process)
 
     return factory
 
