@@ -101,8 +101,8 @@ def test_replica_cores_follow_visible_cores(monkeypatch):
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "8-15")
     assert visible_cores(0) == list(range(8, 16))  # absolute ids; libnrt calls them 0..7
     assert NeuronBackend().replica_cores(10, share=True) == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
-    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0,2-3")
-    assert visible_cores(0) == [0, 2, 3]
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "4,5-6")
+    assert visible_cores(0) == [4, 5, 6]
     monkeypatch.delenv("NEURON_RT_VISIBLE_CORES")
     assert visible_cores(8) == list(range(8))
 
@@ -218,13 +218,15 @@ def test_a_fresh_artifacts_root_is_private_whatever_the_umask(tmp_path, monkeypa
     ("7-0", "ascending range"),  # parsed as no core at all: replica_cores divided by zero
     ("0-", "ascending range"),
     ("a", "ascending range"),
+    ("0,2-3", "contiguous"),  # the runtime refuses gaps
+    ("5,0-3", "contiguous"),
 ])
 def test_bad_visible_cores_are_refused(monkeypatch, spec, match):
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", spec)
     with pytest.raises(ValueError, match=match):
         NeuronBackend().replica_cores(5)
-    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", " 0-3 , 5 ")
-    assert NeuronBackend().replica_cores(5) == [0, 1, 2, 3, 4]  # libnrt's indices of cores 0-3 and 5
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", " 3-6 , 7 ")
+    assert NeuronBackend().replica_cores(5) == [0, 1, 2, 3, 4]  # libnrt's indices of cores 3-7
 
 
 def _neff_bytes(found: dict[str, list]) -> list[list[bytes]]:

@@ -35,8 +35,9 @@ def find_libnrt() -> str | None:
 
 
 def visible_cores(default: int) -> list[int]:
-    """NeuronCore ids this process may use: ``NEURON_RT_VISIBLE_CORES`` ("3", "0-7", "0,2")
-    or ``range(default)``."""
+    """NeuronCore ids this process may use: ``NEURON_RT_VISIBLE_CORES`` ("3", "0-7", "4,5-7")
+    or ``range(default)``. The runtime takes only a contiguous set (AWS Neuron runtime guide:
+    "3,5,6" is invalid), so a gap is refused here rather than at ``nrt_init``."""
     spec = os.environ.get("NEURON_RT_VISIBLE_CORES", "").strip()
     if not spec:
         return list(range(default))
@@ -45,6 +46,9 @@ def visible_cores(default: int) -> list[int]:
         cores.extend(_core_range(part.strip(), spec))
     if len(set(cores)) != len(cores):
         raise ValueError(f"NEURON_RT_VISIBLE_CORES={spec!r} names a core twice: two replicas would share it")
+    if cores != list(range(cores[0], cores[0] + len(cores))):
+        raise ValueError(f"NEURON_RT_VISIBLE_CORES={spec!r} is not one contiguous ascending range of cores "
+                         "(the Neuron runtime refuses gaps, e.g. 3,5,6)")
     return cores
 
 
