@@ -60,6 +60,43 @@ def test_rows_come_back_once_in_order_when_ray_reruns_blocks() -> None:
         list(exactly_once(_batches([0, 1], [3]), 4))
 
 
+def _records_of(*rows: tuple[int, str | None]) -> dict:
+    return {"idx": np.asarray([i for i, _ in rows]),
+            "record": np.asarray([json.dumps({"i": i, "error": e}) for i, e in rows], dtype=object)}
+
+
+def test_rows_after_a_missing_one_are_yielded_before_the_error() -> None:
+    got: list[int] = []
+    with pytest.raises(RuntimeError, match=r"row 2 never came back; missing rows: 2, 4"):
+        for r in exactly_once(_batches([0, 1], [5, 3], [3]), 6):
+            got.append(r["i"])
+    assert got == [0, 1, 3, 5]  # in row order, once each
+
+
+def test_rows_held_back_are_yielded_when_the_batches_fail() -> None:
+    def batches():
+        yield from _batches([0], [2])
+        raise ConnectionError("node lost")
+
+    got: list[int] = []
+    with pytest.raises(ConnectionError):
+        for r in exactly_once(batches(), 3):
+            got.append(r["i"])
+    assert got == [0, 2]
+
+
+def test_an_ok_copy_replaces_an_error_not_yet_written() -> None:
+    """A block re-run after a replica died: its rows may come back ok the second time."""
+    batches = [_records_of((1, "recognition failed: ReplicaDied")), _records_of((1, None)),
+               _records_of((0, None)), _records_of((1, "late error"))]
+    got = list(exactly_once(batches, 2))
+    assert [(r["i"], r["error"]) for r in got] == [(0, None), (1, None)]
+    # an error never replaces an ok copy, and the first of two errors is kept
+    batches = [_records_of((1, None), (2, "first")), _records_of((1, "x"), (2, "second")), _records_of((0, None))]
+    got = list(exactly_once(batches, 3))
+    assert [(r["i"], r["error"]) for r in got] == [(0, None), (1, None), (2, "first")]
+
+
 def _two_clips() -> list[str]:
     clips = [str(c) for c in sorted(LIBRIVOX.glob("*.wav")) if c.stem.endswith(("0880", "0930"))]
     if len(clips) < 2:

@@ -17,7 +17,7 @@ import soundfile as sf
 
 from polyaccel.asr import samples, weights
 from polyaccel.asr.manifest import InputItem
-from polyaccel.asr.transcriber import Transcriber
+from polyaccel.asr.transcriber import CLOSED_ERROR, Transcriber
 from polyaccel.asr.wer import wer
 
 SR = 16000
@@ -55,6 +55,46 @@ def _fake(replicas: int = 2, batch_size: int = 3, calls: list | None = None) -> 
 
     return Transcriber(factory, sample_rate=SR, max_audio_seconds=30.0, replicas=replicas,
                        batch_size=batch_size, overlap_s=3.0)
+
+
+def test_close_from_another_thread_ends_a_running_call_cleanly() -> None:
+    """close() while transcribe runs: what finished is returned, the rest of what was read
+    says it was closed, nothing raises, and the transcriber works again afterwards."""
+    reached, release = threading.Event(), threading.Event()
+
+    def factory(i: int):
+        def recognize(batch):
+            if any(round(float(a[0]) * 10000) == 4 for a in batch):  # input 3: running when closed
+                reached.set()
+                release.wait(10)
+            return _fake_recognize(batch)
+        return recognize
+
+    tr = Transcriber(factory, sample_rate=SR, replicas=1, batch_size=1, overlap_s=3.0)
+
+    def close_while_input_3_runs() -> None:
+        assert reached.wait(10)
+        pool = tr._pool.pool
+        closer = threading.Thread(target=tr.close)
+        closer.start()
+        while not pool.closed:
+            time.sleep(0.001)
+        release.set()  # the running batch finishes after the close began
+        closer.join(10)
+
+    helper = threading.Thread(target=close_while_input_3_runs)
+    helper.start()
+    results = list(tr.transcribe_iter(_spoken([i + 1]) for i in range(40)))
+    helper.join(10)
+    assert 8 <= len(results) < 40  # inputs not read yet stay unread
+    assert [r.path for r in results] == [f"<array {i}>" for i in range(len(results))]
+    assert results[3].ok and results[3].text == "w4"
+    closed = [r for r in results if not r.ok]
+    assert closed and all(r.error == CLOSED_ERROR and r.text == "" for r in closed)
+    assert all(r.text == f"w{i + 1}" for i, r in enumerate(results) if r.ok)
+    assert tr.last_metrics.failed == len(closed) and tr.last_metrics.items == len(results)
+    assert [r.text for r in tr.transcribe([_spoken([7])])] == ["w7"]  # usable again
+    tr.close()
 
 
 def test_results_in_input_order_with_errors_in_place(tmp_path: Path) -> None:

@@ -409,11 +409,7 @@ def convert_ct2_whisper(src: str | os.PathLike | Sequence[str | os.PathLike], ou
     """
     from safetensors.torch import save_file
 
-    if isinstance(src, (str, os.PathLike)):
-        first = Path(src)
-    else:
-        first = Path(list(src)[0])
-    assets = Path(assets_dir) if assets_dir is not None else (first if first.is_dir() else first.parent)
+    assets = _assets_dir(src, assets_dir)
     out = Path(out_dir)
     _check_new_dir(out)
     _model_bin_parts(src)  # a missing source is said as such, before its assets
@@ -437,6 +433,24 @@ def convert_ct2_whisper(src: str | os.PathLike | Sequence[str | os.PathLike], ou
         (out / name).write_text(json.dumps(obj, indent=2) + "\n")
     shutil.copyfile(tokenizer_json, out / "tokenizer.json")
     return out
+
+
+def _assets_dir(src: str | os.PathLike | Sequence[str | os.PathLike],
+                assets_dir: str | os.PathLike | None) -> Path:
+    """``assets_dir``, or by default the directory of ``src`` (or of its first part)."""
+    if assets_dir is not None:
+        return Path(assets_dir)
+    first = Path(src) if isinstance(src, (str, os.PathLike)) else Path(list(src)[0])
+    return first if first.is_dir() else first.parent
+
+
+def source_files(src: str | os.PathLike | Sequence[str | os.PathLike], *,
+                 assets_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Every file :func:`convert_ct2_whisper` reads for these arguments: the ``model.bin``
+    parts in order, then ``tokenizer.json`` and ``config.json`` where they exist."""
+    assets = _assets_dir(src, assets_dir)
+    extra = [f for f in (assets / "tokenizer.json", assets / "config.json") if f.is_file()]
+    return [*_model_bin_parts(src), *extra]
 
 
 def _check_new_dir(out: Path) -> None:

@@ -134,19 +134,50 @@ def exactly_once(batches: Iterable[dict[str, Any]], n: int) -> Iterator[dict[str
 
     When an actor or a node dies, Ray re-runs its blocks: a row may then come back twice or
     late. Repeats are dropped, early rows wait for the ones before them, and a row that never
-    came is an error, so the output holds every input exactly once.
+    came is an error, so the output holds every input exactly once. Of two copies of a row that
+    arrive before it is yielded, an ok record wins over one with an error. If rows are missing
+    at the end (or the batches fail), every row received after the gap is still yielded, in
+    row order, before the ``RuntimeError`` (or the batches' error) is raised.
     """
-    pending: dict[int, str] = {}
+    pending: dict[int, dict[str, Any]] = {}
     done = 0
-    for batch in batches:
-        for idx, rec in zip(batch["idx"], batch["record"]):
-            if int(idx) >= done:
-                pending.setdefault(int(idx), rec)
+    try:
+        for batch in batches:
+            for idx, rec in zip(batch["idx"], batch["record"]):
+                if int(idx) >= done:
+                    _keep_better(pending, int(idx), json.loads(rec))
             while done in pending:
-                yield json.loads(pending.pop(done))
+                yield pending.pop(done)
                 done += 1
+    except Exception:
+        yield from _drain(pending)
+        raise
     if done != n:
-        raise RuntimeError(f"the Ray job returned {done} of {n} rows in order; row {done} never came back")
+        got = sorted(pending)
+        yield from _drain(pending)
+        missing = [i for i in range(done, n) if i not in got]
+        raise RuntimeError(f"the Ray job returned {n - len(missing)} of {n} rows; row {done} never came back"
+                           f"{_missing_note(missing)} (the {len(got)} rows received after it were yielded)")
+
+
+def _keep_better(pending: dict[int, dict[str, Any]], idx: int, rec: dict[str, Any]) -> None:
+    """Hold ``rec`` for row ``idx`` unless a copy is held already; an ok copy replaces an error."""
+    held = pending.get(idx)
+    if held is None or (held.get("error") and not rec.get("error")):
+        pending[idx] = rec
+
+
+def _drain(pending: dict[int, dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The rows held back behind a missing one, in row order (emptying ``pending``)."""
+    for idx in sorted(pending):
+        yield pending.pop(idx)
+
+
+def _missing_note(missing: list[int]) -> str:
+    if len(missing) <= 1:
+        return ""
+    shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+    return f"; missing rows: {shown}"
 
 
 def transcribe_with_ray(items: Sequence[InputItem], opts: RayJobOptions) -> Iterator[dict[str, Any]]:

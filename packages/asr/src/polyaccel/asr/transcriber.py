@@ -20,7 +20,9 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,16 @@ WARN_BELOW_WPS, WARN_ABOVE_WPS = 0.5, 6.0
 """Words per second of speech outside these bounds put a warning on the file's result."""
 
 _MIN_SPEECH_S = 5.0  # below this much speech, a low word rate is no evidence of loss
+
+CLOSED_ERROR = "not transcribed: the transcriber was closed (close() during transcribe)"
+"""The ``error`` of each input a transcribe call had read but not finished when another thread
+called :meth:`Transcriber.close`."""
+
+
+class TranscriberClosed(RuntimeError):
+    """A window refused because :meth:`Transcriber.close` closed the pool (becomes
+    :data:`CLOSED_ERROR` on its input's result, never raised to the caller)."""
+
 
 MAX_WHOLE_BYTES = 64 << 20
 """Most decoded float32 (frames x channels x 4 bytes) a file shorter than one window is decoded
@@ -249,6 +261,7 @@ class Transcriber:
         self._running: tuple[TranscribeMetrics, float] | None = None
         self._pool: Any = None
         self._lock = threading.Lock()
+        self._runs: set[threading.Event] = set()  # one per transcribe call in progress; close() sets them
 
     # ---- construction --------------------------------------------------------------------
 
@@ -308,7 +321,12 @@ class Transcriber:
                         to_fp8(models[key])
                 return models[key]
 
+        before = _weights_identity(path)
         first = model_on(devices[0])  # loaded up front: its rate and window length shape the job
+        sha = _weights_sha256(path)  # once per transcriber; cached by path, size, mtime, inode
+        if _weights_identity(path) != before:
+            raise RuntimeError(f"{path}: the model's weights were replaced while it loaded (converted again by "
+                               "another process?); load it again")
         if replicas is None and be.device_type == "cuda":
             import torch
 
@@ -349,7 +367,7 @@ class Transcriber:
                  max_audio_seconds=float(first.max_audio_seconds()), replicas=n, batch_size=batch_size,
                  overlap_s=overlap_s, bucket_s=bucket_s, model_name=resolved.name,
                  backend_name=be.name, compile_fn=compile_replica)
-        tr.weights_sha256 = _weights_sha256(path)  # once per transcriber; cached by path+size+mtime
+        tr.weights_sha256 = sha  # the weights loaded (checked above), not whatever is there now
         tr.fp8_encoder = fp8_encoder
         tr.batch_invariant = batch_invariant
         return tr
@@ -364,7 +382,12 @@ class Transcriber:
                         ) -> Iterator[TranscriptResult]:
         """Yield one result per input, in input order, as soon as it and all before it are
         done. Inputs are read ``lookahead`` at a time (default: 4 batches per replica); each
-        block is ordered by duration before it goes to the pool."""
+        block is ordered by duration before it goes to the pool.
+
+        If another thread calls :meth:`close` meanwhile, the call ends cleanly, without an
+        exception: results finished before the close are yielded as usual, every other input
+        already read gets a result with ``error`` = :data:`CLOSED_ERROR`, and inputs not yet
+        read are left in ``inputs`` (no result: compare the count with what you gave)."""
         block = lookahead or max(8, 4 * self.batch_size * self.replicas)
         m = TranscribeMetrics()
         start = time.perf_counter()
@@ -372,11 +395,16 @@ class Transcriber:
         pending: dict[int, _Pending] = {}
         next_out = 0
         source = _Guarded(iter(inputs))
+        stop = threading.Event()
+        with self._lock:
+            self._runs.add(stop)
+        windows = self._windows(source, block, pending, m)
+        outcomes = self._pool_map(_until(stop, windows))
         try:
-            for win, out in self._pool_map(self._windows(source, block, pending, m)):
+            for win, out in outcomes:
                 p = pending[win.idx]
                 if isinstance(out, BaseException) or not isinstance(out, _Decoded):
-                    p.result.error = p.result.error or f"recognition failed: {_short(out)}"
+                    p.result.error = p.result.error or _window_error(out, stop)
                     p.texts[win.win] = ""
                 else:
                     p.texts[win.win] = out.text
@@ -385,11 +413,15 @@ class Transcriber:
                 while next_out in pending and pending[next_out].done:
                     yield self._finish(pending.pop(next_out), m, start)
                     next_out += 1
-            while next_out in pending:  # inputs that failed before producing any window
-                yield self._finish(pending.pop(next_out), m, start)
+            while next_out in pending:  # inputs that failed before producing any window (or cut by close())
+                yield self._finish(_closed_if_unfinished(pending.pop(next_out)), m, start)
                 next_out += 1
             source.reraise()  # the caller's iterable failed: every input read before it has its result
         finally:
+            outcomes.close()  # cancels windows still waiting (the caller stopped early)
+            windows.close()  # stops long files' reader threads at once
+            with self._lock:
+                self._runs.discard(stop)
             m.wall_s = time.perf_counter() - start
             self.last_metrics = m
             with self._lock:
@@ -587,8 +619,13 @@ class Transcriber:
         return self._pool.metrics() if self._pool is not None else {}
 
     def close(self) -> None:
-        """Stop the replica threads (the transcriber can be used again; it restarts them)."""
+        """Stop the replica threads (the transcriber can be used again; it restarts them).
+
+        A transcribe call running on another thread ends cleanly: batches already running
+        finish, the rest of what it read gets :data:`CLOSED_ERROR` (see :meth:`transcribe_iter`)."""
         with self._lock:
+            for stop in self._runs:
+                stop.set()
             if self._pool is not None:
                 self._pool.close()
                 self._pool = None
@@ -629,16 +666,68 @@ class _PoolAdapter:
             opts.setdefault("batch_key", lambda w: math.ceil(len(w.audio) / sample_rate / bucket_s))
         self.pool = ReplicaPool(make, replicas, batch_size=batch_size,
                                 work_units=lambda w: len(w.audio) / sample_rate, **opts)
+        self.window = opts["queue_capacity"] + replicas * batch_size  # most windows in flight
 
     def map_items(self, windows: Iterator[_Window]) -> Iterator[tuple[_Window, Any]]:
-        for r in self.pool.map(windows):
-            yield r.item, (r.value if r.error is None else r.error)
+        """(window, text or exception) in submission order, at most :attr:`window` in flight.
+
+        Once the pool is closed, no window is taken from ``windows`` any more; those submitted
+        still come back (finished, or cancelled), the one refused as :class:`TranscriberClosed`.
+        Windows still waiting when the iterator is dropped are cancelled."""
+        from polyaccel.core.runtime import PoolClosed
+
+        inflight: deque[tuple[_Window, Any]] = deque()
+        refused: _Window | None = None
+        try:
+            for w in windows:
+                try:
+                    inflight.append((w, self.pool.submit(w)))
+                except PoolClosed:
+                    refused = w
+                    break
+                while inflight and (len(inflight) >= self.window or inflight[0][1].done()):
+                    yield _outcome(*inflight.popleft())
+            while inflight:
+                yield _outcome(*inflight.popleft())
+            if refused is not None:
+                yield refused, TranscriberClosed(CLOSED_ERROR)
+        finally:
+            for _, future in inflight:
+                future.cancel()
 
     def metrics(self) -> dict[str, Any]:
         return self.pool.metrics().as_dict()
 
     def close(self) -> None:
         self.pool.close(cancel_pending=True)
+
+
+def _outcome(w: _Window, future: Any) -> tuple[_Window, Any]:
+    """(window, its text, or the exception it failed with), waiting for it if need be."""
+    r = future.result()
+    return w, (r.value if r.error is None else r.error)
+
+
+def _until(stop: threading.Event, windows: Iterator[_Window]) -> Iterator[_Window]:
+    """``windows`` until ``stop`` is set (no input is read after a close())."""
+    for w in windows:
+        if stop.is_set():
+            return
+        yield w
+
+
+def _window_error(out: Any, stop: threading.Event) -> str:
+    """A failed window's error: :data:`CLOSED_ERROR` when close() cancelled or refused it."""
+    if stop.is_set() and isinstance(out, (CancelledError, TranscriberClosed)):
+        return CLOSED_ERROR
+    return f"recognition failed: {_short(out)}"
+
+
+def _closed_if_unfinished(p: _Pending) -> _Pending:
+    """``p``, with :data:`CLOSED_ERROR` if close() stopped the call before its windows were all done."""
+    if not p.done and p.result.error is None:
+        p.result.error = CLOSED_ERROR
+    return p
 
 
 # ---- re-decoding windows that lost words ---------------------------------------------------------
@@ -871,6 +960,12 @@ def _weights_sha256(path: Path) -> str:
     from polyaccel.asr.weights import weights_sha256
 
     return weights_sha256(path)
+
+
+def _weights_identity(path: Path) -> list[tuple]:
+    from polyaccel.asr.weights import weights_identity
+
+    return weights_identity(path)
 
 
 def _model_type(path: Path) -> str:

