@@ -1,9 +1,14 @@
 """Fixtures shared by the test packages."""
 
+import importlib.util
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 @pytest.fixture
@@ -27,3 +32,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def load_tool():
+    """``load_tool("device_pack")``: ``tools/device_pack.py`` as a module. tools/ is not a
+    package: loaded by path, registered in ``sys.modules`` first (dataclasses look it up)."""
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"polyaccel_tools_{name}", TOOLS / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load

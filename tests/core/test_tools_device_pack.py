@@ -3,24 +3,16 @@ and come back byte for byte only when every part is there and intact."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
-
 
 @pytest.fixture(scope="module")
-def dp():
-    spec = importlib.util.spec_from_file_location("polyaccel_tools_device_pack", TOOLS / "device_pack.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def dp(load_tool):
+    return load_tool("device_pack")
 
 
 def _tree(root: Path) -> dict[str, bytes]:

@@ -3,23 +3,15 @@ user controls (a corpus folder left in a shared /tmp, as its --help example uses
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
-
 
 @pytest.fixture(scope="module")
-def corpus():
-    spec = importlib.util.spec_from_file_location("polyaccel_tools_make_asr_corpus", TOOLS / "make_asr_corpus.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def corpus(load_tool):
+    return load_tool("make_asr_corpus")
 
 
 def _old_corpus(out: Path) -> Path:
