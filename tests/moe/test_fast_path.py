@@ -91,9 +91,9 @@ def test_cpu_defaults_report_what_ran(tmp_path):
 # Trainer
 # --------------------------------------------------------------------------------------------
 
-def _model(seed: int = 0):
+def _model(seed: int = 0, arch: str = "qwen3_moe"):
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny("qwen3_moe"), backend=BackendConfig(backend="cpu"),
+    return AutoModelForCausalLM.from_config(tiny(arch), backend=BackendConfig(backend="cpu"),
                                             dtype=torch.float32)
 
 
@@ -143,21 +143,41 @@ def test_trainer_trains_like_transformers_trainer(tmp_path):
     assert _relative_gap(w_still, w_ref, start) > 0.5
 
 
-def test_trainer_checkpoint_resume_matches_straight_run(tmp_path):
+def _losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"])
+def test_trainer_checkpoint_resume_matches_straight_run(tmp_path, arch):
+    """Save at step 2 of 4, resume into another init: the losses after the resume, the final
+    weights, FlatAdamW's state and the LR equal the uninterrupted run's; every ``.pt``/``.pth``
+    of the checkpoint loads with plain ``torch.load(weights_only=True)`` (no NumPy allow-list)."""
+    import numpy as np
+
     from polyaccel.moe import Trainer
 
-    _, straight = _train(Trainer, _args(tmp_path / "a"))
+    straight_trainer, straight = _train(Trainer, _args(tmp_path / "a"), _model(arch=arch))
     args = _args(tmp_path / "b", save_strategy="steps", save_steps=2)
-    first = Trainer(model=_model(), args=args, train_dataset=_data())
+    first = Trainer(model=_model(arch=arch), args=args, train_dataset=_data())
     first.train()
     ckpt = tmp_path / "b" / "checkpoint-2"
     assert (ckpt / "optimizer.pt").is_file()
-    resumed_model = _model(seed=1)  # other init: everything must come from the checkpoint
+    files = {f.name: torch.load(f, weights_only=True) for f in [*ckpt.glob("*.pt"), *ckpt.glob("*.pth")]}
+    assert {"optimizer.pt", "scheduler.pt", "rng_state.pth"} <= files.keys()
+    np.random.set_state(files["rng_state.pth"]["numpy"])  # NumPy takes the tensor form back
+    resumed_model = _model(seed=1, arch=arch)  # other init: everything must come from the checkpoint
     resumed = Trainer(model=resumed_model, args=args, train_dataset=_data())
     resumed.train(resume_from_checkpoint=str(ckpt))
+    assert _losses(resumed) == _losses(straight_trainer)
+    assert resumed.lr_scheduler.get_last_lr() == straight_trainer.lr_scheduler.get_last_lr()
     final = resumed_model.state_dict()
     for k in straight:
         torch.testing.assert_close(final[k], straight[k], rtol=1e-5, atol=1e-6, msg=k)
+    want, got = straight_trainer.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert want.keys() == got.keys()
+    for i in want:
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got[i][name], want[i][name], rtol=1e-5, atol=1e-7)
 
 
 def test_trainer_keeps_other_optimizers(tmp_path):
@@ -198,6 +218,15 @@ def test_fast_trainer_class_wraps_sft_trainer(tmp_path):
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # save at step 2, resume into another init: TRL's run continues like the straight one
+    args.save_strategy, args.save_steps, args.output_dir = "steps", 2, str(tmp_path / "ck")
+    cls(model=_model(), args=args, train_dataset=data, processing_class=_word_tokenizer()).train()
+    resumed_model = _model(seed=1)
+    resumed = cls(model=resumed_model, args=args, train_dataset=data, processing_class=_word_tokenizer())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "ck" / "checkpoint-2"))
+    assert _losses(resumed) == losses
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(resumed_model.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,11 +27,14 @@ peft = pytest.importorskip("peft")
 SETTINGS = LoraSettings(r=4, alpha=8, router=True)
 
 
-def _pair(tmp_path, backend: BackendConfig, settings: LoraSettings = SETTINGS):
+ARCHS = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"]
+
+
+def _pair(tmp_path, backend: BackendConfig, settings: LoraSettings = SETTINGS, arch: str = "qwen3_moe"):
     """(ours + PEFT, plain Transformers + PEFT) with the same random base and random adapters
     (``init_lora_weights=False``: B is not zero, so every path contributes)."""
     torch.manual_seed(0)
-    ours = AutoModelForCausalLM.from_config(presets.tiny("qwen3_moe"), backend=backend)
+    ours = AutoModelForCausalLM.from_config(presets.tiny(arch), backend=backend)
     ours.save_pretrained(tmp_path / "base")
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     config = settings.peft_config()
@@ -234,8 +237,9 @@ def _logits(model, ids):
         return model(input_ids=ids).logits
 
 
-def test_adapter_saved_by_ours_loads_in_plain_peft_transformers(tmp_path):
-    ours, _ = _pair(tmp_path, BackendConfig())
+@pytest.mark.parametrize("arch", ARCHS)
+def test_adapter_saved_by_ours_loads_in_plain_peft_transformers(tmp_path, arch):
+    ours, _ = _pair(tmp_path, BackendConfig(), arch=arch)
     ours.save_pretrained(tmp_path / "adapter")
     ids = _ids()
     want = _logits(ours, ids)
@@ -246,8 +250,9 @@ def test_adapter_saved_by_ours_loads_in_plain_peft_transformers(tmp_path):
     assert (base_only - want).abs().max() > 1e-3  # the adapter matters
 
 
-def test_adapter_trained_by_plain_peft_loads_into_ours(tmp_path):
-    _, ref = _pair(tmp_path, BackendConfig())
+@pytest.mark.parametrize("arch", ARCHS)
+def test_adapter_trained_by_plain_peft_loads_into_ours(tmp_path, arch):
+    _, ref = _pair(tmp_path, BackendConfig(), arch=arch)
     ref.save_pretrained(tmp_path / "adapter")
     ids = _ids()
     want = _logits(ref, ids)
@@ -256,13 +261,22 @@ def test_adapter_trained_by_plain_peft_loads_into_ours(tmp_path):
     torch.testing.assert_close(_logits(ours, ids), want, rtol=1e-5, atol=1e-5)
 
 
-def test_merge_and_save_writes_a_plain_checkpoint(tmp_path):
-    ours, _ = _pair(tmp_path, BackendConfig())
+@pytest.mark.parametrize("arch", ARCHS)
+def test_merge_and_save_writes_a_plain_checkpoint(tmp_path, arch):
+    """Our merge-and-save writes the files PEFT's merge on plain Transformers writes."""
+    from safetensors.torch import load_file
+
+    ours, ref = _pair(tmp_path, BackendConfig(), arch=arch)
     ids = _ids()
     want = _logits(ours, ids)
     merged = ours.merge_and_unload()
     assert not any("lora" in n for n, _ in merged.named_parameters())
     merged.save_pretrained(tmp_path / "merged")
+    ref.merge_and_unload().save_pretrained(tmp_path / "peft_merged")
+    ours_files, peft_files = (load_file(tmp_path / d / "model.safetensors") for d in ("merged", "peft_merged"))
+    assert ours_files.keys() == peft_files.keys()
+    for k, v in peft_files.items():
+        torch.testing.assert_close(ours_files[k], v, rtol=1e-6, atol=1e-7, msg=k)
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     torch.testing.assert_close(_logits(plain, ids), want, rtol=1e-4, atol=1e-5)
 

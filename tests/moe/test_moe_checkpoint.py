@@ -128,3 +128,44 @@ def test_expert_parallel_without_a_process_group_is_refused_clearly():
 def test_backend_must_be_a_backend_config():
     with pytest.raises(TypeError, match="BackendConfig"):
         AutoModelForCausalLM.from_config(tiny("qwen3_moe"), backend={"experts": "eager"})
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sharded_tied_saves_interchange_both_ways(tmp_path, model_type, dtype):
+    """Tied embeddings, a small ``max_shard_size`` (several files and an index) and the dtype:
+    ours -> plain Transformers and plain -> ours keep every tensor, the tie, the dtype and (fp32)
+    the logits; the saved config.json is Transformers' own."""
+    torch.manual_seed(0)
+    config = tiny(model_type, tie_word_embeddings=True)
+    ours = AutoModelForCausalLM.from_config(config, backend=BackendConfig(backend="cpu"), dtype=dtype)
+    _train_a_little(ours)
+    ours.save_pretrained(tmp_path / "ours", max_shard_size="20KB")
+    assert (tmp_path / "ours" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "ours").glob("*.safetensors"))) > 1
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    assert json.loads((tmp_path / "ours" / "config.json").read_text()).keys() == \
+        json.loads((tmp_path / "hf" / "config.json").read_text()).keys()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype="auto")
+    plain.save_pretrained(tmp_path / "plain", max_shard_size="20KB")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dtype="auto", backend=BackendConfig(backend="cpu"))
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    for model in (plain, back):
+        assert model.dtype == dtype
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        for k, v in ours.state_dict().items():
+            assert torch.equal(model.state_dict()[k], v), k
+        if dtype == torch.float32:
+            with torch.no_grad():
+                torch.testing.assert_close(model.eval()(input_ids=ids).logits, ours.eval()(input_ids=ids).logits,
+                                           rtol=1e-5, atol=1e-5)
+    assert _tensors(tmp_path / "plain").keys() == _tensors(tmp_path / "ours").keys()

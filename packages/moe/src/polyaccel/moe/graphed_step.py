@@ -27,7 +27,8 @@ Told where a call stands in the optimizer step (``micro_batch=(i, n)``), it also
 Each position in the window is its own graph kind; the graphs of deferring micro-batches hold
 what they keep in graph memory that the next ones read.
 
-Requirements: a CUDA device; every call with the same batch shapes and keys (a call with
+Requirements for the graphs (off CUDA every call runs eagerly, said once in the log, so the
+same loop runs on the CPU): a CUDA device; every call with the same batch shapes and keys (a call with
 other shapes runs eagerly, with a one-time warning); no host synchronization in the
 model's forward or backward (polyaccel MoE models have none on one device; a padded
 ``attention_mask`` stays a mask under capture). Not for FSDP2, whose collectives and hooks
@@ -73,7 +74,7 @@ class GraphedMicroStep:
     ``loss_fn(**batch).backward()``) and returns the loss (detached); after ``warmup`` eager
     calls, as one CUDA graph replay.
 
-    :param model: the model, on a CUDA device, in train mode.
+    :param model: the model, in train mode; on a CUDA device for graphs (elsewhere eager).
     :param warmup: eager calls of each kind before its capture (compilation, autotuning).
     :param wgrad_window: micro-batches whose expert weight gradients one kernel computes
         (calls must then pass ``micro_batch``); 1 computes them in every micro-batch.
@@ -97,9 +98,12 @@ class GraphedMicroStep:
         if grad_accum is not None and grad_accum < 1:
             raise ValueError(f"grad_accum={grad_accum} must be >= 1")
         device = next(model.parameters()).device
-        if device.type != "cuda":
-            raise ValueError(f"GraphedMicroStep replays CUDA graphs; the model is on {device}. "
-                             "Run the step eagerly there (model(**batch).loss.backward()).")
+        #: False off CUDA: every call then runs eagerly (said once), the same arithmetic
+        self.graphs = device.type == "cuda"
+        if not self.graphs:
+            from polyaccel.moe.fast_path import say_once
+
+            say_once(f"GraphedMicroStep runs eagerly: the model is on {device.type}, CUDA graphs need CUDA")
         self.model, self.warmup, self.wgrad_window, self.grad_accum = model, warmup, wgrad_window, grad_accum
         self.loss_fn = loss_fn or (lambda **batch: model(**batch, **forward_kwargs).loss)
         self.kinds: dict[tuple[int, bool, bool], _Captured] = {}
@@ -125,7 +129,7 @@ class GraphedMicroStep:
         # (an eager call) the deferred tensors are others, so run eagerly until the window ends.
         before = self.kinds.get((kind_key[0] - 1, True, False)) if kind_key[0] else None
         ready = (before is not None and self._kept_by is before) if kind_key[0] else not kept_wgrad_tensors()
-        if not ready or (kind.graph is not None and not self._matches(kind, batch)):
+        if not self.graphs or not ready or (kind.graph is not None and not self._matches(kind, batch)):
             return self._eager(batch, kind_key)
         if kind.graph is None:
             self._ensure_grads()
@@ -152,7 +156,7 @@ class GraphedMicroStep:
 
         ids = batch.get("input_ids")
         config = getattr(self.model, "config", None)
-        if ids is None or config is None or not self.grad_accum or not self._experts:
+        if ids is None or config is None or not self.grad_accum or not self._experts or not ids.is_cuda:
             return 1
         total = torch.cuda.get_device_properties(ids.device).total_memory
         return auto_window(config, tokens_per_micro_batch=ids.numel(), grad_accum=self.grad_accum,

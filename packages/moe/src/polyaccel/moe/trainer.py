@@ -20,8 +20,11 @@ are Trainer's own (FlatAdamW's ``state_dict`` has torch AdamW's format).
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 from torch import nn
@@ -100,6 +103,12 @@ class FastPathMixin:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_local_weights(model, resume_from_checkpoint)
 
+    def _save_rng_state(self, output_dir: str) -> None:
+        """Trainer's RNG file, its NumPy state rewritten as a tensor (:func:`tensorize_numpy_rng`)."""
+        super()._save_rng_state(output_dir)
+        name = "rng_state.pth" if self.args.world_size <= 1 else f"rng_state_{self.args.process_index}.pth"
+        tensorize_numpy_rng(Path(output_dir) / name)
+
     # ---- micro-step --------------------------------------------------------------------------
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
@@ -161,6 +170,28 @@ class FastPathMixin:
         if n_items is None:
             loss = loss / self.current_gradient_accumulation_steps
         return loss
+
+
+def tensorize_numpy_rng(path: Path) -> None:
+    """Store the NumPy generator state in Trainer's RNG file ``path`` as an int64 tensor.
+
+    Trainer pickles it as an ``ndarray``, which plain ``torch.load(weights_only=True)`` refuses
+    (Trainer itself reads it with NumPy allow-listed); ``np.random.set_state`` takes the tensor
+    back as is, so plain ``transformers.Trainer`` resumes from the file unchanged.
+    """
+    if not path.is_file():
+        return
+    from transformers.trainer_pt_utils import safe_globals
+
+    with safe_globals():
+        state = torch.load(path, weights_only=True)
+    numpy_state = state.get("numpy")
+    if not (isinstance(numpy_state, tuple) and len(numpy_state) > 1 and isinstance(numpy_state[1], np.ndarray)):
+        return
+    state["numpy"] = (numpy_state[0], torch.from_numpy(numpy_state[1].astype(np.int64)), *numpy_state[2:])
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
 
 
 class Trainer(FastPathMixin, transformers.Trainer):
