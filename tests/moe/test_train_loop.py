@@ -117,7 +117,7 @@ def test_dp_shards_together_equal_one_process_batch():
     src = PackedDataset.pack([(list(range(i, i + 7)), [True] * 7) for i in range(0, 70, 7)], seq_len=4)
     one = Batches(src, micro_batch=4, grad_accum=2, seed=3)
     ranks = [Batches(src, micro_batch=2, grad_accum=2, dp_rank=r, dp_size=2, seed=3) for r in range(2)]
-    for _ in range(5):  # crosses epoch boundaries (18 samples, 8 per step)
+    for _ in range(5):  # crosses epoch boundaries (23 samples, 8 per step)
         whole = one.next_step()
         parts = [b.next_step() for b in ranks]
         for m in range(2):
@@ -503,7 +503,7 @@ def test_step_loss_and_grad_norm_are_the_global_token_mean(tmp_path, aux):
 
     g = torch.Generator().manual_seed(5)
     data = tmp_path / "tokens.jsonl"
-    with data.open("w") as f:  # 118 tokens: 4 samples of 32, the last ends in 10 padding tokens
+    with data.open("w") as f:  # 118 tokens: 4 samples of 32 overlapping by one, the last ends in 7 padding tokens
         for n in (30, 41, 25, 22):
             f.write(json.dumps({"input_ids": torch.randint(3, 97, (n,), generator=g).tolist()}) + "\n")
     sets = [f"data.jsonl={data}", "train.max_steps=1", "train.lr=0", "train.warmup_steps=0",
@@ -519,7 +519,7 @@ def test_step_loss_and_grad_norm_are_the_global_token_mean(tmp_path, aux):
     t = cfg.train
     source = build_dataset(cfg.data, seq_len=t.seq_len, vocab_size=model.config.vocab_size, seed=t.seed)
     assert len(source) == t.micro_batch * t.grad_accum == 4  # one step sees every sample once
-    assert int((source.labels == IGNORE_INDEX).sum()) == 10
+    assert int((source.labels == IGNORE_INDEX).sum()) == 7 + 4  # padding, and each sample's first position
     micro_batches = Batches(source, micro_batch=t.micro_batch, grad_accum=t.grad_accum, seed=t.seed).next_step()
     coef = model.config.router_aux_loss_coef if aux else 0.0
     assert not aux or coef > 0

@@ -5,8 +5,11 @@ is taken; Transformers shifts labels inside the model). Sources:
 
 - :class:`PackedDataset`: JSONL (``text``, ``prompt``/``completion`` or ``input_ids``
   records) or plain text, tokenized with the checkpoint's tokenizer (offline), each document
-  ended with EOS, concatenated and cut into ``seq_len`` samples; the tail is padded and
-  masked. Documents are packed without cross-document attention masking.
+  ended with EOS (pre-tokenized ``input_ids`` are taken as they are, with their optional
+  ``labels``), concatenated and cut into ``seq_len`` samples that overlap by one token, so
+  that every token but the very first is a loss target exactly once (the model shifts labels:
+  a sample's first token is never one); the tail is padded and masked. Documents are packed
+  without cross-document attention masking (full causal attention within a sample).
 - :class:`SyntheticDataset`: uniform random tokens, an unbounded stream (benchmarks).
 
 :class:`Batches` turns a source into per-rank micro-batches. Global sample ``i`` (counting
@@ -20,6 +23,8 @@ slice of ``micro_batch`` samples, so dp ranks together see exactly what one proc
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,15 @@ import torch
 from polyaccel.moe.train_config import ConfigError, DataConfig
 
 IGNORE_INDEX = -100
+logger = logging.getLogger("polyaccel.moe")
+
+
+def _generator(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed``; values outside what ``manual_seed`` takes
+    ([-2**63, 2**64)) are folded into it (those inside keep their streams)."""
+    if not -2**63 <= seed < 2**64:
+        seed %= 2**64
+    return torch.Generator().manual_seed(seed)
 
 
 class PackedDataset:
@@ -52,7 +66,13 @@ class PackedDataset:
     @classmethod
     def pack(cls, documents: Iterable[tuple[list[int], list[bool]]], seq_len: int,
              pad_id: int = 0) -> PackedDataset:
-        """Concatenate ``(token_ids, loss_mask)`` documents and cut into ``seq_len`` samples."""
+        """Concatenate ``(token_ids, loss_mask)`` documents and cut the stream into ``seq_len``
+        samples, each starting on the last token of the one before: the model shifts labels
+        (position 0 of a sample is never a target), so every token after the first is a target
+        in exactly one sample. The tail is padded with ``pad_id`` and masked."""
+        if seq_len < 2:
+            raise ConfigError(f"train.seq_len must be >= 2 for packed data (a sample of {seq_len} token "
+                              "has no next token to predict)")
         ids: list[int] = []
         mask: list[bool] = []
         for doc_ids, doc_mask in documents:
@@ -60,11 +80,13 @@ class PackedDataset:
             mask.extend(doc_mask)
         if not ids:
             raise ConfigError("the dataset is empty (no tokens after tokenization)")
-        pad = -len(ids) % seq_len
+        stride = seq_len - 1
+        pad = -(len(ids) - 1) % stride if len(ids) > 1 else stride
         ids.extend([pad_id] * pad)
         mask.extend([False] * pad)
-        t_ids = torch.tensor(ids, dtype=torch.long).view(-1, seq_len)
-        t_mask = torch.tensor(mask, dtype=torch.bool).view(-1, seq_len)
+        t_ids = torch.tensor(ids, dtype=torch.long).unfold(0, seq_len, stride).contiguous()
+        t_mask = torch.tensor(mask, dtype=torch.bool).unfold(0, seq_len, stride).clone()
+        t_mask[:, 0] = False  # the previous sample's last target (or the stream's first token)
         return cls(t_ids, t_ids.masked_fill(~t_mask, IGNORE_INDEX))
 
 
@@ -78,7 +100,7 @@ class SyntheticDataset:
         raise TypeError("a synthetic dataset is unbounded")
 
     def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        g = _generator(self.seed * 1_000_003 + index)
         ids = torch.randint(0, self.vocab, (self.seq_len,), generator=g)
         return ids, ids.clone()
 
@@ -115,7 +137,7 @@ class Batches:
         if not self.shuffle:
             return j
         if self._perm is None or self._perm[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            g = _generator(self.seed * 7919 + epoch)
             self._perm = (epoch, torch.randperm(n, generator=g))
         return int(self._perm[1][j])
 
@@ -135,13 +157,27 @@ class Batches:
         while True:
             yield self.next_step()
 
+    def _samples(self) -> int | None:
+        """Samples per epoch (``None`` for an unbounded source)."""
+        return None if isinstance(self.source, SyntheticDataset) else len(self.source)
+
     def state_dict(self) -> dict[str, Any]:
-        """What resuming needs: the global position (and the order seed, checked on load)."""
-        return {"position": self.position, "seed": self.seed}
+        """What resuming needs: the global position, and what fixes the order it counts in
+        (seed, samples per epoch, shuffle), checked on load."""
+        return {"position": self.position, "seed": self.seed, "samples": self._samples(), "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at ``state``'s position; a :class:`ValueError` where this run's samples or
+        order differ from the checkpoint's (the position would then skip or repeat samples).
+        Keys an older checkpoint lacks are not checked."""
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(f"checkpoint data order used seed {state['seed']}, this run seed {self.seed}")
+        if state.get("samples") is not None and state["samples"] != self._samples():
+            raise ValueError(f"checkpoint data position counts {state['samples']} samples per epoch, this run's "
+                             f"data packs into {self._samples()} (other data, data settings or train.seq_len)")
+        if state.get("shuffle", self.shuffle) != self.shuffle:
+            raise ValueError(f"checkpoint data order used data.shuffle={state['shuffle']}, this run "
+                             f"data.shuffle={self.shuffle}")
         self.position = int(state["position"])
 
 
@@ -178,6 +214,8 @@ def build_dataset(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int =
         return tokenizer
 
     docs = list(_jsonl_documents(path, cfg.field, tok, vocab_size) if cfg.jsonl else _text_documents(path, tok))
+    if not any(ids for ids, _ in docs):
+        raise ConfigError(f"data.{chosen[0]}: {path} is empty (no tokens after tokenization)")
     for n, (ids, _) in enumerate(docs):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
@@ -205,7 +243,12 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def _eos(tokenizer) -> list[int]:
-    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    """The EOS that ends each document; a tokenizer without one is a :class:`ConfigError`
+    (packed documents would run into each other with nothing between them)."""
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!s} has no eos_token, which ends "
+                          "each packed document; set eos_token in its tokenizer_config.json")
+    return [tokenizer.eos_token_id]
 
 
 def _token_ids(value: Any, vocab_size: int, where: str) -> list[int]:
@@ -222,52 +265,104 @@ def _token_ids(value: Any, vocab_size: int, where: str) -> list[int]:
     return value
 
 
-def _jsonl_documents(path: Path, field: str, tok, vocab_size: int) -> Iterator[tuple[list[int], list[bool]]]:
+def _token_labels(rec: dict[str, Any], ids: list[int], where: str) -> list[bool]:
+    """The loss mask of a pre-tokenized record: from its optional ``labels`` (each ``-100`` or
+    the input id at that position; the model shifts them), else all ``True``."""
+    if "labels" not in rec:
+        return [True] * len(ids)
+    labels = rec["labels"]
+    if not isinstance(labels, list):
+        raise ConfigError(f"{where}: labels must be a list of token ids or {IGNORE_INDEX}, got {type(labels).__name__}")
+    if len(labels) != len(ids):
+        raise ConfigError(f"{where}: labels has {len(labels)} entries, input_ids {len(ids)}")
+    for i, (label, t) in enumerate(zip(labels, ids, strict=True)):
+        if isinstance(label, bool) or label not in (IGNORE_INDEX, t):
+            raise ConfigError(f"{where}: labels[{i}] = {label!r} is neither {IGNORE_INDEX} nor input_ids[{i}] = {t} "
+                              "(labels are the input ids, unshifted, with -100 where no loss is taken)")
+    return [label != IGNORE_INDEX for label in labels]
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line_no, text)`` of a UTF-8 file read line by line (a leading byte order mark dropped)."""
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise ConfigError(f"{path}:{line_no}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{line_no}: not valid JSON ({e})") from None
-            if not isinstance(rec, dict):
-                raise ConfigError(f"{path}:{line_no}: a record must be a JSON object, got {type(rec).__name__}")
-            if "input_ids" in rec:
-                ids = _token_ids(rec["input_ids"], vocab_size, f"{path}:{line_no}")
-                yield ids, [True] * len(ids)
-            elif "prompt" in rec and "completion" in rec:
-                prompt, completion = _text(rec, "prompt", path, line_no), _text(rec, "completion", path, line_no)
-                t = tok()
-                p, c = _encode(t, prompt), _encode(t, completion) + _eos(t)
-                yield p + c, [False] * len(p) + [True] * len(c)
-            elif field in rec:
-                text = _text(rec, field, path, line_no)
-                t = tok()
-                ids = _encode(t, text) + _eos(t)
-                yield ids, [True] * len(ids)
-            else:
-                raise ConfigError(f"{path}:{line_no}: record has no {field!r} field (nor prompt/completion "
-                                  f"or input_ids); keys: {', '.join(rec)}")
+            yield line_no, line
 
 
-def _text(rec: dict[str, Any], key: str, path: Path, line_no: int) -> str:
+def _jsonl_documents(path: Path, field: str, tok, vocab_size: int) -> Iterator[tuple[list[int], list[bool]]]:
+    """``(token_ids, loss_mask)`` per record; records with nothing to train on (an empty or
+    whitespace-only text, prompt and completion, or ``input_ids``) are skipped with a warning."""
+    skipped: list[int] = []
+    for line_no, line in _lines(path):
+        if not line.strip():
+            continue
+        doc = _record_document(_record(line, path, line_no), field, tok, vocab_size, f"{path}:{line_no}")
+        if doc is None:
+            skipped.append(line_no)
+        else:
+            yield doc
+    if skipped:
+        logger.warning("polyaccel.moe: %s: skipped %d empty records (lines %s)", path, len(skipped),
+                       ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10 else ""))
+
+
+def _record(line: str, path: Path, line_no: int) -> dict[str, Any]:
+    """One JSONL line as a JSON object."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{line_no}: not valid JSON ({e})") from None
+    if not isinstance(rec, dict):
+        raise ConfigError(f"{path}:{line_no}: a record must be a JSON object, got {type(rec).__name__}")
+    return rec
+
+
+def _record_document(rec: dict[str, Any], field: str, tok, vocab_size: int,
+                     where: str) -> tuple[list[int], list[bool]] | None:
+    """A record's ``(token_ids, loss_mask)``, or ``None`` when it holds nothing to train on."""
+    if "input_ids" in rec:
+        ids = _token_ids(rec["input_ids"], vocab_size, where)
+        return (ids, _token_labels(rec, ids, where)) if ids else None
+    if "prompt" in rec and "completion" in rec:
+        prompt, completion = _text(rec, "prompt", where), _text(rec, "completion", where)
+        if not (prompt.strip() or completion.strip()):
+            return None
+        t = tok()
+        p, c = _encode(t, prompt), _encode(t, completion) + _eos(t)
+        return p + c, [False] * len(p) + [True] * len(c)
+    if field in rec:
+        text = _text(rec, field, where)
+        if not text.strip():
+            return None
+        t = tok()
+        ids = _encode(t, text) + _eos(t)
+        return ids, [True] * len(ids)
+    raise ConfigError(f"{where}: record has no {field!r} field (nor prompt/completion "
+                      f"or input_ids); keys: {', '.join(rec)}")
+
+
+def _text(rec: dict[str, Any], key: str, where: str) -> str:
     """``rec[key]``, which must be a string."""
     if not isinstance(rec[key], str):
-        raise ConfigError(f"{path}:{line_no}: {key!r} must be a string, got {type(rec[key]).__name__}")
+        raise ConfigError(f"{where}: {key!r} must be a string, got {type(rec[key]).__name__}")
     return rec[key]
 
 
+#: a blank line (nothing but spaces or tabs) between two documents of a text file
+_BLANK_LINE = re.compile(r"\n[^\S\n]*\n")
+
+
 def _text_documents(path: Path, tok) -> Iterator[tuple[list[int], list[bool]]]:
+    """One document per paragraph of a text file; blank or whitespace-only lines separate them."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    for para in text.split("\n\n"):
+    for para in _BLANK_LINE.split(text):
         if para.strip():
             t = tok()
             ids = _encode(t, para.strip()) + _eos(t)

@@ -618,7 +618,8 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
 def _restore_position(path: Path, state: dict[str, Any], scheduler: Any, batches: Batches) -> int:
     """Load a checkpoint's LR schedule and data position; return its step. A trainer state
     without them is a :class:`~polyaccel.moe.checkpoint.CheckpointError`; one whose data order
-    this run cannot continue (another ``train.seed``) a :class:`ConfigError`."""
+    this run cannot continue (another ``train.seed``, ``data.shuffle``, or data that packs into
+    another number of samples) a :class:`ConfigError`."""
     try:
         scheduler.load_state_dict(state["scheduler"])
         batches.load_state_dict(state["data"])
@@ -627,8 +628,8 @@ def _restore_position(path: Path, state: dict[str, Any], scheduler: Any, batches
         raise ckpt.CheckpointError(f"{path / ckpt.TRAINER_STATE} is not a polyaccel trainer state "
                                    f"({type(e).__name__}: {e})") from None
     except ValueError as e:
-        raise ConfigError(f"checkpoint.resume: {path}: {e}; resume with the train.seed it was written with, "
-                          "or use a new checkpoint.dir") from None
+        raise ConfigError(f"checkpoint.resume: {path}: {e}; resume with the data, data settings, train.seq_len "
+                          "and train.seed it was written with, or use a new checkpoint.dir") from None
 
 
 def _param_dtype(t: TrainConfig) -> torch.dtype:
