@@ -20,7 +20,8 @@ _EPILOG = """examples:
 
 config precedence: --set key=value > the YAML file > the preset named by model.preset.
 exit status: 0 done (also: the run had already finished), 2 configuration or checkpoint
-error (nothing trained), 3 a non-finite loss or gradient norm stopped training.
+error (nothing trained), 3 a non-finite loss or gradient norm stopped training (or every step
+was skipped, or the final weights are not finite: nothing saved).
 docs: docs/moe_finetune.md"""
 
 EXIT_CONFIG = 2
