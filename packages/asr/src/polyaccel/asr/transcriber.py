@@ -165,7 +165,7 @@ class _Window:
     """One unit of pool work: window ``win`` of input ``idx``, starting ``start_s`` into it;
     ``long``: one of several windows (so it may be re-decoded in pieces); ``speech_s``: its
     seconds of speech, measured where it is read (off the replica threads, which keep the
-    accelerator fed)."""
+    accelerator fed); ``shared_s``: seconds at its start that the previous window also holds."""
 
     idx: int
     win: int
@@ -173,6 +173,7 @@ class _Window:
     start_s: float
     long: bool
     speech_s: float
+    shared_s: float = 0.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -511,7 +512,9 @@ class Transcriber:
         """Windows of a whole waveform (views of it), registered in ``p``."""
         bounds = window_bounds(len(audio), self.sample_rate, self.max_audio_seconds, self.overlap_s)
         out = [_Window(idx, k, audio[a:b], a / self.sample_rate, len(bounds) > 1,
-                       speech_seconds(audio[a:b], self.sample_rate)) for k, (a, b) in enumerate(bounds)]
+                       speech_seconds(audio[a:b], self.sample_rate),
+                       max(0, bounds[k - 1][1] - a) / self.sample_rate if k else 0.0)
+               for k, (a, b) in enumerate(bounds)]
         for w in out:
             p.add(w, self.sample_rate)
         p.result.windows = len(out)
@@ -525,7 +528,8 @@ class Transcriber:
             p = pending[i]
             if kind == "window":
                 w, speech = x
-                win = _Window(i, w.index, w.audio, w.start_s, long=p.long or w.index > 0, speech_s=speech)
+                win = _Window(i, w.index, w.audio, w.start_s, long=p.long or w.index > 0, speech_s=speech,
+                              shared_s=_shared_s(p, w.start_s))
                 p.add(win, self.sample_rate)
                 p.result.duration_s = p.spans_s[-1][1]
                 m.windows += 1
@@ -743,24 +747,29 @@ def _plausible(w: _Window, text: str, recognize: Recognize, sample_rate: int) ->
         text = decode_tail(w.audio, text, recognize, sample_rate)
     if not w.long or not _too_few_words(text, speech):
         return _Decoded(text, speech)
-    again = _decode_in_pieces(w.audio, recognize, sample_rate, skip_head=w.win > 0, depth=2)
+    again = _decode_in_pieces(w.audio, recognize, sample_rate, skip_head_s=min(DEFAULT_OVERLAP_S, w.shared_s), depth=2)
     if len(again.split()) > len(text.split()):
         return _Decoded(again, speech, redecoded=True)
     return _Decoded(text, speech)
+
+
+def _shared_s(p: _Pending, start_s: float) -> float:
+    """Seconds from ``start_s`` that the last window registered in ``p`` also holds."""
+    return max(0.0, p.spans_s[-1][1] - start_s) if p.spans_s else 0.0
 
 
 def _too_few_words(text: str, speech_s: float) -> bool:
     return speech_s >= _MIN_SPEECH_S and len(text.split()) < REDECODE_BELOW_WPS * speech_s
 
 
-def _decode_in_pieces(audio: np.ndarray, recognize: Recognize, sample_rate: int, *, skip_head: bool,
+def _decode_in_pieces(audio: np.ndarray, recognize: Recognize, sample_rate: int, *, skip_head_s: float,
                       depth: int) -> str:
     """Decode ``audio`` as two pieces split at its quietest point near the middle.
 
-    With ``skip_head`` the audio before the first pause in the first 3 s (which the previous
-    window also holds) is dropped, so no piece starts in the middle of a word. A piece that
-    still says too few words is split again, ``depth`` levels deep."""
-    start = quietest_point(audio, sample_rate, 0.0, DEFAULT_OVERLAP_S) if skip_head else 0
+    The audio before the first pause in the first ``skip_head_s`` seconds (audio the previous
+    window also holds: no more than the windows share) is dropped, so no piece starts in the
+    middle of a word. A piece that still says too few words is split again, ``depth`` levels deep."""
+    start = quietest_point(audio, sample_rate, 0.0, skip_head_s) if skip_head_s > 0 else 0
     audio = audio[start:]
     seconds = len(audio) / sample_rate
     cut = quietest_point(audio, sample_rate, seconds / 3, 2 * seconds / 3)
@@ -769,7 +778,7 @@ def _decode_in_pieces(audio: np.ndarray, recognize: Recognize, sample_rate: int,
     texts = recognize(pieces)
     for k, (piece, text) in enumerate(zip(pieces, texts)):
         if depth > 1 and len(piece) >= 10 * sample_rate and _too_few_words(text, speech_seconds(piece, sample_rate)):
-            again = _decode_in_pieces(piece, recognize, sample_rate, skip_head=False, depth=depth - 1)
+            again = _decode_in_pieces(piece, recognize, sample_rate, skip_head_s=0.0, depth=depth - 1)
             texts[k] = again if len(again.split()) > len(text.split()) else text
     return joined(texts, [(start + o) / sample_rate for o, _ in parts])  # segments: from the window's start
 
