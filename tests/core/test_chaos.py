@@ -5,32 +5,22 @@ tool exits 1. The full table (about 2 minutes on 2 cores) and the slower control
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
+@pytest.fixture(scope="module")
+def chaos(load_tool):
+    return load_tool("chaos")
 
-def _load(name: str):
-    # tools/ is not a package: load by path, registered first (dataclasses look the module up).
-    spec = importlib.util.spec_from_file_location(f"polyaccel_tools_{name}", TOOLS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-chaos = _load("chaos")
 
 FAST = ["asr-output-not-results", "asr-lock-not-ours", "moe-nonfinite"]  # no model load for ASR; MoE takes seconds
 
 
-def _chaos(capsys: pytest.CaptureFixture, tmp_path: Path, *only: str) -> tuple[int, dict]:
+def _chaos(chaos, capsys: pytest.CaptureFixture, tmp_path: Path, *only: str) -> tuple[int, dict]:
     argv = ["--json", "--timeout", "300", "--workdir", str(tmp_path / "chaos")]
     code = chaos.main([*argv, *[a for name in only for a in ("--only", name)]])
     return code, json.loads(capsys.readouterr().out)
@@ -45,8 +35,8 @@ def _break(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, code: str) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_fast_scenarios_hold(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    code, report = _chaos(capsys, tmp_path, *FAST)
+def test_fast_scenarios_hold(capsys: pytest.CaptureFixture, tmp_path: Path, chaos) -> None:
+    code, report = _chaos(chaos, capsys, tmp_path, *FAST)
     assert [r["scenario"] for r in report["rows"]] == FAST
     assert code == 0 and report["ok"], json.dumps(report, indent=1)
     assert all(r["ok"] and "!!" not in r["observed"] for r in report["rows"])
@@ -55,7 +45,7 @@ def test_fast_scenarios_hold(capsys: pytest.CaptureFixture, tmp_path: Path) -> N
 
 @pytest.mark.timeout(300)
 def test_a_broken_guarantee_fails_the_row_and_the_exit_code(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture) -> None:
+                                                           capsys: pytest.CaptureFixture, chaos) -> None:
     """Negative control: a non-finite stop that exits 0 instead of 3 is caught."""
     _break(monkeypatch, tmp_path, """
         import polyaccel.moe.cli
@@ -67,7 +57,7 @@ def test_a_broken_guarantee_fails_the_row_and_the_exit_code(monkeypatch: pytest.
     assert "!! exit 0" in table and "FAIL" in table and "FAILED: moe-nonfinite" in table
 
 
-def test_scenario_selection(capsys: pytest.CaptureFixture) -> None:
+def test_scenario_selection(capsys: pytest.CaptureFixture, chaos) -> None:
     assert chaos.main(["--list"]) == 0
     names = capsys.readouterr().out.split()
     assert len(names) == 15 and names[0] == "asr-output-not-results" and names[-1] == "moe-killed-final-save"
@@ -78,8 +68,8 @@ def test_scenario_selection(capsys: pytest.CaptureFixture) -> None:
 
 @pytest.mark.chaos
 @pytest.mark.timeout(1200)
-def test_every_scenario_holds(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    code, report = _chaos(capsys, tmp_path)
+def test_every_scenario_holds(capsys: pytest.CaptureFixture, tmp_path: Path, chaos) -> None:
+    code, report = _chaos(chaos, capsys, tmp_path)
     assert len(report["rows"]) == 12
     assert code == 0 and report["ok"], json.dumps([r for r in report["rows"] if not r["ok"]], indent=1)
 
@@ -87,7 +77,7 @@ def test_every_scenario_holds(capsys: pytest.CaptureFixture, tmp_path: Path) -> 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_unsafe_loading_is_caught(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                  capsys: pytest.CaptureFixture) -> None:
+                                  capsys: pytest.CaptureFixture, chaos) -> None:
     """Negative control: checkpoints loaded with weights_only=False run the payload; caught."""
     _break(monkeypatch, tmp_path, """
         import torch
@@ -97,7 +87,7 @@ def test_unsafe_loading_is_caught(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
             return _load(*args, **kwargs)
         torch.load = load
     """)
-    code, report = _chaos(capsys, tmp_path, "moe-malicious-pickle")
+    code, report = _chaos(chaos, capsys, tmp_path, "moe-malicious-pickle")
     (row,) = report["rows"]
     assert code == 1 and not row["ok"] and "!! PAYLOAD EXECUTED" in row["observed"], row
 
@@ -105,14 +95,14 @@ def test_unsafe_loading_is_caught(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_output_check_removed_is_caught(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                           capsys: pytest.CaptureFixture) -> None:
+                                           capsys: pytest.CaptureFixture, chaos) -> None:
     """Negative control: without the checks on -o, the .tsv and the manifest get written; caught."""
     _break(monkeypatch, tmp_path, """
         import polyaccel.asr.cli, polyaccel.asr.results_file
         polyaccel.asr.results_file.output_problem = lambda *args: None
         polyaccel.asr.cli._previous_results = lambda *args: []
     """)
-    code, report = _chaos(capsys, tmp_path, "asr-output-not-results")
+    code, report = _chaos(chaos, capsys, tmp_path, "asr-output-not-results")
     (row,) = report["rows"]
     assert code == 1 and not row["ok"], row
     assert "!! changed ['manifest.jsonl', 'refs.tsv']" in row["observed"], row

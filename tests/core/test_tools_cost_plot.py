@@ -3,27 +3,20 @@ best-batch selection, price overrides, and a plot with the expected lines in a v
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+@pytest.fixture(scope="module")
+def cost_model(load_tool):
+    return load_tool("cost_model")
 
 
-def _load(name: str):
-    # tools/ is not a package: load by path, registered first (dataclasses look the module up).
-    spec = importlib.util.spec_from_file_location(f"polyaccel_tools_{name}", TOOLS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-cost_model = _load("cost_model")
-plot_bench = _load("plot_bench")
+@pytest.fixture(scope="module")
+def plot_bench(load_tool):
+    return load_tool("plot_bench")
 
 
 def _write_jsonl(path: Path, records: list, junk: bool = True) -> Path:
@@ -47,7 +40,7 @@ SWEEP = [
 ]
 
 
-def test_roofline_and_cost_match_a_hand_computation():
+def test_roofline_and_cost_match_a_hand_computation(cost_model):
     # canary-1b-flash shape: 21.9 GFLOP and 0.06 GB per audio second on trn2 at MFU 0.35.
     # compute: 21.9e9 / (667e12 * 0.35) = 93.81 us per audio s; memory: 0.06e9 / (2.9e12 * 0.7) = 29.6 us
     # -> compute-bound, RTFx = 667e12 * 0.35 / 21.9e9 = 10,659.8; at USD 2.2/h:
@@ -66,7 +59,7 @@ def test_roofline_and_cost_match_a_hand_computation():
     assert bound == "memory" and rtfx == pytest.approx(1450.0)
 
 
-def test_measured_rows_keep_the_best_batch_and_price_the_device(tmp_path):
+def test_measured_rows_keep_the_best_batch_and_price_the_device(tmp_path, cost_model):
     records = cost_model.read_records([_write_jsonl(tmp_path / "m.jsonl", SWEEP)])
     assert len(records) == len(SWEEP)  # the junk lines are skipped
     # hf peaks at 64 (not the largest batch); ours ties at 32 and 64: the smaller batch wins.
@@ -90,7 +83,7 @@ def test_measured_rows_keep_the_best_batch_and_price_the_device(tmp_path):
     assert torch_named["implied_mfu"] == pytest.approx(8000.0 * 21.9e9 / 790e12)
 
 
-def test_price_overrides_change_both_kinds_of_rows(tmp_path, capsys):
+def test_price_overrides_change_both_kinds_of_rows(tmp_path, capsys, cost_model):
     prices = cost_model.parse_prices(["H200=3.5", "trn2.3xlarge=1.1", "my box=10"])
     assert cost_model.PRICES_USD_PER_HOUR["H200"] == pytest.approx(5.4075)  # the table is untouched
     assert cost_model.device_price("4x h200", prices) == pytest.approx(14.0)
@@ -122,13 +115,13 @@ def test_price_overrides_change_both_kinds_of_rows(tmp_path, capsys):
     assert line["model"] == "tiny" and line["rtfx"] == pytest.approx(667e12 * 0.5 / 10e9)
 
 
-def test_unknown_device_is_an_error_naming_the_flag(tmp_path, capsys):
+def test_unknown_device_is_an_error_naming_the_flag(tmp_path, capsys, cost_model):
     path = _write_jsonl(tmp_path / "m.jsonl", [dict(SWEEP[0], device="1x MI300X")], junk=False)
     assert cost_model.main(["--measured", str(path)]) == 2
     assert "--price MI300X=" in capsys.readouterr().err
 
 
-def test_plot_writes_a_png_with_one_line_per_series(tmp_path):
+def test_plot_writes_a_png_with_one_line_per_series(tmp_path, plot_bench):
     path = _write_jsonl(tmp_path / "bench.jsonl", SWEEP)
     records = plot_bench.read_points([path], ["batch", "rtfx", "system"])
     assert len(records) == len(SWEEP)
@@ -153,13 +146,13 @@ def test_plot_writes_a_png_with_one_line_per_series(tmp_path):
     ["--mfu", "0"], ["--hbm-eff", "-1"], ["--sensitivity", "0.2,x"], ["--sensitivity", "0"],
     ["--gflop-per-audio-s", "-1"], ["--preset", "tiny=0"], ["--price", "H200=0"], ["--mfu", "nan"],
 ])
-def test_cost_model_bad_numbers_are_usage_errors_not_tracebacks(argv, capsys):
+def test_cost_model_bad_numbers_are_usage_errors_not_tracebacks(argv, capsys, cost_model):
     with pytest.raises(SystemExit) as e:
         cost_model.main(argv)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
 
 
-def test_unreadable_inputs_and_outputs_are_errors_not_tracebacks(tmp_path, capsys):
+def test_unreadable_inputs_and_outputs_are_errors_not_tracebacks(tmp_path, capsys, cost_model, plot_bench):
     missing, binary = str(tmp_path / "missing.jsonl"), tmp_path / "b.jsonl"
     binary.write_bytes(b"\xff\xfe\x00garbage")
     good = _write_jsonl(tmp_path / "bench.jsonl", SWEEP)
@@ -172,7 +165,7 @@ def test_unreadable_inputs_and_outputs_are_errors_not_tracebacks(tmp_path, capsy
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_an_output_that_is_an_input_is_refused_and_kept(tmp_path, capsys):
+def test_an_output_that_is_an_input_is_refused_and_kept(tmp_path, capsys, cost_model, plot_bench):
     """`cost_model --measured bench.jsonl --out bench.jsonl` replaced the benchmark records
     with the cost rows; plot_bench -o at an input (or a suffix it cannot draw) was a traceback."""
     bench = _write_jsonl(tmp_path / "bench.jsonl", SWEEP)
