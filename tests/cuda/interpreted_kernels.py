@@ -21,6 +21,7 @@ from polyaccel.cuda import (  # noqa: E402
     adamw,
     add_scaled,
     decode_attention,
+    grouped_lowrank,
     grouped_wgrad,
     moe_permute,
     swiglu,
@@ -193,6 +194,24 @@ def check_decode_attention():
             assert torch.equal(alone, got[2:3]), "a row alone differs from the row in the batch"
 
 
+def check_grouped_lowrank():
+    """Rank-r updates per group into sorted rows: tiles spanning several groups, empty groups,
+    rows past the last group left alone, a transposed (strided) factor, an unaligned rank."""
+    for r, transposed in ((16, False), (5, True), (24, True)):
+        counts = torch.randint(0, 50, (7,))
+        counts[3] = 0
+        offsets = counts.cumsum(0).to(torch.int32)
+        T, N = int(counts.sum()) + 5, 150
+        out, u = torch.randn(T, N).half(), torch.randn(T, r).half()
+        factor = torch.randn(7, N, r).half().transpose(1, 2) if transposed else torch.randn(7, r, N).half()
+        ref = ops.grouped_lowrank_add_.reference(out.clone().float(), u.float(), factor.float(), offsets)
+        got = grouped_lowrank.grouped_lowrank_add_(out.clone(), u, factor, offsets)
+        err = rel_err(got, ref)
+        print(f"grouped_lowrank_add_ r={r} transposed={transposed}: rel err {err:.2e}")
+        assert err < 2e-3, err
+        assert torch.equal(got[int(offsets[-1]):], out[int(offsets[-1]):]), "rows past the last group changed"
+
+
 def main() -> None:
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
@@ -210,6 +229,7 @@ def main() -> None:
                   [torch.randn(19, 32), 0.1 * torch.randn(300, 32)])
     check_grouped_wgrad()
     check_grouped_wgrad_window()
+    check_grouped_lowrank()
     check_add_scaled()
     check_adamw()
     check_decode_attention()

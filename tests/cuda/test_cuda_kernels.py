@@ -264,7 +264,7 @@ def test_gpu_grouped_mm_with_empty_groups():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize(("N", "K"), [(1536, 2048), (2048, 768), (200, 72)])
+@pytest.mark.parametrize(("N", "K"), [(1536, 2048), (2048, 768), (200, 72), (2048, 16), (16, 2048), (768, 8), (24, 1536)])
 def test_gpu_grouped_mm_wgrad_writes_and_accumulates(N, K):
     from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
 
@@ -419,3 +419,30 @@ def test_gpu_linear_cross_entropy_grads_and_add_scaled():
     expected = acc.double() + 0.25 * gw.double()
     add_scaled_(acc, gw, torch.tensor(0.25, device="cuda"))
     assert rel_err(acc, expected) < TOL[torch.bfloat16]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T,N,G,r", [(32768, 2048, 128, 16), (32768, 1536, 128, 16), (5000, 4096, 8, 64),
+                                     (777, 100, 6, 5)])
+def test_gpu_grouped_lowrank_add(T, N, G, r):
+    """Rank-r updates per group added in place (a LoRA adapter's product into the base grouped
+    GEMM output), bf16 on learned-like uneven groups with empty ones, a strided factor (B_e.T
+    views) and a contiguous one (A_e), against the fp64 reference; rows past the last group
+    unchanged."""
+    from polyaccel.cuda.grouped_lowrank import grouped_lowrank_add_
+
+    counts = torch.distributions.Dirichlet(torch.full((G,), 0.3)).sample() * (T - 7)
+    counts = counts.floor().long()
+    counts[G // 3] = 0
+    offsets = counts.cumsum(0).to(torch.int32).cuda()
+    for factor in (torch.randn(G, N, r, device="cuda").transpose(1, 2), torch.randn(G, r, N, device="cuda")):
+        out = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+        u = torch.randn(T, r, device="cuda", dtype=torch.bfloat16)
+        f = factor.to(torch.bfloat16)
+        want = ops.grouped_lowrank_add_.reference(out.double(), u.double(), f.double(), offsets)
+        got = grouped_lowrank_add_(out.clone(), u, f, offsets)
+        assert rel_err(got, want) < TOL[torch.bfloat16]
+        end = int(offsets[-1])
+        assert torch.equal(got[end:], out[end:])
+

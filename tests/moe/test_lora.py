@@ -521,3 +521,88 @@ def test_merged_adapters_are_not_added_twice():
         again = base(input_ids=ids).logits
     torch.testing.assert_close(merged, unmerged, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(again, unmerged, rtol=1e-4, atol=1e-5)
+
+
+def _merged_reference(x, weight, offsets, factors):
+    """Per group ``x_g @ (W_g + sum s * B_g A_g).T``: what PEFT's merged weight computes."""
+    out, start = [], 0
+    for g, end in enumerate(offsets.tolist()):
+        w = weight[g] + sum(f.scale * f.B[g] @ f.A[g] for f in factors)
+        out.append(x[start:end] @ w.T)
+        start = end
+    return torch.cat(out + [x.new_zeros(x.shape[0] - start, weight.shape[1])])
+
+
+@pytest.mark.parametrize("adapters", [1, 2])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_grouped_lora_linear_equals_the_merged_weight(adapters, gathered):
+    """``grouped_lora_linear`` (the base GEMM with the adapter's product added in place, and its
+    data gradient added into the base one in the backward) against ``x @ (W + s·B·A).T`` per
+    group: output and the gradients of x, a trainable base weight and every factor, with an
+    empty group, rows past the last group, and a second active adapter (its delta added)."""
+    gen = torch.Generator().manual_seed(adapters * 2 + gathered)
+    E, K, N, r = 5, 12, 10, 3
+    counts = torch.tensor([4, 0, 7, 3, 5])
+    offsets = counts.cumsum(0).to(torch.int32)
+    source = torch.randn(9, K, dtype=torch.float64, generator=gen)
+    rows = torch.randint(0, 9, (int(counts.sum()) + 2,), generator=gen)
+    leaves = {"x": source[rows].clone(), "weight": torch.randn(E, N, K, dtype=torch.float64, generator=gen)}
+    for i in range(adapters):
+        leaves[f"A{i}"] = torch.randn(E, r, K, dtype=torch.float64, generator=gen)
+        leaves[f"B{i}"] = torch.randn(E, N, r, dtype=torch.float64, generator=gen)
+    grad_out = torch.randn(rows.numel(), N, dtype=torch.float64, generator=gen)
+
+    def run(fn):
+        ts = {k: v.clone().requires_grad_() for k, v in leaves.items()}
+        factors = [lora.LoraFactors(ts[f"A{i}"], ts[f"B{i}"], 0.5 + i) for i in range(adapters)]
+        y = fn(ts, factors)
+        y.backward(grad_out)
+        return y.detach(), {k: t.grad for k, t in ts.items()}
+
+    def ours(ts, factors):
+        # gathered_from: the backward re-gathers x from (source, rows), so x must be exactly that
+        return lora.grouped_lora_linear(ts["x"], ts["weight"], offsets, factors,
+                                        gathered_from=(source, rows) if gathered else None)
+
+    got, got_grads = run(ours)
+    want, want_grads = run(lambda ts, factors: _merged_reference(ts["x"], ts["weight"], offsets, factors))
+    torch.testing.assert_close(got, want)
+    for name in leaves:
+        torch.testing.assert_close(got_grads[name], want_grads[name], msg=name)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_lora_linear_compiled_equals_eager():
+    """The fused base + adapter grouped linear inside ``torch.compile`` (its in-place add is an
+    opaque mutating op the compiler must keep) equals eager, forward and gradients."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from polyaccel.core.plugins import select_backend
+
+    select_backend("cuda")  # registers the CUDA kernels: torch._grouped_mm, the Triton in-place add
+    torch.manual_seed(0)
+    E, K, N, r, T = 16, 512, 768, 16, 4096
+    counts = (torch.distributions.Dirichlet(torch.full((E,), 0.5)).sample() * T).floor().long()
+    counts[-1] += T - counts.sum()  # every row in a group (torch._grouped_mm leaves rows past them unwritten)
+    offsets = counts.cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+    A = (torch.randn(E, r, K, device="cuda") / K**0.5).requires_grad_()
+    B = torch.randn(E, N, r, device="cuda").requires_grad_()
+    g = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+
+    def run(fn):
+        xl = x.clone().requires_grad_()
+        y = fn(xl, A, B)
+        grads = torch.autograd.grad(y, [xl, A, B], g)
+        return y, grads
+
+    def layer(x, A, B):
+        f = lora.LoraFactors(A.to(torch.bfloat16), B.to(torch.bfloat16), 2.0)
+        return torch.nn.functional.silu(lora.grouped_lora_linear(x, weight, offsets, [f]))
+
+    want, want_grads = run(layer)
+    torch._dynamo.reset()
+    got, got_grads = run(torch.compile(layer, fullgraph=True))
+    for a, b in zip((got, *got_grads), (want, *want_grads), strict=True):
+        assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 1e-2

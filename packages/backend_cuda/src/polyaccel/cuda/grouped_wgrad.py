@@ -39,8 +39,30 @@ CONFIGS = [  # (BLOCK_N, BLOCK_K, BLOCK_T, num_warps, num_stages)
     (128, 128, 128, 8, 3),
     (256, 128, 64, 8, 4),
     (256, 128, 128, 8, 2),
+    # skinny outputs: LoRA adapters' gradients, dA [E, r, K] and dB [E, N, r] with r ~ 8-64
+    (256, 16, 64, 4, 3),
+    (128, 16, 128, 4, 3),
+    (256, 32, 64, 8, 3),
+    (16, 256, 64, 4, 3),
+    (32, 128, 128, 4, 3),
+    (16, 128, 128, 4, 3),
 ]
-"""Tile shapes tried by the autotuner (keyed on N, K and the rows' order of magnitude)."""
+"""Tile shapes tried by the autotuner (keyed on N, K and the rows' order of magnitude); a
+shape with N or K at most :data:`SKINNY` tries only the tiles with a side of 32 or less,
+any other shape only the others (:func:`_prune`)."""
+
+SKINNY = 64
+
+
+def _skinny_tile(block_n: int, block_k: int) -> bool:
+    return min(block_n, block_k) <= 32
+
+
+def _prune(configs, named_args, **kwargs):  # noqa: ANN001, ANN201, ARG001
+    """The autotuner's early prune: tiles that fit the output's shape (see :data:`CONFIGS`)."""
+    skinny = min(named_args["N"], named_args["K"]) <= SKINNY
+    kept = [c for c in configs if _skinny_tile(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) == skinny]
+    return kept or configs
 
 
 @triton_kernels
@@ -99,6 +121,7 @@ def _kernel():
         configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt}, num_warps=w, num_stages=s)
                  for bn, bk, bt, w, s in CONFIGS],
         key=["N", "K", "ROWS", "SOURCES", "ACCUMULATE"],
+        prune_configs_by={"early_config_prune": _prune},
         restore_value=["OUT"],  # trial runs add into OUT: put it back after each
     )(grouped_wgrad)
     return grouped_wgrad, tuned

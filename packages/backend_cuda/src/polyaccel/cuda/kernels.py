@@ -5,6 +5,7 @@
 | ``rms_norm`` | Triton forward/backward, fp32 statistics (:mod:`.triton_rmsnorm`) |
 | ``swiglu`` | Triton forward/backward (:mod:`.swiglu`) |
 | ``grouped_mm`` | ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper), bf16 |
+| ``grouped_lowrank_add_`` | Triton: a LoRA adapter's rank-r product added into the grouped GEMM output in one pass (:mod:`.grouped_lowrank`) |
 | ``grouped_mm_wgrad`` | Triton K-grouped GEMM over one or several micro-batches, accumulating into ``.grad`` (:mod:`.grouped_wgrad`) |
 | ``moe_permute`` / ``moe_unpermute`` | device sort + Triton gather-combine that skips dropped copies, no host sync (:mod:`.moe_permute`) |
 | ``linear_cross_entropy`` / ``linear_cross_entropy_grads`` | chunked LM head + CE with in-forward gradients (:mod:`.cross_entropy`) |
@@ -27,6 +28,7 @@ from polyaccel.cuda.add_scaled import add_scaled_
 from polyaccel.cuda.attention import attention
 from polyaccel.cuda.cross_entropy import linear_cross_entropy, linear_cross_entropy_grads
 from polyaccel.cuda.decode_attention import decode_attention
+from polyaccel.cuda.grouped_lowrank import grouped_lowrank_add_
 from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
 from polyaccel.cuda.moe_permute import moe_permute, moe_unpermute
 from polyaccel.cuda.swiglu import swiglu
@@ -48,6 +50,7 @@ def register_all(registry) -> None:
         registry.register("moe_unpermute", "cuda", moe_unpermute, impl="triton", backend=BACKEND)
         registry.register("adamw_step_", "cuda", adamw_step_, impl="triton", backend=BACKEND)
         registry.register("grouped_mm_wgrad", "cuda", grouped_mm_wgrad, impl="triton", backend=BACKEND)
+        registry.register("grouped_lowrank_add_", "cuda", grouped_lowrank_add_, impl="triton", backend=BACKEND)
         registry.register("decode_attention", "cuda", decode_attention, impl="triton-fixed-split", backend=BACKEND)
     registry.register("moe_permute", "cuda", moe_permute, impl="device-sort", backend=BACKEND)
     registry.register("attention", "cuda", attention, impl="sdpa", backend=BACKEND)

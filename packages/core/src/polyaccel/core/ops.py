@@ -167,6 +167,26 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 @registry.define
+def grouped_lowrank_add_(out: torch.Tensor, u: torch.Tensor, factor: torch.Tensor, offsets: torch.Tensor
+                         ) -> torch.Tensor:
+    """``out[rows of g] += u[rows of g] @ factor[g]`` in place: a rank-r update per group.
+
+    out [T, N], u [T, r] (rows sorted by group), factor [E, r, N] (any strides), offsets int32
+    [E] cumulative row ends; rows past ``offsets[-1]`` are left as they are. Products and the
+    sum in fp32 (fp64 inputs: fp64), one rounding to ``out``'s dtype. Returns ``out``. (A LoRA adapter's
+    ``(x·A)·B`` added into the base GEMM's output without writing the [T, N] delta.)
+    """
+    acc = torch.promote_types(out.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        if end > start:
+            rows = slice(start, end)
+            out[rows] = (out[rows].to(acc) + u[rows].to(acc) @ factor[g].to(acc)).to(out.dtype)
+        start = end
+    return out
+
+
+@registry.define
 def grouped_mm_wgrad(dy: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor | Sequence[torch.Tensor],
                      offsets: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor | None = None,
                      accumulate: bool = True) -> torch.Tensor:

@@ -9,9 +9,11 @@ What differs is how a PEFT-wrapped expert parameter is computed. PEFT's ``ParamW
 forms ``W + B·A`` for all experts of a layer on every forward (a parametrization, which also
 breaks ``torch.compile``). Our MoE block instead looks through the wrappers
 (:func:`unwrap_peft`) and hands the factors to :class:`~polyaccel.moe.layers.Experts`, which
-adds ``scale * (x·A_e)·B_e`` per expert with two grouped GEMMs over the same sorted token rows
-and group offsets as the base GEMM (:func:`grouped_lora`). The frozen base weight gets no
-weight-gradient GEMM at all.
+computes ``x·A_e`` with a grouped GEMM over the same sorted token rows and group offsets as
+the base GEMM and adds its rank-r product with ``B_e`` into the base GEMM's output in place
+(:func:`grouped_lora_linear`; in the backward, the adapter's data gradient into the base
+one), so no [N, O] delta is ever written. The frozen base weight gets no weight-gradient GEMM
+at all.
 
 PEFT's layout of a 3-D parameter ``[E, out, in]`` adapter (read from ``peft.tuners.lora.layer``):
 ``lora_A.weight [E * r, in]`` with row ``e * r + j``, ``lora_B.weight [out, r * E]`` with
@@ -194,6 +196,74 @@ def grouped_lora(x: torch.Tensor, offsets: torch.Tensor, f: LoraFactors,
     if source is not None:
         source = source.detach()
     return _GroupedLora.apply(x, f.A, f.B, offsets, f.scale, source, rows)
+
+
+class _GroupedLoraLinear(torch.autograd.Function):
+    """y [N, O] = grouped_mm(x, W) + grouped_mm(scale * grouped_mm(x, A), B) as one node: the
+    adapter's rank-r product is added into the base GEMM's output in place
+    (``ops.grouped_lowrank_add_``), and in the backward its data gradient into the base data
+    gradient, so no [N, O] delta is written, read back and added (four passes over the largest
+    tensors of the layer, twice per adapter per micro-batch)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, A, B, offsets, scale, source, rows):  # noqa: ANN001, ANN205
+        y = ops.grouped_mm(x, weight, offsets)
+        xa = ops.grouped_mm(x, A, offsets) * scale  # [N, r], scaled
+        _lowrank_add_(y, xa, B.transpose(1, 2), offsets)
+        if source is not None:
+            ctx.save_for_backward(source, rows, xa, weight, A, B, offsets)
+        else:
+            ctx.save_for_backward(x, None, xa, weight, A, B, offsets)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        x, rows, xa, weight, A, B, offsets = ctx.saved_tensors
+        dy = dy.contiguous()
+        g = ops.grouped_mm(dy, B.transpose(1, 2), offsets) * ctx.scale  # d(x·A) [N, r]
+        dx = dW = dA = dB = None
+        if ctx.needs_input_grad[0]:
+            dx = ops.grouped_mm(dy, weight.transpose(1, 2), offsets)
+            _lowrank_add_(dx, g, A, offsets)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            x_rows = (x if rows is None else x.index_select(0, rows)).to(dy.dtype)
+            if ctx.needs_input_grad[1]:  # a base weight left trainable beside its adapter
+                dW = _grouped_wgrad(dy, x_rows, offsets).to(weight.dtype)
+            if ctx.needs_input_grad[2]:
+                dA = _grouped_wgrad(g, x_rows, offsets)
+        if ctx.needs_input_grad[3]:
+            dB = _grouped_wgrad(dy, xa, offsets)  # xa already carries the scale
+        return dx, dW, dA, dB, None, None, None, None
+
+
+@torch.library.custom_op("polyaccel_lora::lowrank_add_", mutates_args=("out",))
+def _lowrank_add_(out: torch.Tensor, u: torch.Tensor, factor: torch.Tensor, offsets: torch.Tensor) -> None:
+    """``ops.grouped_lowrank_add_`` as one opaque op, so a compiled layer calls the backend's
+    kernel instead of tracing into it (see :func:`_grouped_wgrad`)."""
+    ops.grouped_lowrank_add_(out, u, factor, offsets)
+
+
+@_lowrank_add_.register_fake
+def _(out: torch.Tensor, u: torch.Tensor, factor: torch.Tensor, offsets: torch.Tensor) -> None:
+    return None
+
+
+def grouped_lora_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, factors: Sequence[LoraFactors],
+                        gathered_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """A grouped linear with its LoRA adapters: ``grouped_mm(x, weight)`` plus, per expert,
+    ``scale * (x·A_e)·B_e``, never forming ``W + B·A`` nor (for the first adapter) the [N, O]
+    delta. x [N, K] sorted by group, weight [E, O, K], ``offsets`` int32 [E];
+    ``gathered_from`` as for :func:`grouped_lora`."""
+    if not factors:
+        return ops.grouped_mm(x, weight, offsets)
+    first, *rest = factors
+    source, rows = gathered_from if gathered_from is not None else (None, None)
+    y = _GroupedLoraLinear.apply(x, weight, first.A, first.B, offsets, first.scale,
+                                 None if source is None else source.detach(), rows)
+    for f in rest:  # further active adapters (rare): their deltas, added
+        y = y + grouped_lora(x, offsets, f, gathered_from)
+    return y
 
 
 def dense_lora(x: torch.Tensor, f: LoraFactors) -> torch.Tensor:
@@ -544,8 +614,9 @@ def estimate_lora_memory(config: Any, seq_len: int, settings: LoraSettings, *, m
     where noted; the per-layer terms follow the code paths of ``layers.py`` and this module.
     ``compiled``: layers compiled (``BackendConfig(compile=...)``, on by default on CUDA), whose
     partitioner recomputes the cheap elementwise work itself and saves about the GEMM outputs
-    plus the gathered expert inputs (H200, Qwen3-30B-A3B shapes, seq 4096: 0.43 GiB a layer
-    measured, 0.51 estimated; the eager estimate, 1.09, stays for uncompiled layers).
+    plus the gathered expert inputs (H200, Qwen3-30B-A3B shapes, seq 4096: 0.54 GiB a layer
+    measured, of which 0.11 are the sorted expert input copies kept for the adapters' dA; 0.51
+    estimated; the eager estimate, 1.09, stays for uncompiled layers).
     """
     H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     D = getattr(config, "head_dim", None) or H // config.num_attention_heads
@@ -599,6 +670,7 @@ def _base_param_counts(config: Any) -> list[int]:
 
 __all__ = [
     "LoraFactors", "LoraSettings", "apply_lora", "dense_lora", "estimate_lora_memory", "finetune_setup", "grouped_lora",
+    "grouped_lora_linear",
     "is_peft_param_wrapper", "load_adapter", "lora_param_count", "merged_weight", "resolve_recompute", "selective_recompute_policy",
     "unwrap_peft",
 ]
