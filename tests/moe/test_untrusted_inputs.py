@@ -108,9 +108,9 @@ def test_a_metrics_file_that_is_not_a_metrics_log_is_never_rewritten(tmp_path, c
     data.write_text('{"text": "hello"}\n{"text": "world"}\n')
     before = data.read_bytes()
     code = main(["finetune", str(TINY), "--set", f"log.metrics_jsonl={data}", "--set", "checkpoint.dir=null",
-                 "--set", "output_dir=null", "--set", "train.max_steps=1"])
+                 "--set", f"output_dir={tmp_path / 'out'}", "--set", "train.max_steps=1"])
     assert code == 2 and "is not a metrics log (line 1" in capsys.readouterr().err
-    assert data.read_bytes() == before
+    assert data.read_bytes() == before and not (tmp_path / "out").exists()
 
     # A metrics log of an earlier run, with a last line cut by a kill, is still accepted.
     log = tmp_path / "metrics.jsonl"

@@ -3,7 +3,8 @@
 Exit status: 0 when every input has a transcript; 2 for usage errors (bad arguments, unknown
 model or backend, no inputs, an output that may not be written), with nothing written. Under
 ``transcribe``: 1 when some files failed (their lines say why) or the run stopped early, 3 when
-nothing was transcribed (every file failed).
+nothing was transcribed (every file failed). Every command: 141 when the reader of its output
+went away (``polyaccel-asr wer ... --per-file | head``), quietly, like a standard tool.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from polyaccel.core.argtypes import integer, number
+from polyaccel.core.clitools import dumps, stdout_gone
 
 EXAMPLES = """\
 examples:
@@ -32,6 +34,9 @@ examples:
   polyaccel-asr wer --refs transcription --hyps out.jsonl
   polyaccel-asr bench clips/*.wav --batch-sizes 1,8,32
   polyaccel-asr convert path/to/ct2_model ./whisper-hf
+
+JSON printed or written is strict (NaN/infinity as null). A reader of the output that goes away
+(`| head`) ends any command quietly with status 141.
 """
 
 TRANSCRIBE_HELP = """\
@@ -44,7 +49,8 @@ windows and stitched back. Nothing is written before the model has loaded; an ex
 is not a results file, or that is one of the inputs, is refused. One run at a time per -o.
 
 exit status: 0 every input transcribed (now or by an earlier run), 1 some files failed (or the
-run stopped early), 2 usage error (nothing written), 3 nothing transcribed (every file failed).
+run stopped early), 2 usage error (nothing written), 3 nothing transcribed (every file failed),
+141 the reader of the output went away (e.g. `| head`).
 """
 
 
@@ -136,7 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:  # `... | head`: the reader left; no traceback
+        return stdout_gone()
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] == "convert":  # its own parser (owned by the converter module)
         from polyaccel.asr.ct2_convert import main as convert_main
 
@@ -477,12 +489,12 @@ def cmd_wer(args: argparse.Namespace) -> int:
             hyp = rec.get("text") if isinstance(rec.get("text"), str) else ""
             pairs.append((rec["path"], ref, hyp))
             if args.per_file:
-                print(json.dumps({"path": rec["path"], "wer": round(wer([ref], [hyp]), 4), "ref": ref, "hyp": hyp}))
+                print(dumps({"path": rec["path"], "wer": round(wer([ref], [hyp]), 4), "ref": ref, "hyp": hyp}))
     if not pairs:
         why = f"the {_files(failed)} matching them failed" if failed else "no results match the references"
         raise UsageError(f"{why} (matched by path or file stem); nothing to score")
     c = wer_counts([p[1] for p in pairs], [p[2] for p in pairs])
-    print(json.dumps({"wer": round(c.wer, 5), "files": len(pairs), "ref_words": c.ref_words,
+    print(dumps({"wer": round(c.wer, 5), "files": len(pairs), "ref_words": c.ref_words,
                       "substitutions": c.substitutions, "deletions": c.deletions, "insertions": c.insertions,
                       "failed": failed, "without_ref": missing}))
     return 0
@@ -531,7 +543,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             tr.transcribe(audio[: max(bs * tr.replicas, 1)])  # warm-up: graphs, caches, allocator
             results = tr.transcribe(audio)
             m = tr.last_metrics
-            print(json.dumps({"model": args.model, "backend": tr.backend_name, "replicas": tr.replicas,
+            print(dumps({"model": args.model, "backend": tr.backend_name, "replicas": tr.replicas,
                               "batch_size": bs, **m.as_dict(),
                               "errors": sum(not r.ok for r in results)}), flush=True)
         finally:
@@ -559,7 +571,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         compiled = tr.compile_all()
     finally:
         tr.close()
-    print(json.dumps({"backend": be.name, "model": args.model, "graphs": compiled,
+    print(dumps({"backend": be.name, "model": args.model, "graphs": compiled,
                       "seconds": round(time.perf_counter() - start, 2)}))
     return 0
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from polyaccel.core.clitools import json_safe
 from polyaccel.core.files import replace_file
 
 MAX_LINE_BYTES = 16 << 20  # far above any real line (a 2 h transcript is ~100 kB)
@@ -77,8 +78,9 @@ def record_path(record: dict[str, Any]) -> str:
 
 def dumps(record: dict[str, Any]) -> bytes:
     """One line of the results file. Stray surrogates in other fields (an error message that
-    quotes an odd file name) become JSON ``\\uXXXX`` escapes instead of failing the write."""
-    line = json.dumps(encode_path(record), ensure_ascii=False) + "\n"
+    quotes an odd file name) become JSON ``\\uXXXX`` escapes instead of failing the write; NaN
+    and infinities become ``null`` (strict JSON)."""
+    line = json.dumps(json_safe(encode_path(record)), ensure_ascii=False, allow_nan=False) + "\n"
     return line.encode("utf-8", "backslashreplace")
 
 

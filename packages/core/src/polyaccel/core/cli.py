@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import sys
+
+from polyaccel.core.clitools import dumps, stdout_gone
 
 
 def _backends(args: argparse.Namespace) -> int:
@@ -14,7 +14,7 @@ def _backends(args: argparse.Namespace) -> int:
 
     rows = [b.describe() for b in backends().values()]
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(dumps(rows, indent=2))
         return 0
     print(f"{'backend':<8} {'available':<9} {'devices':>7}  detail")
     for r in rows:
@@ -33,7 +33,7 @@ def _kernels(args: argparse.Namespace) -> int:
             activate(b)
     rows = registry.table()
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(dumps(rows, indent=2))
         return 0
     devices = sorted({k for r in rows for k in r if k not in ("op", "reference")})
     print(f"{'op':<22} {'reference':<10} " + " ".join(f"{d:<22}" for d in devices))
@@ -69,7 +69,9 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="polyaccel", description=__doc__)
+    p = argparse.ArgumentParser(prog="polyaccel", description=__doc__,
+                                epilog="exit status: 0 ok, 1 doctor found the cpu backend unusable, 2 usage error, "
+                                       "141 the reader of the output went away (e.g. `| head`)")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("backends", help="list backends, whether each is available here, and why not")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -83,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except BrokenPipeError:  # `polyaccel kernels | head`: the reader left; no traceback
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor one at exit's flush
-        return 1
+        return stdout_gone()
 
 
 if __name__ == "__main__":

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
 
 from polyaccel.core.argtypes import integer, number
+from polyaccel.core.clitools import dumps, stdout_gone
 
 _EPILOG = """examples:
   polyaccel-moe presets
@@ -19,13 +19,21 @@ _EPILOG = """examples:
   polyaccel-moe bench --preset qwen3-30b-a3b-L8 --steps 10 --peak-tflops 800
 
 config precedence: --set key=value > the YAML file > the preset named by model.preset.
+outputs: finetune needs output_dir (the final model) or checkpoint.dir, else it refuses to start
+(exit 2): nothing else would keep what it trains. Output locations are proven writable first.
 exit status: 0 done (also: the run had already finished), 2 configuration or checkpoint
 error (nothing trained), 3 a non-finite loss or gradient norm stopped training (or every step
-was skipped, or the final weights are not finite: nothing saved).
+was skipped, or the final weights are not finite: nothing saved), 4 training ran but its model
+could not be written (output_dir or a checkpoint: full disk...); nothing partial is left, and
+the message names where the trained weights are: the final checkpoint (rerun the same command
+to write output_dir from it), or, without checkpoint.dir, a fallback folder
+polyaccel-moe-rescue-* next to output_dir, else in $TMPDIR or the working directory.
+141: the reader of stdout went away (| head). JSON printed is strict (NaN, infinity: null).
 docs: docs/moe_finetune.md"""
 
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
+EXIT_SAVE = 4
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -36,25 +44,32 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    from polyaccel.moe.train_config import load_config
+    from polyaccel.moe.train_config import ConfigError, load_config
 
     cfg = load_config(args.config, _overrides(args))
+    if not cfg.output_dir and not cfg.checkpoint.dir:
+        raise ConfigError("neither output_dir nor checkpoint.dir is set, so the trained model would be thrown "
+                          "away; set output_dir (where the final model is saved), e.g. --set output_dir=runs/my-run, "
+                          "or checkpoint.dir (to only time a workload: polyaccel-moe bench)")
     if args.ray:
         from polyaccel.moe.ray_train import run_with_ray
 
         summary = run_with_ray(cfg, workers=args.workers, address=args.address,
                                storage_path=args.storage_path)
-        print(json.dumps(summary))
+        print(dumps(summary))
         return 0
-    from polyaccel.moe.train import NonFiniteError, finetune
+    from polyaccel.moe.train import NonFiniteError, SaveError, finetune
 
     try:
         result = finetune(cfg)
     except NonFiniteError as e:
         print(f"polyaccel-moe: error: {e}", file=sys.stderr)
         return EXIT_NONFINITE
+    except SaveError as e:
+        print(f"polyaccel-moe: error: {e}", file=sys.stderr)
+        return EXIT_SAVE
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(result.summary()))
+        print(dumps(result.summary()))
     return 0
 
 
@@ -71,7 +86,7 @@ def _bench(args: argparse.Namespace) -> int:
     except NonFiniteError as e:
         print(f"polyaccel-moe: error: {e}", file=sys.stderr)
         return EXIT_NONFINITE
-    print(json.dumps(result))
+    print(dumps(result))
     return 0
 
 
@@ -139,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, NotImplementedError) as e:
         print(f"polyaccel-moe: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except BrokenPipeError:  # `polyaccel-moe presets | head`: the reader left; no traceback
+        return stdout_gone()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from polyaccel.core.clitools import dumps
 from polyaccel.moe.train_config import ConfigError, FinetuneConfig, from_dict
 
 SUMMARY_FILE = "summary.json"
@@ -46,7 +47,7 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if ray.train.get_context().get_world_rank() == 0:
-            Path(tmp, SUMMARY_FILE).write_text(json.dumps(summary))
+            Path(tmp, SUMMARY_FILE).write_text(dumps(summary))
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report({"final_loss": summary["final_loss"]}, checkpoint=checkpoint)
 

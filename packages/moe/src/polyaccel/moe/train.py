@@ -24,6 +24,8 @@ import os
 import re
 import shutil
 import statistics
+import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polyaccel.core.clitools import dumps, stdout_gone
 from polyaccel.core.files import replace_file
 from polyaccel.core.parallel import ParallelPlan
 from polyaccel.moe import checkpoint as ckpt
@@ -365,8 +368,8 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device | None = None,
 def check_config(cfg: FinetuneConfig, *, world_size: int, device: torch.device | None) -> tuple[Any, Path | None]:
     """Every check of ``cfg`` that needs no weights loaded (the local run's and, on the Ray
     driver, before any worker starts): config values, model config, parallel layout, output
-    locations (``checkpoint.dir`` and the metrics file's folder are created), the checkpoint to
-    resume from and the settings it was written with. Raises :class:`ConfigError`; returns the
+    locations (proven writable; nothing is created yet), the checkpoint to resume from and the
+    settings it was written with. Raises :class:`ConfigError`; returns the
     resolved model config and the checkpoint to resume from (or None).
 
     :param device: the device the ranks train on; None: not known yet (the CUDA-only checks of
@@ -584,18 +587,25 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                                 mfu="n/a" if record["mfu"] is None else f"{record['mfu']:.1%}")
             if rt.rank == 0 and step % cfg.log.every_steps == 0:
                 if metrics_file is not None:
-                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.write(dumps(record) + "\n")
                     metrics_file.flush()
                 if bar is None:
-                    print(json.dumps(record), flush=True)
+                    _print_metrics(dumps(record))
             if step == t.max_steps:  # neither the final checkpoint nor output_dir of a model that did not train
                 _check_trained(model, skipped_before + skipped, step, last_saved or resume_from)
             every = cfg.checkpoint.every_steps
             if cfg.checkpoint.dir and ((every and step % every == 0) or step == t.max_steps):
-                last_saved = ckpt.save_checkpoint(cfg.checkpoint.dir, step, model, optimizer,
-                                                  _trainer_extra(cfg, scheduler, batches, model_config,
-                                                                 skipped_before + skipped),
-                                                  keep_last=cfg.checkpoint.keep_last, per_rank_optimizer=replicas)
+                try:
+                    last_saved = ckpt.save_checkpoint(cfg.checkpoint.dir, step, model, optimizer,
+                                                      _trainer_extra(cfg, scheduler, batches, model_config,
+                                                                     skipped_before + skipped),
+                                                      keep_last=cfg.checkpoint.keep_last,
+                                                      per_rank_optimizer=replicas)
+                except Exception as e:
+                    if dist.is_initialized():  # the other ranks wait in the save's collectives
+                        raise
+                    raise SaveError(_checkpoint_failed(cfg, model, step, e, last_saved or resume_from,
+                                                       final=step == t.max_steps)) from e
     finally:
         if bar is not None:
             bar.close()
@@ -603,7 +613,7 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
             metrics_file.close()
 
     if cfg.output_dir and step == t.max_steps:
-        save_final(model, cfg, rt)
+        save_final(model, cfg, rt, step=step, final_checkpoint=last_saved)
     measured = times[1:] or times
     tok_s_dev = tokens_per_step / statistics.median(measured) / rt.world_size if measured else None
     return TrainResult(
@@ -790,8 +800,11 @@ def _finite_or_none(x: float) -> float | None:
 
 
 def check_outputs(cfg: FinetuneConfig) -> None:
-    """Create the metrics file's and checkpoint directories and check that every output
-    location is writable, before anything is loaded; raises :class:`ConfigError`."""
+    """Check that every output location is, or can become, a writable directory (by creating
+    and removing a probe in it or its nearest existing parent), before anything is loaded;
+    nothing is left behind, so a refused run creates no directory: ``checkpoint.dir``, the
+    metrics file's folder and ``output_dir`` are made when training writes to them. Raises
+    :class:`ConfigError`."""
     if cfg.log.metrics_jsonl:
         metrics = Path(cfg.log.metrics_jsonl)
         if metrics.is_dir():
@@ -799,11 +812,11 @@ def check_outputs(cfg: FinetuneConfig) -> None:
         if (line := _foreign_line(metrics)) is not None:
             raise ConfigError(f"log.metrics_jsonl: {metrics} already exists and is not a metrics log (line {line} "
                               "is not a step record); this run would rewrite it. Choose another file")
-        _writable_dir("log.metrics_jsonl", metrics.parent, create=True)
+        _writable_dir("log.metrics_jsonl", metrics.parent)
     if cfg.checkpoint.dir:
-        _writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir), create=True)
+        _writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir))
     if cfg.output_dir:
-        _writable_dir("output_dir", Path(cfg.output_dir), create=False)
+        _writable_dir("output_dir", Path(cfg.output_dir))
         _check_output_dir(cfg, Path(cfg.output_dir))
 
 
@@ -875,18 +888,21 @@ def _check_later_checkpoints(cfg: FinetuneConfig, resume_from: Path | None) -> N
                           key="checkpoint.dir")
 
 
-def _writable_dir(key: str, path: Path, *, create: bool) -> None:
-    """Make sure ``path`` is (``create``) or can become a writable directory."""
-    if create:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"{key}: cannot create the directory {path} ({e.strerror or e})") from None
+def _writable_dir(key: str, path: Path) -> None:
+    """Make sure ``path`` is or can become a writable directory, creating nothing that stays:
+    a probe directory is made and removed in ``path`` or its nearest existing parent (what
+    permissions alone cannot tell: root, read-only mounts, ``/proc``...)."""
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        raise ConfigError(f"{key}: {existing} is a file, so {path} cannot be a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}: the directory {existing} is not writable")
+        raise ConfigError(f"{key}: cannot create the directory {path}: {existing} is a file")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".polyaccel-probe-", dir=existing))
+    except OSError as e:
+        why = e.strerror or str(e)
+        if existing == path:
+            raise ConfigError(f"{key}: the directory {path} is not writable ({why})") from None
+        raise ConfigError(f"{key}: cannot create the directory {path}: nothing can be created in {existing} "
+                          f"({why})") from None
 
 
 def _foreign_line(path: Path) -> int | None:
@@ -910,6 +926,7 @@ def _open_metrics(path: str, start_step: int):
     """Open the metrics file for appending, first dropping its records of steps after
     ``start_step`` (this run writes them again) and any partial line a kill left."""
     p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
     if p.is_file():
         kept = []
         for line in p.read_text().splitlines():
@@ -928,6 +945,7 @@ def _already_finished(cfg: FinetuneConfig, rt: Runtime, model_config: Any, check
     done = ckpt.checkpoint_step(checkpoint)
     note = (f"run already finished at step {done} ({checkpoint}); nothing to do; raise train.max_steps "
             "or use a new checkpoint.dir")
+    failure = None
     if rt.rank == 0:
         logger.warning("polyaccel.moe: %s", note)
         if cfg.output_dir and (checkpoint / ckpt.MANIFEST).is_file() and not _output_matches(Path(cfg.output_dir),
@@ -935,9 +953,15 @@ def _already_finished(cfg: FinetuneConfig, rt: Runtime, model_config: Any, check
             logger.warning("polyaccel.moe: output_dir %s does not hold the final model (the run stopped while "
                            "writing it?): writing it from %s", cfg.output_dir, checkpoint)
             files = _final_files(checkpoint)
-            _write_output(cfg, lambda staging: [shutil.copy2(checkpoint / n, staging / n) for n in files])
-    if dist.is_initialized():
-        dist.barrier()
+            try:
+                _write_output(cfg, lambda staging: [shutil.copy2(checkpoint / n, staging / n) for n in files])
+            except Exception as e:
+                failure = (f"the final model could not be written to output_dir {cfg.output_dir} from the final "
+                           f"checkpoint {checkpoint} ({_reason(e)}); nothing partial was left in output_dir and "
+                           "the checkpoint is untouched. Make output_dir writable (free space), or choose another "
+                           "with --set output_dir=..., and rerun the same command: it writes output_dir from that "
+                           "checkpoint without training")
+    _raise_on_any_rank(failure)
     t = cfg.train
     return TrainResult(
         start_step=done, steps=done, losses=[], step_times=[],
@@ -972,38 +996,167 @@ def _model_shapes(cfg: ModelConfig, model_config: Any, dtype: torch.dtype) -> di
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def save_final(model: nn.Module, cfg: FinetuneConfig, rt: Runtime) -> None:
+class SaveError(RuntimeError):
+    """Training ran, but what it trained could not be written where the config says
+    (``output_dir``, or a checkpoint); the message says why and where the trained weights are
+    (the final checkpoint, or a fallback folder written instead). ``polyaccel-moe`` exits 4."""
+
+
+def save_final(model: nn.Module, cfg: FinetuneConfig, rt: Runtime, *, step: int | None = None,
+               final_checkpoint: Path | None = None) -> None:
     """``save_pretrained`` the trained model (and the tokenizer, if there is one) to
     ``cfg.output_dir`` through :func:`_write_output`; collective when distributed (rank 0
-    writes)."""
+    writes). When that fails (a full disk...), nothing partial is left in ``output_dir`` and a
+    :class:`SaveError` (on every rank) says where the trained weights are: in
+    ``final_checkpoint`` (this run's checkpoint of the final step), else in a fallback folder
+    the weights are written to instead (:func:`_rescue`)."""
     from polyaccel.moe.ep_checkpoint import full_state_dict
 
     state = full_state_dict(model)
+    failure = None
     if rt.rank == 0:
-        _write_output(cfg, lambda staging: model.save_pretrained(staging, state_dict=state))
+        def write(staging: Path) -> Any:
+            return model.save_pretrained(staging, state_dict=state)
+
+        try:
+            _write_output(cfg, write)
+        except Exception as e:
+            head = (f"training finished{f' (step {step})' if step else ''}, but the final model could not be "
+                    f"written to output_dir {cfg.output_dir} ({_reason(e)}); nothing partial was left there")
+            if final_checkpoint is not None:
+                failure = (f"{head}. The trained model is safe in the final checkpoint {final_checkpoint}: make "
+                           "output_dir writable (free space), or choose another with --set output_dir=..., and "
+                           "rerun the same command; it writes output_dir from that checkpoint without training")
+            else:
+                failure = f"{head}. {_rescue(cfg, write, Path(cfg.output_dir).name)}"
+    _raise_on_any_rank(failure)
+
+
+def _raise_on_any_rank(failure: str | None) -> None:
+    """Rank 0's verdict to every rank (collective when distributed): raise :class:`SaveError`
+    with ``failure`` unless it is None."""
     if dist.is_initialized():
-        dist.barrier()
+        box = [failure]
+        dist.broadcast_object_list(box, src=0)
+        failure = box[0]
+    if failure is not None:
+        raise SaveError(failure)
+
+
+def _checkpoint_failed(cfg: FinetuneConfig, model: nn.Module, step: int, error: Exception,
+                       last_checkpoint: Path | None, *, final: bool) -> str:
+    """The :class:`SaveError` message of a checkpoint that could not be written at ``step`` (one
+    process): its partial folder is removed and the weights are kept elsewhere: in
+    ``output_dir`` when this was the final step, else (or when that fails too) in a fallback
+    folder (:func:`_rescue`)."""
+    from polyaccel.moe.ep_checkpoint import full_state_dict
+
+    partial = ckpt.step_dir(cfg.checkpoint.dir, step)
+    shutil.rmtree(partial.with_name(partial.name + ".tmp"), ignore_errors=True)
+    kept = (f"the last intact checkpoint, {last_checkpoint}, is untouched (resume from it)" if last_checkpoint
+            else "no earlier checkpoint exists")
+    head = (f"step {step}: the checkpoint could not be written to checkpoint.dir {cfg.checkpoint.dir} "
+            f"({_reason(error)}){'' if final else ', so training stopped'}; {kept}")
+    state = full_state_dict(model)
+
+    def write(staging: Path) -> Any:
+        return model.save_pretrained(staging, state_dict=state)
+
+    if final and cfg.output_dir:
+        try:
+            _write_output(cfg, write)
+            return f"{head}. The final model was written to output_dir {cfg.output_dir}"
+        except Exception as e:
+            head += f"; output_dir {cfg.output_dir} could not be written either ({_reason(e)})"
+    return f"{head}. {_rescue(cfg, write, partial.name)}"
+
+
+def _rescue(cfg: FinetuneConfig, write_model: Callable[[Path], Any], name: str) -> str:
+    """Write the trained weights (as ``output_dir`` would have held them) into a new folder
+    ``polyaccel-moe-rescue-<name>-<time>-*`` in the first of: ``output_dir``'s parent, the
+    temporary directory (``$TMPDIR``), the working directory, that takes them; a failed try
+    leaves nothing. Returns the sentence to tell the user where they went (or that none
+    could)."""
+    parents: list[Path] = []
+    if cfg.output_dir:
+        parents.append(Path(cfg.output_dir).parent)
+    parents += [Path(tempfile.gettempdir()), Path.cwd()]
+    tried: list[str] = []
+    seen: set[Path] = set()
+    for parent in parents:
+        key = parent.resolve()
+        if key in seen or not parent.is_dir():
+            continue
+        seen.add(key)
+        folder = None
+        try:
+            folder = Path(tempfile.mkdtemp(prefix=f"polyaccel-moe-rescue-{name}-{time.strftime('%Y%m%d-%H%M%S')}-",
+                                           dir=parent))
+            _write_output(cfg, write_model, out=folder)
+        except Exception as e:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+            tried.append(f"{parent}: {_reason(e)}")
+            continue
+        return (f"The trained weights were saved instead to {folder} (what output_dir would hold; load it with "
+                "from_pretrained, or move it where you want it)")
+    return (f"No fallback folder could be written either ({'; '.join(tried)}): the trained weights are lost. "
+            "Set checkpoint.dir to keep checkpoints a failed save can be redone from")
+
+
+def _reason(e: BaseException) -> str:
+    """One line saying why ``e`` happened: an OS error's text and file, else type and message."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}{' ...' if len(text) > 300 else ''}"
+
+
+_warned_stdout = False
+
+
+def _print_metrics(line: str) -> None:
+    """Print a metrics line; when nobody reads stdout any more (``finetune ... | head``), stop
+    printing them (one warning) instead of stopping the training."""
+    global _warned_stdout
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        stdout_gone()
+        if not _warned_stdout:
+            _warned_stdout = True
+            print("polyaccel.moe: stdout was closed by its reader; metrics lines are no longer printed, "
+                  "training goes on", file=sys.stderr)
 
 
 _STAGING = ".polyaccel-partial"
 _WEIGHT_FILE = re.compile(r"^(model|adapter_model|pytorch_model)([-.].*)?\.(safetensors|bin)(\.index\.json)?$")
 
 
-def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any]) -> None:
-    """Write the final model into ``cfg.output_dir``: first whole into a staging folder inside
-    it (a kill leaves the folder as it was), then each file moved in with ``os.replace``,
-    configs last; weight files of an earlier save there that this one lacks are deleted,
-    other files are left alone."""
-    out = Path(cfg.output_dir)
+def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: Path | None = None) -> None:
+    """Write the final model into ``out`` (default ``cfg.output_dir``): first whole into a
+    staging folder inside it (a kill leaves the folder as it was), then each file moved in
+    with ``os.replace``, configs last; weight files of an earlier save there that this one
+    lacks are deleted, other files are left alone. A failed write removes the staging folder
+    and the directories it created, then raises."""
+    out = Path(cfg.output_dir) if out is None else Path(out)
+    created = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
     staging = out / _STAGING
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    write_model(staging)
-    tok_dir = cfg.data.tokenizer or cfg.model.path
-    if tok_dir and any(Path(tok_dir).glob("tokenizer*")):
-        from polyaccel.moe.data import load_tokenizer
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        write_model(staging)
+        tok_dir = cfg.data.tokenizer or cfg.model.path
+        if tok_dir and any(Path(tok_dir).glob("tokenizer*")):
+            from polyaccel.moe.data import load_tokenizer
 
-        load_tokenizer(tok_dir).save_pretrained(staging)
+            load_tokenizer(tok_dir).save_pretrained(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for p in created:
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
     written = sorted((p.name for p in staging.iterdir()), key=lambda n: not _WEIGHT_FILE.match(n))
     for name in written:
         os.replace(staging / name, out / name)

@@ -394,7 +394,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
 
 
 def _read_yaml_text(path: Path) -> str:
-    if not path.is_file():
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; give a YAML file "
+                          "(e.g. packages/moe/examples/tiny_synthetic_cpu.yaml)")
+    if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
     try:
         return path.read_text()
