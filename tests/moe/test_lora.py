@@ -606,3 +606,46 @@ def test_gpu_grouped_lora_linear_compiled_equals_eager():
     got, got_grads = run(torch.compile(layer, fullgraph=True))
     for a, b in zip((got, *got_grads), (want, *want_grads), strict=True):
         assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 1e-2
+
+
+@pytest.fixture
+def one_op_grouped_mm():
+    """core's ``grouped_mm`` on CPU as one aten op (``torch._grouped_mm``), as on CUDA: the op
+    selective recomputation sees, keeps and hands back in the recompute."""
+    registry.register("grouped_mm", "cpu", lambda x, w, offsets: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets),
+                      impl="test")
+    yield
+    registry.unregister("grouped_mm", "cpu")
+
+
+def test_selective_recompute_with_a_one_op_grouped_gemm(tmp_path, one_op_grouped_mm, monkeypatch):
+    """The base grouped GEMM's output is what selective recomputation keeps (a GEMM with a
+    large reduction dim) and hands back when the layer is recomputed. Adding the adapter's
+    product into that very tensor in place (in the first forward) made the recompute either
+    refuse the mutated cache entry or add the product twice; the base GEMM and the add are now
+    one functional op. Adapter gradients equal PEFT's reference."""
+    ours, ref = _pair(tmp_path, BackendConfig(loss="standard"))
+    ours.train()
+    kept = set()
+    real_policy = lora.selective_recompute_policy
+
+    def spying_policy(cheap_k):
+        policy = real_policy(cheap_k)
+
+        def spy(ctx, op, *args, **kwargs):
+            decision = policy(ctx, op, *args, **kwargs)
+            if decision.name == "MUST_SAVE":
+                kept.add(lora._op_name(op))
+            return decision
+
+        return spy
+
+    monkeypatch.setattr(lora, "selective_recompute_policy", spying_policy)
+    lora.enable_selective_recompute(ours)
+    ids = _ids()
+    ours(input_ids=ids, labels=ids).loss.backward()
+    ref(input_ids=ids, labels=ids).loss.backward()
+    got = _adapter_grads(ours)
+    for name, g in _adapter_grads(ref).items():
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    assert "grouped_mm_plus_lowrank" in kept  # the experts' base GEMM output (adapter added) is kept

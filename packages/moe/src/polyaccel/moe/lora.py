@@ -201,15 +201,14 @@ def grouped_lora(x: torch.Tensor, offsets: torch.Tensor, f: LoraFactors,
 class _GroupedLoraLinear(torch.autograd.Function):
     """y [N, O] = grouped_mm(x, W) + grouped_mm(scale * grouped_mm(x, A), B) as one node: the
     adapter's rank-r product is added into the base GEMM's output in place
-    (``ops.grouped_lowrank_add_``), and in the backward its data gradient into the base data
-    gradient, so no [N, O] delta is written, read back and added (four passes over the largest
-    tensors of the layer, twice per adapter per micro-batch)."""
+    (:func:`_grouped_mm_plus_lowrank`), and in the backward its data gradient into the base
+    data gradient, so no [N, O] delta is written, read back and added (four passes over the
+    largest tensors of the layer, twice per adapter per micro-batch)."""
 
     @staticmethod
     def forward(ctx, x, weight, A, B, offsets, scale, source, rows):  # noqa: ANN001, ANN205
-        y = ops.grouped_mm(x, weight, offsets)
         xa = ops.grouped_mm(x, A, offsets) * scale  # [N, r], scaled
-        _lowrank_add_(y, xa, B.transpose(1, 2), offsets)
+        y = _grouped_mm_plus_lowrank(x, weight, xa, B.transpose(1, 2), offsets)
         if source is not None:
             ctx.save_for_backward(source, rows, xa, weight, A, B, offsets)
         else:
@@ -224,8 +223,7 @@ class _GroupedLoraLinear(torch.autograd.Function):
         g = ops.grouped_mm(dy, B.transpose(1, 2), offsets) * ctx.scale  # d(x·A) [N, r]
         dx = dW = dA = dB = None
         if ctx.needs_input_grad[0]:
-            dx = ops.grouped_mm(dy, weight.transpose(1, 2), offsets)
-            _lowrank_add_(dx, g, A, offsets)
+            dx = _grouped_mm_plus_lowrank(dy, weight.transpose(1, 2), g, A, offsets)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             x_rows = (x if rows is None else x.index_select(0, rows)).to(dy.dtype)
             if ctx.needs_input_grad[1]:  # a base weight left trainable beside its adapter
@@ -237,16 +235,24 @@ class _GroupedLoraLinear(torch.autograd.Function):
         return dx, dW, dA, dB, None, None, None, None
 
 
-@torch.library.custom_op("polyaccel_lora::lowrank_add_", mutates_args=("out",))
-def _lowrank_add_(out: torch.Tensor, u: torch.Tensor, factor: torch.Tensor, offsets: torch.Tensor) -> None:
-    """``ops.grouped_lowrank_add_`` as one opaque op, so a compiled layer calls the backend's
-    kernel instead of tracing into it (see :func:`_grouped_wgrad`)."""
-    ops.grouped_lowrank_add_(out, u, factor, offsets)
+@torch.library.custom_op("polyaccel_lora::grouped_mm_plus_lowrank", mutates_args=())
+def _grouped_mm_plus_lowrank(x: torch.Tensor, weight: torch.Tensor, u: torch.Tensor, factor: torch.Tensor,
+                             offsets: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm(x, weight) + u_g @ factor_g`` per group: the base GEMM, then
+    ``ops.grouped_lowrank_add_`` into its fresh output. One functional op: what a compiled
+    layer, or selective recomputation, sees is a GEMM whose output nothing mutates afterwards
+    (selective recomputation keeps GEMM outputs and hands them back in the recompute, so an
+    in-place add on a kept output would be refused, or applied twice)."""
+    y = ops.grouped_mm(x, weight, offsets)
+    if not y.is_contiguous():  # a padded (unaligned) width comes back as a view: own the result
+        y = y.contiguous()
+    return ops.grouped_lowrank_add_(y, u, factor, offsets)
 
 
-@_lowrank_add_.register_fake
-def _(out: torch.Tensor, u: torch.Tensor, factor: torch.Tensor, offsets: torch.Tensor) -> None:
-    return None
+@_grouped_mm_plus_lowrank.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, u: torch.Tensor, factor: torch.Tensor,
+      offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1])
 
 
 def grouped_lora_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, factors: Sequence[LoraFactors],
@@ -499,7 +505,7 @@ def finetune_setup(model: nn.Module, section: Any, train: Any, resume_from: Any,
 # ---------------------------------------------------------------------------------------------
 
 #: ops whose outputs selective recomputation keeps (when their reduction dim is large)
-_GEMM_OPS = ("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm")
+_GEMM_OPS = ("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm", "grouped_mm_plus_lowrank")
 _ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                   "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
                   "_efficient_attention_forward", "_scaled_dot_product_flash_attention_for_cpu")
