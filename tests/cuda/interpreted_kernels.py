@@ -197,7 +197,7 @@ def check_decode_attention():
 def check_grouped_lowrank():
     """Rank-r updates per group into sorted rows: tiles spanning several groups, empty groups,
     rows past the last group left alone, a transposed (strided) factor, an unaligned rank."""
-    for r, transposed in ((16, False), (5, True), (24, True)):
+    for r, transposed in ((16, False), (5, True), (24, True), (grouped_lowrank.MAX_RANK + 6, False)):
         counts = torch.randint(0, 50, (7,))
         counts[3] = 0
         offsets = counts.cumsum(0).to(torch.int32)

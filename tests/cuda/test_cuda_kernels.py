@@ -424,7 +424,7 @@ def test_gpu_linear_cross_entropy_grads_and_add_scaled():
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("T,N,G,r", [(32768, 2048, 128, 16), (32768, 1536, 128, 16), (5000, 4096, 8, 64),
-                                     (777, 100, 6, 5)])
+                                     (777, 100, 6, 5), (3000, 512, 16, 200)])
 def test_gpu_grouped_lowrank_add(T, N, G, r):
     """Rank-r updates per group added in place (a LoRA adapter's product into the base grouped
     GEMM output), bf16 on learned-like uneven groups with empty ones, a strided factor (B_e.T

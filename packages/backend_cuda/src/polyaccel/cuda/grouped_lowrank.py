@@ -19,6 +19,9 @@ import torch
 
 from polyaccel.cuda._triton import cdiv, triton_kernels, use_triton
 
+MAX_RANK = 64
+"""Rank columns one launch adds (larger ranks take several launches)."""
+
 CONFIGS = [(64, 128, 4), (128, 128, 8), (64, 256, 8), (128, 64, 4), (32, 256, 4), (128, 256, 8)]
 """(BLOCK_M, BLOCK_N, num_warps) tried by the autotuner, keyed on the output width and rank;
 Triton's CPU interpreter (tests) takes the first. (Programs that loop over several column
@@ -76,7 +79,9 @@ def _pow2_at_least(n: int, floor: int) -> int:
 def grouped_lowrank_add_(out: torch.Tensor, u: torch.Tensor, factor: torch.Tensor, offsets: torch.Tensor
                          ) -> torch.Tensor:
     """Core ``grouped_lowrank_add_`` on CUDA (bf16/fp16, unit-stride rows of ``out`` and
-    ``u``); other inputs take core's reference, which also checks them."""
+    ``u``); other inputs take core's reference, which also checks them. Ranks above
+    :data:`MAX_RANK` are added in chunks of it (one pass and one rounding per chunk), so the
+    tiles stay within a program's registers and shared memory."""
     ok = (use_triton(out) and out.dim() == 2 and u.dim() == 2 and factor.dim() == 3
           and out.dtype in (torch.bfloat16, torch.float16) and u.dtype == out.dtype and factor.dtype == out.dtype
           and out.stride(1) == 1 and u.stride(1) == 1 and u.shape[0] == out.shape[0]
@@ -91,6 +96,14 @@ def grouped_lowrank_add_(out: torch.Tensor, u: torch.Tensor, factor: torch.Tenso
     if T == 0 or N == 0 or G == 0 or R == 0:
         return out
     offsets = offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)
+    for j in range(0, R, MAX_RANK):
+        _launch(out, u[:, j:j + MAX_RANK], factor[:, j:j + MAX_RANK], offsets)
+    return out
+
+
+def _launch(out: torch.Tensor, u: torch.Tensor, factor: torch.Tensor, offsets: torch.Tensor) -> None:
+    T, N = out.shape
+    G, R, _ = factor.shape
     plain, tuned = _kernel()
     args = (out, u, factor, offsets, T, N, G, out.stride(0), u.stride(0), *factor.stride())
     sizes = dict(R=R, R_PAD=_pow2_at_least(R, 16), G_PAD=_pow2_at_least(G, 2))
@@ -99,4 +112,3 @@ def grouped_lowrank_add_(out: torch.Tensor, u: torch.Tensor, factor: torch.Tenso
     else:  # Triton's CPU interpreter
         bm, bn, w = CONFIGS[0]
         plain[(cdiv(T, bm), cdiv(N, bn))](*args, **sizes, BLOCK_M=bm, BLOCK_N=bn, num_warps=w)
-    return out
