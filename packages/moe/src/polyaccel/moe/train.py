@@ -146,7 +146,8 @@ def resolve_model_config(cfg: ModelConfig):
         if (why := index_escape(cfg.path)) is not None:
             raise ConfigError(f"model.path: {why}")
         try:
-            fields = AutoConfig.from_pretrained(cfg.path, local_files_only=True).to_dict() | {
+            # Never a model folder's own Python (auto_map): refused, not prompted for on stdin.
+            fields = AutoConfig.from_pretrained(cfg.path, local_files_only=True, trust_remote_code=False).to_dict() | {
                 k: v for k, v in fields.items() if k != "model_type"}
         except bad_config as e:
             raise ConfigError(f"model.path: cannot read {Path(cfg.path, 'config.json')}: {e}") from None
@@ -257,7 +258,8 @@ def build_model(cfg: ModelConfig, model_config: Any, *, dtype: torch.dtype, devi
         raise ConfigError(why)
     if source is not None:
         # Loaded on the CPU, then moved: a device_map would need `accelerate`.
-        model = cls.from_pretrained(str(source), config=model_config, local_files_only=True, **kwargs)
+        model = cls.from_pretrained(str(source), config=model_config, local_files_only=True, trust_remote_code=False,
+                                    **kwargs)
     else:
         if device.type != "meta":
             _check_weights_fit(cls, model_config, kwargs, device)

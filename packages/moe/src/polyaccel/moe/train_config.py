@@ -362,7 +362,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
         path = Path(path)
         text = _read_yaml_text(path)
         try:
-            loaded = yaml.safe_load(text) or {}
+            loaded = load_yaml(text, str(path)) or {}
         except yaml.YAMLError as e:
             raise ConfigError(_yaml_error(str(path), e)) from None
         if not isinstance(loaded, dict):
@@ -403,6 +403,57 @@ def _read_yaml_text(path: Path) -> str:
         return path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} cannot be read ({e})") from None
+
+
+MAX_YAML_VALUES = 100_000
+"""Values (mapping keys and values, list items, scalars) a config may hold once its YAML
+aliases are expanded; real configs hold hundreds."""
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load(text)``, refusing (:class:`ConfigError`) documents that alias
+    themselves or whose aliases (``*name``) expand past :data:`MAX_YAML_VALUES` values: a few
+    lines of nested aliases can stand for billions of values, which the config merge would
+    copy out in full."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        count = _expanded_values(node, {}, where)
+        if count > MAX_YAML_VALUES:
+            raise ConfigError(f"{where}: its YAML aliases expand to over {MAX_YAML_VALUES:,} values; "
+                              "write the values out instead")
+        return loader.construct_document(node)
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def _expanded_values(node: yaml.Node, seen: dict[int, int | None], where: str) -> int:
+    """Values under ``node`` with every alias expanded (each distinct node counted once and
+    reused); ``seen`` maps a node in progress to None, so a node inside itself is refused."""
+    key = id(node)
+    if key in seen:
+        count = seen[key]
+        if count is None:
+            raise ConfigError(f"{where}: a YAML alias refers to a value that contains it")
+        return count
+    seen[key] = None
+    count = 1
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            count += _expanded_values(k, seen, where) + _expanded_values(v, seen, where)
+            if count > MAX_YAML_VALUES:
+                break
+    elif isinstance(node, yaml.SequenceNode):
+        for v in node.value:
+            count += _expanded_values(v, seen, where)
+            if count > MAX_YAML_VALUES:
+                break
+    seen[key] = count
+    return count
 
 
 def _yaml_error(where: str, e: yaml.YAMLError, position: bool = True) -> str:
@@ -548,7 +599,7 @@ def _apply_override(target: dict[str, Any], item: str) -> None:
     if not sep or not key.strip():
         raise ConfigError(f"--set expects key.path=value, got {item!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = load_yaml(raw, f"--set {item}") if raw.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(_yaml_error(f"--set {item}", e, position=False)) from None
     node = target
