@@ -15,6 +15,7 @@ Ray is imported lazily.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -143,12 +144,32 @@ def private_temp_dir() -> str:
     return os.path.join(tempfile.mkdtemp(prefix="ray-", dir=os.environ.get("RAY_TMPDIR") or "/tmp"), "t")
 
 
+_owned_temp_dirs: list[str] = []  # the private folders of the clusters init_local started in this process
+
+
+def _stop_and_remove_owned_temp_dirs() -> None:
+    """At exit: stop the cluster (``ray.shutdown()``, as Ray's own exit hook would, later),
+    then remove the private folders (sessions, logs, spilled objects, sockets) of every
+    cluster :func:`init_local` started in this process."""
+    ray = sys.modules.get("ray")
+    if _owned_temp_dirs and ray is not None and ray.is_initialized():
+        ray.shutdown()
+    while _owned_temp_dirs:
+        shutil.rmtree(_owned_temp_dirs.pop(), ignore_errors=True)
+
+
 def init_local(num_cpus: int | None = None, **kwargs: Any) -> Any:
     """Start a private in-process Ray cluster on loopback with token auth, its files in a
-    :func:`private_temp_dir`; return ``ray``."""
+    :func:`private_temp_dir`; return ``ray``. That folder is removed at exit (after the
+    cluster is stopped)."""
     _apply(local_cluster_env())
     ray = import_ray()
-    kwargs.setdefault("_temp_dir", private_temp_dir())
+    if "_temp_dir" not in kwargs:
+        # Registered after Ray's own exit hook (at import), so it runs first: stop, then remove.
+        atexit.unregister(_stop_and_remove_owned_temp_dirs)
+        atexit.register(_stop_and_remove_owned_temp_dirs)
+        kwargs["_temp_dir"] = private_temp_dir()
+        _owned_temp_dirs.append(os.path.dirname(kwargs["_temp_dir"]))
     kwargs.setdefault("include_dashboard", False)
     kwargs.setdefault("logging_level", "WARNING")
     ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **kwargs)

@@ -10,6 +10,8 @@ cluster through ``RAY_ADDRESS``; run directly it starts a local one.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,72 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
         ray.train.report({"final_loss": summary["final_loss"]}, checkpoint=checkpoint)
 
 
+def _loopback_interface() -> str:
+    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
+
+
+def keep_rendezvous_on_loopback() -> None:
+    """Run in each Ray Train worker before its process group is set up. On a cluster that
+    listens on loopback only (the private one, or a ``ray start`` on 127.0.0.1):
+
+    - rank 0's ``TCPStore`` (the rendezvous every rank reads and writes, no authentication)
+      listens on ``MASTER_ADDR`` (127.0.0.1), not on every interface as torch binds it;
+    - gloo and NCCL bootstrap sockets use the loopback interface (``GLOO_SOCKET_IFNAME``,
+      ``NCCL_SOCKET_IFNAME``), not the interface the host name resolves to.
+
+    On other clusters nothing changes (ranks on other nodes must reach rank 0)."""
+    import importlib
+    import ipaddress
+
+    import ray
+
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")  # torch.distributed.rendezvous: a function
+
+    if not ipaddress.ip_address(ray.util.get_node_ip_address()).is_loopback:
+        return
+    lo = _loopback_interface()
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ[var] = lo
+    create = rendezvous._create_c10d_store
+    if getattr(create, "loopback_only", False):
+        return
+
+    def create_on_loopback(hostname, port, rank, world_size, timeout, use_libuv=True):
+        try:
+            loopback = ipaddress.ip_address(hostname).is_loopback
+        except ValueError:
+            loopback = False
+        if rank != 0 or not loopback or rendezvous._torchelastic_use_agent_store():
+            return create(hostname, port, rank, world_size, timeout, use_libuv)
+        family = socket.AF_INET6 if ":" in hostname else socket.AF_INET
+        listener = socket.create_server((hostname, port), family=family)  # the store owns the fd
+        return rendezvous.TCPStore(host_name=hostname, port=port, world_size=world_size, is_master=True,
+                                   timeout=timeout, multi_tenant=True, master_listen_fd=listener.detach(),
+                                   use_libuv=use_libuv)
+
+    create_on_loopback.loopback_only = True
+    rendezvous._create_c10d_store = create_on_loopback
+
+
+def loopback_torch_config(backend: str) -> Any:
+    """Ray Train's ``TorchConfig(backend=...)``, whose workers run
+    :func:`keep_rendezvous_on_loopback` before they join the process group."""
+    from ray.train.torch import TorchConfig
+    from ray.train.torch.config import _TorchBackend
+
+    class LoopbackTorchBackend(_TorchBackend):
+        def on_start(self, worker_group, backend_config):
+            worker_group.execute(keep_rendezvous_on_loopback)
+            super().on_start(worker_group, backend_config)
+
+    class LoopbackTorchConfig(TorchConfig):
+        @property
+        def backend_cls(self):
+            return LoopbackTorchBackend
+
+    return LoopbackTorchConfig(backend=backend)
+
+
 def check_on_driver(cfg: FinetuneConfig, *, workers: int, use_gpu: bool | None, devices_only: bool = False) -> None:
     """The checks the training function runs before it trains (:func:`polyaccel.moe.train.check_run`),
     here, before any worker starts: a bad config then fails once with :class:`ConfigError`
@@ -80,7 +148,8 @@ def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = Non
     bound the lost work. Without ``checkpoint.dir`` a restart trains from step 0.
 
     :param address: Ray cluster address; None means ``RAY_ADDRESS``, else a new private local
-        cluster (loopback, token auth; also ``"local"``); an already initialised Ray is reused.
+        cluster (loopback, token auth; also ``"local"``), shut down when the run ends; an
+        already initialised Ray is reused (and left running).
     :param use_gpu: one GPU per worker; None = whether the cluster has GPUs.
     :param storage_path: where Ray Train keeps run state (default: Ray's, ``~/ray_results``;
         on several nodes it must be shared storage).
@@ -88,33 +157,39 @@ def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = Non
     """
     ray = _import_ray()
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     if max_failures < 0:
         raise ValueError(f"max_failures must be >= 0 (bounded), got {max_failures}")
     check_on_driver(cfg, workers=workers, use_gpu=use_gpu)
+    started_here = False
     if not ray.is_initialized():
         from polyaccel.core.ray_local import connect, init_local, starts_private_cluster
 
         if starts_private_cluster(address):
-            init_local()  # a private cluster: loopback only, token auth
+            init_local()  # a private cluster: loopback only, token auth; stopped when the run ends
+            started_here = True
         else:
             connect(address)
-    if use_gpu is None:
-        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        check_on_driver(cfg, workers=workers, use_gpu=use_gpu, devices_only=True)
-    trainer = TorchTrainer(
-        _train_worker,
-        train_loop_config={"config": cfg.to_dict(), "use_gpu": use_gpu},
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        run_config=RunConfig(name="polyaccel-moe-finetune", storage_path=storage_path,
-                             failure_config=FailureConfig(max_failures=max_failures)),
-    )
-    result = trainer.fit()
-    if result.checkpoint is None:
-        raise RuntimeError(f"the Ray Train run returned no summary (error: {result.error})")
-    with result.checkpoint.as_directory() as d:
-        return json.loads(Path(d, SUMMARY_FILE).read_text())
+    try:
+        if use_gpu is None:
+            use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+            check_on_driver(cfg, workers=workers, use_gpu=use_gpu, devices_only=True)
+        trainer = TorchTrainer(
+            _train_worker,
+            train_loop_config={"config": cfg.to_dict(), "use_gpu": use_gpu},
+            scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
+            torch_config=loopback_torch_config("nccl" if use_gpu else "gloo"),
+            run_config=RunConfig(name="polyaccel-moe-finetune", storage_path=storage_path,
+                                 failure_config=FailureConfig(max_failures=max_failures)),
+        )
+        result = trainer.fit()
+        if result.checkpoint is None:
+            raise RuntimeError(f"the Ray Train run returned no summary (error: {result.error})")
+        with result.checkpoint.as_directory() as d:
+            return json.loads(Path(d, SUMMARY_FILE).read_text())
+    finally:
+        if started_here:
+            ray.shutdown()
