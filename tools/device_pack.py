@@ -115,6 +115,9 @@ def unpack(dest: Path, stage_dir: Path = STAGE) -> list[str]:
     if not manifest_path.is_file():
         raise SystemExit(f"{manifest_path} missing: stage the manifest with one of the parts")
     manifest = json.loads(manifest_path.read_text())
+    foreign = [str(part["name"]) for part in manifest["parts"] if not PART.fullmatch(str(part["name"]))]
+    if foreign:  # "../x" or "/x" would join files outside the stage folder into the tar
+        raise SystemExit(f"{manifest_path} names {foreign[0]!r}, not a part-NNN in {stage_dir}: refused")
     h = hashlib.sha256()
     for part in manifest["parts"]:
         path = stage_dir / part["name"]

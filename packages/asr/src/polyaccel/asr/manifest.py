@@ -83,7 +83,7 @@ def read_manifest(path: str | os.PathLike) -> list[InputItem]:
         try:
             rec = json.loads(line)
             audio = rec.get("audio_filepath") or rec.get("path") or rec.get("audio")
-        except (json.JSONDecodeError, AttributeError):
+        except (json.JSONDecodeError, AttributeError, RecursionError):  # nested too deeply for json
             raise ValueError(f"{path}:{lineno}: not a JSON object") from None
         if not audio:
             raise ValueError(f"{path}:{lineno}: no 'audio_filepath' or 'path' field")
@@ -112,7 +112,10 @@ def read_refs(path: str | os.PathLike) -> dict[str, str]:
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
-            rec = json.loads(line)
+            try:
+                rec = json.loads(line)
+            except RecursionError:
+                raise ValueError(f"{path}:{lineno}: nested too deeply to be a reference") from None
             key = rec.get("path") or rec.get("audio_filepath") or rec.get("id")
             if key is None or "text" not in rec:
                 raise ValueError(f"{path}:{lineno}: a reference needs 'path' or 'id' and 'text'")

@@ -107,7 +107,7 @@ def _parse(line: bytes, fields: tuple[str, ...]) -> dict[str, Any] | None:
     can have (no NUL: no run writes one, and every file call would raise on it), else None."""
     try:
         rec = json.loads(line)
-    except ValueError:  # also invalid UTF-8
+    except (ValueError, RecursionError):  # also invalid UTF-8, or nested deeper than json parses
         return None
     if isinstance(rec, dict) and all(k in rec for k in fields) and isinstance(rec.get("path"), str):
         return rec if "\x00" not in record_path(rec) else None

@@ -91,7 +91,7 @@ def checkpoint_step(path: str | Path) -> int | None:
     path = Path(path)
     try:
         return int(json.loads((path / MANIFEST).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         m = _STEP_DIR.match(path.name)
         return int(m.group(1)) if m else None
 
@@ -154,10 +154,15 @@ def verify_checkpoint(path: str | Path) -> str | None:
     try:
         files = json.loads(manifest.read_text())["files"]
         listed = {name: (int(e["size"]), str(e["sha256"])) for name, e in files.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         return f"{manifest} is unreadable ({type(e).__name__}: {e})"
     if TRAINER_STATE not in listed:
         return f"{manifest} does not list {TRAINER_STATE}"
+    from polyaccel.moe.ep_checkpoint import _inside
+
+    outside = sorted(name for name in listed if not _inside(name))
+    if outside:  # it would have files outside the checkpoint read and hashed (any file on the machine)
+        return f"{manifest} lists {outside[0]!r}, outside {path}; a checkpoint's files are in its own folder"
     for name, (size, _) in listed.items():
         f = path / name
         if not f.is_file():

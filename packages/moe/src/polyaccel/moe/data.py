@@ -226,14 +226,16 @@ def build_dataset(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int =
 
 
 def load_tokenizer(path: str | None):
-    """``AutoTokenizer`` from a local directory, never touching the network."""
+    """``AutoTokenizer`` from a local directory, never touching the network nor running the
+    directory's own code (a ``tokenizer_config.json`` with ``auto_map`` is refused, never
+    prompted for: a "y" on stdin would run it)."""
     if path is None:
         raise ConfigError("text data needs a tokenizer: set model.path to a checkpoint with one, "
                           "or data.tokenizer to a tokenizer directory")
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot load a tokenizer from {path}: {e}") from e
 
@@ -316,6 +318,8 @@ def _record(line: str, path: Path, line_no: int) -> dict[str, Any]:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}:{line_no}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}:{line_no}: not valid JSON (nested too deeply)") from None
     if not isinstance(rec, dict):
         raise ConfigError(f"{path}:{line_no}: a record must be a JSON object, got {type(rec).__name__}")
     return rec

@@ -60,7 +60,7 @@ def index_escape(path: str | Path) -> str | None:
         try:
             weight_map = json.loads(index.read_text()).get("weight_map", {})
             names = set(weight_map.values())
-        except (OSError, ValueError, AttributeError, TypeError) as e:
+        except (OSError, ValueError, AttributeError, TypeError, RecursionError) as e:
             return f"{index} cannot be read ({type(e).__name__}: {e})"
         for name in sorted(names, key=str):
             if not isinstance(name, str) or not _inside(name):
