@@ -85,8 +85,9 @@ def test_an_output_that_is_an_input_is_refused_even_with_overwrite(loads: list[s
     refs = tmp_path / "refs.jsonl"
     refs.write_text('{"path": "a.wav", "text": "x"}\n')
     (tmp_path / "link.jsonl").symlink_to(manifest)
+    os.link(manifest, tmp_path / "hard.jsonl")  # the same file under another name: no symlink to resolve
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    for out in ("m.jsonl", "link.jsonl", "take.data", "refs.jsonl"):
+    for out in ("m.jsonl", "link.jsonl", "hard.jsonl", "take.data", "refs.jsonl"):
         assert _run(str(manifest), "--refs", str(refs), "-o", str(tmp_path / out), "--overwrite") == 2, out
         assert "is an input" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before and loads == []
@@ -353,7 +354,7 @@ def test_exit_codes(loads: list[str], tmp_path: Path, capsys: pytest.CaptureFixt
     assert [r["error"] for r in _results(out)] == [None, None]
 
 
-@pytest.mark.parametrize("kind", ["symlink", "user file"])
+@pytest.mark.parametrize("kind", ["symlink", "dangling symlink", "user file"])
 def test_a_lock_path_that_is_not_our_lock_file_is_left_alone(loads: list[str], tmp_path: Path, kind: str,
                                                              capsys: pytest.CaptureFixture) -> None:
     wav = _wav(tmp_path / "a.wav")
@@ -363,11 +364,14 @@ def test_a_lock_path_that_is_not_our_lock_file_is_left_alone(loads: list[str], t
     lock = tmp_path / "out.jsonl.lock"
     if kind == "symlink":
         lock.symlink_to(mine)
+    elif kind == "dangling symlink":  # opening it to lock would create a file where it points
+        lock.symlink_to(tmp_path / "elsewhere")
     else:
         lock.write_text("my other notes\n")
     assert _run(str(wav), "-o", str(out)) == 2
     assert "not a lock file of ours" in capsys.readouterr().err
     assert mine.read_text() == "my notes\n" and os.path.lexists(lock) and not out.exists()
+    assert not os.path.exists(tmp_path / "elsewhere")
     if kind == "user file":
         assert lock.read_text() == "my other notes\n"
 

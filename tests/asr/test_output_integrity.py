@@ -187,6 +187,34 @@ def test_a_torn_last_line_of_any_length_is_repaired_not_refused(tmp_path: Path, 
     assert [json.loads(x)["path"] for x in out.read_bytes().splitlines()] == ["a.wav", "b.wav"]
 
 
+def test_resume_after_a_last_record_without_its_newline_keeps_both_records(tmp_path: Path) -> None:
+    """A kill right before the newline leaves a whole record with none after it: appending
+    there would join the next record onto its line and lose both. The file is repaired first."""
+    from polyaccel.asr.results_file import ResultsWriter, load_results, scan_results
+
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"path": "a.wav", "text": "a", "duration_s": 1.0, "error": null}')
+    assert not scan_results(out).clean
+    with ResultsWriter(out) as w:
+        assert w.done == {"a.wav"}
+        w.write({"path": "b.wav", "text": "b", "duration_s": 1.0, "error": None})
+    assert [r["path"] for r in load_results(out)] == ["a.wav", "b.wav"]
+    assert out.read_bytes().count(b"\n") == 2
+
+
+def test_a_short_write_still_appends_the_whole_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``os.write`` may write fewer bytes than asked: the writer goes on until the line is whole."""
+    from polyaccel.asr import results_file
+    from polyaccel.asr.results_file import ResultsWriter, load_results
+
+    real = results_file.os.write
+    monkeypatch.setattr(results_file.os, "write", lambda fd, data: real(fd, bytes(data[:7])))
+    out = tmp_path / "out.jsonl"
+    with ResultsWriter(out) as w:
+        w.write({"path": "a.wav", "text": "a long enough transcript", "duration_s": 1.0, "error": None})
+    assert [r["text"] for r in load_results(out)] == ["a long enough transcript"]
+
+
 # ---- timestamps: seeking past the last segment ---------------------------------------------------
 
 

@@ -96,6 +96,53 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_newest_intact_one(finished,
         finetune(_tiny(root))
 
 
+def _drop_trainer_state_from_manifest(d: Path) -> None:
+    m = json.loads((d / ckpt.MANIFEST).read_text())
+    del m["files"][ckpt.TRAINER_STATE]
+    (d / ckpt.MANIFEST).write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda d: (d / "model.safetensors").unlink(), "model.safetensors is missing"),
+    (lambda d: (d / ckpt.MANIFEST).unlink(), "manifest.json is missing"),
+    (lambda d: (d / ckpt.MANIFEST).write_text('{"step": 4, "files": '), "manifest.json is unreadable"),
+    (_drop_trainer_state_from_manifest, "does not list trainer_state.pt"),
+], ids=["listed_file_deleted", "no_manifest", "manifest_cut_off", "manifest_without_trainer_state"])
+def test_each_kind_of_damage_is_named_and_auto_resume_skips_it(finished, tmp_path, damage, why):
+    """verify_checkpoint's other reasons (checksum and size are above): each names what is
+    wrong, and resume=auto takes the older intact checkpoint instead of the damaged newer one."""
+    root = _copy(finished, tmp_path)
+    step4 = root / "ck/step_00000004"
+    assert ckpt.verify_checkpoint(step4) is None  # intact before the damage
+    damage(step4)
+    assert why in (ckpt.verify_checkpoint(step4) or "")
+    assert ckpt.find_resume(root / "ck", "auto") == root / "ck/step_00000002"
+
+
+def test_keep_last_prunes_only_the_oldest_checkpoints(tmp_path):
+    """checkpoint.keep_last=2 with a checkpoint every step: the two newest remain, intact."""
+    finetune(_tiny(tmp_path, "checkpoint.every_steps=1", "checkpoint.keep_last=2"))
+    kept = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert kept == ["step_00000003", "step_00000004"]
+    assert all(ckpt.verify_checkpoint(tmp_path / "ck" / name) is None for name in kept)
+
+
+def test_a_save_clears_what_a_killed_save_left_in_its_temporary_folder(tmp_path):
+    """A kill mid-save leaves ``step_N.tmp``: resume ignores it, and the next save of step N
+    starts from an empty folder, so none of the stale files end up in the checkpoint."""
+    leftover = tmp_path / "ck/step_00000002.tmp"
+    leftover.mkdir(parents=True)
+    (leftover / ckpt.TRAINER_STATE).write_bytes(b"half written")
+    (leftover / "stale.bin").write_bytes(b"junk")
+    assert ckpt.find_resume(tmp_path / "ck", "auto") is None
+    result = finetune(_tiny(tmp_path))
+    assert result.start_step == 0
+    step2 = tmp_path / "ck/step_00000002"
+    assert not leftover.exists() and not (step2 / "stale.bin").exists()
+    assert "stale.bin" not in json.loads((step2 / ckpt.MANIFEST).read_text())["files"]
+    assert ckpt.verify_checkpoint(step2) is None
+
+
 @pytest.mark.parametrize("damage", ["trainer_state_truncated", "trainer_state_empty", "safetensors_truncated",
                                     "safetensors_empty"])
 def test_damaged_files_give_an_error_naming_the_file(finished, tmp_path, damage):
