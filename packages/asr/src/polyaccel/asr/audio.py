@@ -100,6 +100,8 @@ def _checked_path(path: str | os.PathLike, raw: RawFormat | None) -> tuple[Path,
     """The path, after the checks a decoder would report badly, and its raw format (if any)."""
     path = Path(path)
     if not path.exists():
+        if path.is_symlink():  # the same words in the log and in the results line
+            raise AudioError(f"broken symbolic link (to {os.readlink(path)})")
         raise AudioError("missing file")
     if path.is_dir():
         raise AudioError("is a directory, not an audio file")

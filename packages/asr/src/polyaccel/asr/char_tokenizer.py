@@ -68,8 +68,9 @@ class CharTokenizer:
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> CharTokenizer:
-        with open(os.path.join(directory, "tokenizer.json")) as f:
-            d = json.load(f)
+        from polyaccel.asr.config_limits import read_json_object
+
+        d = read_json_object(os.path.join(directory, "tokenizer.json"))
         if d.get("type") != "char":
             raise ValueError(f"not a character tokenizer: type={d.get('type')!r}")
         return cls(d["characters"], d["special_tokens"], d["unk_token"], d.get("lowercase", True))

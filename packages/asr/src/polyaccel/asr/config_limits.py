@@ -9,6 +9,7 @@ checkpoint (Whisper large-v3: d_model 1280, 32 layers, 128 mels).
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -29,6 +30,24 @@ LIMITS: dict[str, tuple[int, int]] = {
 
 MAX_CHUNK_SAMPLES = 1 << 26
 """Most samples in one window (sample_rate x chunk_seconds): 64 Mi, 70 min at 16 kHz."""
+
+
+def read_json_object(path: str | os.PathLike, error: type[ValueError] = ValueError) -> dict[str, Any]:
+    """The JSON object in the file ``path`` (a model's ``config.json``, ``tokenizer.json``, ...).
+
+    Malformed JSON, invalid UTF-8, JSON nested deeper than Python's parser recurses (``[[[[...``:
+    a ``RecursionError`` otherwise) and JSON that is not an object raise ``error`` (a
+    ``ValueError``) naming the file; ``OSError`` passes through."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.loads(f.read())
+    except RecursionError:
+        raise error(f"{os.fspath(path)}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # json.JSONDecodeError, or invalid UTF-8 above
+        raise error(f"{os.fspath(path)}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{os.fspath(path)}: not a JSON object (got {type(data).__name__})")
+    return data
 
 
 def check_sizes(config: Any, source: str | os.PathLike) -> None:

@@ -114,10 +114,9 @@ class ConformerAEDConfig:
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> ConformerAEDConfig:
-        from polyaccel.asr.config_limits import check_sizes
+        from polyaccel.asr.config_limits import check_sizes, read_json_object
 
-        with open(os.path.join(directory, "config.json")) as f:
-            config = cls.from_dict(json.load(f))
+        config = cls.from_dict(read_json_object(os.path.join(directory, "config.json")))
         check_sizes(config, directory)  # before any module of these sizes is made
         return config
 

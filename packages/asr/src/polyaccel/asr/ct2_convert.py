@@ -57,6 +57,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from polyaccel.asr.config_limits import read_json_object
+
 SUPPORTED_BINARY_VERSIONS = (4, 5, 6)
 _DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16, 5: "bfloat16"}
 
@@ -282,7 +284,7 @@ class _SpecialTokens:
 
     @classmethod
     def from_tokenizer_json(cls, path: Path) -> _SpecialTokens:
-        added = {t["content"]: t["id"] for t in json.loads(path.read_text())["added_tokens"]}
+        added = {t["content"]: t["id"] for t in read_json_object(path, CT2FormatError)["added_tokens"]}
         need = ["<|endoftext|>", "<|startoftranscript|>", "<|translate|>", "<|transcribe|>",
                 "<|startofprev|>", "<|notimestamps|>"]
         missing = [t for t in need if t not in added]
@@ -417,7 +419,7 @@ def convert_ct2_whisper(src: str | os.PathLike | Sequence[str | os.PathLike], ou
     if not tokenizer_json.is_file():
         raise FileNotFoundError(f"{assets}: tokenizer.json missing (needed next to the CTranslate2 model)")
     ct2_cfg_path = assets / "config.json"
-    ct2_config = json.loads(ct2_cfg_path.read_text()) if ct2_cfg_path.is_file() else {}
+    ct2_config = read_json_object(ct2_cfg_path, CT2FormatError) if ct2_cfg_path.is_file() else {}
 
     model = read_ct2_model(src)
     tokens = _SpecialTokens.from_tokenizer_json(tokenizer_json)

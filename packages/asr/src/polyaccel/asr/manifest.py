@@ -44,10 +44,12 @@ class InputItem:
 def expand_inputs(specs: Iterable[str | os.PathLike]) -> list[InputItem]:
     """Turn command-line inputs into items, in a stable order.
 
-    A directory yields its audio files (recursive, sorted), broken symlinks with an audio
-    extension included so that the job reports them; a ``.jsonl`` file is read as a manifest
-    (relative paths resolved against the manifest's folder); anything else is taken as an
-    audio path, even if missing, so the job reports it as a per-file error. A file named twice
+    A directory yields its audio files (recursive, sorted): every entry with an audio extension
+    that is not a folder, so that the job reports those it cannot read (a broken symlink, a
+    FIFO, a socket, a device) as per-file errors instead of skipping them silently; a ``.jsonl``
+    file is read as a manifest (relative paths resolved against the manifest's folder); anything
+    else is taken as an audio path, even if missing, so the job reports it as a per-file error.
+    A file named twice
     (by any spelling: relative, absolute, through a symlinked folder) is kept once.
     """
     items: list[InputItem] = []
@@ -56,7 +58,7 @@ def expand_inputs(specs: Iterable[str | os.PathLike]) -> list[InputItem]:
         p = Path(spec)
         if p.is_dir():
             found = [InputItem(str(f)) for f in sorted(p.rglob("*"))
-                     if f.suffix.lower() in AUDIO_EXTENSIONS and (f.is_file() or _is_broken_link(f))]
+                     if f.suffix.lower() in AUDIO_EXTENSIONS and not f.is_dir()]
         elif p.suffix.lower() in MANIFEST_EXTENSIONS and p.is_file():
             found = read_manifest(p)
         else:
@@ -67,10 +69,6 @@ def expand_inputs(specs: Iterable[str | os.PathLike]) -> list[InputItem]:
                 seen.add(key)
                 items.append(it)
     return items
-
-
-def _is_broken_link(p: Path) -> bool:
-    return p.is_symlink() and not p.exists()
 
 
 def read_manifest(path: str | os.PathLike) -> list[InputItem]:

@@ -978,9 +978,9 @@ def _weights_identity(path: Path) -> list[tuple]:
 
 
 def _model_type(path: Path) -> str:
-    import json
+    from polyaccel.asr.config_limits import read_json_object
 
-    cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    cfg = read_json_object(path / "config.json") if (path / "config.json").is_file() else {}
     return str(cfg.get("model_type", "whisper"))
 
 

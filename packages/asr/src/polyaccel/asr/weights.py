@@ -167,7 +167,7 @@ def _stamp_matches(target: Path, stamp: list[list]) -> bool:
     """True when ``target`` holds a complete conversion stamped with exactly ``stamp``."""
     try:
         written = json.loads((target / SOURCES_STAMP).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested deeper than json parses
         return False
     return written == stamp and is_hf_whisper_dir(target)
 
@@ -346,7 +346,7 @@ def file_sha256(path: Path, *, cache: str | os.PathLike | None = None) -> str:
 def _read_index(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # unreadable, malformed or nested too deeply: start afresh
         return {}
     return data if isinstance(data, dict) else {}
 

@@ -19,7 +19,6 @@ D model dim, NH heads, Dh head dim, L decoder layers, V vocab, K n_fft // 2 + 1 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import threading
 from collections.abc import Sequence
@@ -89,12 +88,14 @@ class WhisperConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> WhisperConfig:
+        from polyaccel.asr.config_limits import read_json_object
+
         path = Path(path)
-        cfg = json.loads((path / "config.json").read_text())
+        cfg = read_json_object(path / "config.json")
         if cfg.get("model_type") != "whisper":
             raise ValueError(f"{path}/config.json: model_type {cfg.get('model_type')!r} is not 'whisper'")
         gen_path = path / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        gen = read_json_object(gen_path) if gen_path.is_file() else {}
         if cfg.get("activation_function", "gelu") != "gelu" or cfg.get("scale_embedding", False):
             raise ValueError(f"{path}: only Whisper's gelu activation without embedding scaling is supported")
         fields = {f.name for f in dataclasses.fields(cls)}

@@ -36,10 +36,17 @@ def _kernels(args: argparse.Namespace) -> int:
         print(dumps(rows, indent=2))
         return 0
     devices = sorted({k for r in rows for k in r if k not in ("op", "reference")})
-    print(f"{'op':<22} {'reference':<10} " + " ".join(f"{d:<22}" for d in devices))
-    for r in rows:
-        print(f"{r['op']:<22} {r['reference']:<10} " + " ".join(f"{r.get(d, '-'):<22}" for d in devices))
+    columns = ["op", "reference", *devices]
+    _print_table(columns, [[str(r.get(c, "-")) for c in columns] for r in rows])
     return 0
+
+
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    """Left-aligned columns, each as wide as its widest cell (header included), two spaces
+    apart, so that no op or backend name, however long, shifts the columns after it."""
+    widths = [max(len(cell) for cell in col) for col in zip(header, *rows)]
+    for row in (header, *rows):
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
 
 
 def _doctor(args: argparse.Namespace) -> int:
