@@ -70,3 +70,11 @@ def test_ordinary_anchors_and_merge_keys_still_load(tmp_path):
                    "train:\n  <<: &base {max_steps: 3, lr: 0.001}\n  max_steps: 2\n")
     loaded = load_config(cfg)
     assert loaded.train.max_steps == 2 and loaded.train.lr == 0.001
+
+
+def test_a_model_config_nested_too_deeply_is_a_clean_error(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("[" * 200_000)
+    with pytest.raises(ConfigError, match="cannot read"):
+        resolve_model_config(ModelConfig(path=str(folder)))

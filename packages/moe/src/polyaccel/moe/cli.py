@@ -22,7 +22,8 @@ config precedence: --set key=value > the YAML file > the preset named by model.p
 outputs: finetune needs output_dir (the final model) or checkpoint.dir, else it refuses to start
 (exit 2): nothing else would keep what it trains. Output locations are proven writable first.
 exit status: 0 done (also: the run had already finished), 2 configuration or checkpoint
-error (nothing trained), 3 a non-finite loss or gradient norm stopped training (or every step
+error (nothing trained; with --ray also a run summary Ray hands back unreadable, the run
+itself finished), 3 a non-finite loss or gradient norm stopped training (or every step
 was skipped, or the final weights are not finite: nothing saved), 4 training ran but its model
 could not be written (output_dir or a checkpoint: full disk...); nothing partial is left, and
 the message names where the trained weights are: the final checkpoint (rerun the same command

@@ -120,6 +120,27 @@ def loopback_torch_config(backend: str) -> Any:
     return LoopbackTorchConfig(backend=backend)
 
 
+def read_summary(path: Path, cfg: FinetuneConfig) -> dict[str, Any]:
+    """Rank 0's summary as Ray Train handed it back in ``path``. One that cannot be read (missing,
+    not UTF-8, not JSON, nested deeper than json parses, not an object) is a :class:`ConfigError`
+    naming the file and where the run keeps what it trained (the run itself finished)."""
+    try:
+        summary = json.loads(path.read_bytes())
+        why = None if isinstance(summary, dict) else f"a JSON {type(summary).__name__}, not an object"
+    except OSError as e:
+        why = e.strerror or str(e)
+    except RecursionError:
+        why = "not valid JSON (nested too deeply)"
+    except ValueError as e:  # not JSON, or not UTF-8
+        why = f"not valid JSON ({e})"
+    if why is None:
+        return summary
+    kept = " and ".join(f"{key} {value}" for key, value in (("output_dir", cfg.output_dir),
+                                                             ("checkpoint.dir", cfg.checkpoint.dir)) if value)
+    raise ConfigError(f"the Ray Train run finished, but its summary {path} cannot be read: {why}"
+                      + (f"; what it trained is in {kept}" if kept else ""))
+
+
 def check_on_driver(cfg: FinetuneConfig, *, workers: int, use_gpu: bool | None, devices_only: bool = False) -> None:
     """The checks the training function runs before it trains (:func:`polyaccel.moe.train.check_run`),
     here, before any worker starts: a bad config then fails once with :class:`ConfigError`
@@ -189,7 +210,7 @@ def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = Non
         if result.checkpoint is None:
             raise RuntimeError(f"the Ray Train run returned no summary (error: {result.error})")
         with result.checkpoint.as_directory() as d:
-            return json.loads(Path(d, SUMMARY_FILE).read_text())
+            return read_summary(Path(d, SUMMARY_FILE), cfg)
     finally:
         if started_here:
             ray.shutdown()

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +138,7 @@ def resolve_model_config(cfg: ModelConfig):
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
-    bad_config = (OSError, ValueError, KeyError, TypeError, StrictDataclassError)
+    bad_config = (OSError, ValueError, KeyError, TypeError, RecursionError, StrictDataclassError)
     fields = dict(cfg.config)
     if cfg.path is not None:
         if not Path(cfg.path, "config.json").is_file():
@@ -597,6 +597,7 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                 _check_trained(model, skipped_before + skipped, step, last_saved or resume_from)
             every = cfg.checkpoint.every_steps
             if cfg.checkpoint.dir and ((every and step % every == 0) or step == t.max_steps):
+                created = _missing_dirs(Path(cfg.checkpoint.dir))  # what a failed save removes again
                 try:
                     last_saved = ckpt.save_checkpoint(cfg.checkpoint.dir, step, model, optimizer,
                                                       _trainer_extra(cfg, scheduler, batches, model_config,
@@ -607,7 +608,7 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                     if dist.is_initialized():  # the other ranks wait in the save's collectives
                         raise
                     raise SaveError(_checkpoint_failed(cfg, model, step, e, last_saved or resume_from,
-                                                       final=step == t.max_steps)) from e
+                                                       final=step == t.max_steps, created=created)) from e
     finally:
         if bar is not None:
             bar.close()
@@ -917,7 +918,7 @@ def _foreign_line(path: Path) -> int | None:
     for n, line in enumerate(lines, 1):
         try:
             rec = json.loads(line) if line.strip() else {"step": 0}
-        except ValueError:  # not JSON, or not UTF-8
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested deeper than json parses
             return n
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
             return n
@@ -926,19 +927,21 @@ def _foreign_line(path: Path) -> int | None:
 
 def _open_metrics(path: str, start_step: int):
     """Open the metrics file for appending, first dropping its records of steps after
-    ``start_step`` (this run writes them again) and any partial line a kill left."""
+    ``start_step`` (this run writes them again) and any partial line a kill left (whatever
+    its bytes: cut UTF-8, or JSON nested too deeply to parse; :func:`check_outputs` has
+    refused any other line that is not a step record)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     if p.is_file():
         kept = []
-        for line in p.read_text().splitlines():
+        for line in p.read_bytes().split(b"\n"):  # the lines _foreign_line read
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested deeper than json parses
                 continue
             if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= start_step:
-                kept.append(line + "\n")
-        replace_file(p, "".join(kept).encode())
+                kept.append(line + b"\n")
+        replace_file(p, b"".join(kept))
     return p.open("a")
 
 
@@ -1046,11 +1049,12 @@ def _raise_on_any_rank(failure: str | None) -> None:
 
 
 def _checkpoint_failed(cfg: FinetuneConfig, model: nn.Module, step: int, error: Exception,
-                       last_checkpoint: Path | None, *, final: bool) -> str:
+                       last_checkpoint: Path | None, *, final: bool, created: Sequence[Path] = ()) -> str:
     """The :class:`SaveError` message of a checkpoint that could not be written at ``step`` (one
-    process): its partial folder is removed and the weights are kept elsewhere: in
-    ``output_dir`` when this was the final step, else (or when that fails too) in a fallback
-    folder (:func:`_rescue`)."""
+    process): its partial folder is removed, and then the directories of ``created`` (those
+    the save made: ``checkpoint.dir`` and missing parents, deepest first) that are still
+    empty; the weights are kept elsewhere: in ``output_dir`` when this was the final step,
+    else (or when that fails too) in a fallback folder (:func:`_rescue`)."""
     from polyaccel.moe.ep_checkpoint import full_state_dict
 
     partial = ckpt.step_dir(cfg.checkpoint.dir, step)
@@ -1064,13 +1068,16 @@ def _checkpoint_failed(cfg: FinetuneConfig, model: nn.Module, step: int, error: 
     def write(staging: Path) -> Any:
         return model.save_pretrained(staging, state_dict=state)
 
-    if final and cfg.output_dir:
-        try:
-            _write_output(cfg, write)
-            return f"{head}. The final model was written to output_dir {cfg.output_dir}"
-        except Exception as e:
-            head += f"; output_dir {cfg.output_dir} could not be written either ({_reason(e)})"
-    return f"{head}. {_rescue(cfg, write, partial.name)}"
+    try:
+        if final and cfg.output_dir:
+            try:
+                _write_output(cfg, write)
+                return f"{head}. The final model was written to output_dir {cfg.output_dir}"
+            except Exception as e:
+                head += f"; output_dir {cfg.output_dir} could not be written either ({_reason(e)})"
+        return f"{head}. {_rescue(cfg, write, partial.name)}"
+    finally:  # after the rescue, which may have gone into one of them (then it stays)
+        _remove_empty_dirs(created)
 
 
 def _rescue(cfg: FinetuneConfig, write_model: Callable[[Path], Any], name: str) -> str:
@@ -1142,7 +1149,7 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     lacks are deleted, other files are left alone. A failed write removes the staging folder
     and the directories it created, then raises."""
     out = Path(cfg.output_dir) if out is None else Path(out)
-    created = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
+    created = _missing_dirs(out)
     staging = out / _STAGING
     try:
         shutil.rmtree(staging, ignore_errors=True)
@@ -1155,9 +1162,7 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
             load_tokenizer(tok_dir).save_pretrained(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        for p in created:
-            with contextlib.suppress(OSError):
-                p.rmdir()
+        _remove_empty_dirs(created)
         raise
     written = sorted((p.name for p in staging.iterdir()), key=lambda n: not _WEIGHT_FILE.match(n))
     for name in written:
@@ -1166,6 +1171,19 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
         if old.name not in written and _WEIGHT_FILE.match(old.name) and old.is_file():
             old.unlink()
     staging.rmdir()
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet (what writing into ``path``
+    creates), deepest first."""
+    return [p for p in (path, *path.parents) if not p.exists()]
+
+
+def _remove_empty_dirs(dirs: Sequence[Path]) -> None:
+    """Remove each of ``dirs`` (deepest first) that is an empty directory; leave the others."""
+    for p in dirs:
+        with contextlib.suppress(OSError):
+            p.rmdir()
 
 
 def _final_files(checkpoint: Path) -> dict[str, tuple[int, str]]:
