@@ -198,9 +198,8 @@ def test_expert_factor_layout_survives_inductor():
         torch.testing.assert_close(lora._expert_major(b_weight.detach(), E)[e], per_expert[:, :, e])
 
 
-def test_selective_recompute_gives_the_same_gradients(tmp_path, monkeypatch):
-    ours, ref = _pair(tmp_path, BackendConfig(loss="standard"))
-    ours.train()
+def _spy_on_recompute_policy(monkeypatch) -> list[tuple[str, str]]:
+    """The (op name, decision) of every call of the selective recomputation policy from now on."""
     decisions = []
     real_policy = lora.selective_recompute_policy
 
@@ -215,6 +214,13 @@ def test_selective_recompute_gives_the_same_gradients(tmp_path, monkeypatch):
         return spy
 
     monkeypatch.setattr(lora, "selective_recompute_policy", spying_policy)
+    return decisions
+
+
+def test_selective_recompute_gives_the_same_gradients(tmp_path, monkeypatch):
+    ours, ref = _pair(tmp_path, BackendConfig(loss="standard"))
+    ours.train()
+    decisions = _spy_on_recompute_policy(monkeypatch)
     lora.enable_selective_recompute(ours)
     ids = _ids()
     ours(input_ids=ids, labels=ids).loss.backward()
@@ -626,21 +632,7 @@ def test_selective_recompute_with_a_one_op_grouped_gemm(tmp_path, one_op_grouped
     one functional op. Adapter gradients equal PEFT's reference."""
     ours, ref = _pair(tmp_path, BackendConfig(loss="standard"))
     ours.train()
-    kept = set()
-    real_policy = lora.selective_recompute_policy
-
-    def spying_policy(cheap_k):
-        policy = real_policy(cheap_k)
-
-        def spy(ctx, op, *args, **kwargs):
-            decision = policy(ctx, op, *args, **kwargs)
-            if decision.name == "MUST_SAVE":
-                kept.add(lora._op_name(op))
-            return decision
-
-        return spy
-
-    monkeypatch.setattr(lora, "selective_recompute_policy", spying_policy)
+    decisions = _spy_on_recompute_policy(monkeypatch)
     lora.enable_selective_recompute(ours)
     ids = _ids()
     ours(input_ids=ids, labels=ids).loss.backward()
@@ -648,4 +640,5 @@ def test_selective_recompute_with_a_one_op_grouped_gemm(tmp_path, one_op_grouped
     got = _adapter_grads(ours)
     for name, g in _adapter_grads(ref).items():
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    kept = {name for name, decision in decisions if decision == "MUST_SAVE"}
     assert "grouped_mm_plus_lowrank" in kept  # the experts' base GEMM output (adapter added) is kept
