@@ -217,7 +217,9 @@ def _spy_on_recompute_policy(monkeypatch) -> list[tuple[str, str]]:
     return decisions
 
 
-def test_selective_recompute_gives_the_same_gradients(tmp_path, monkeypatch):
+def _selective_step_equals_peft(tmp_path, monkeypatch) -> list[tuple[str, str]]:
+    """One backward of ours under selective recomputation against PEFT's reference (adapter
+    gradients equal); returns the policy's (op name, decision) calls."""
     ours, ref = _pair(tmp_path, BackendConfig(loss="standard"))
     ours.train()
     decisions = _spy_on_recompute_policy(monkeypatch)
@@ -228,6 +230,11 @@ def test_selective_recompute_gives_the_same_gradients(tmp_path, monkeypatch):
     got = _adapter_grads(ours)
     for name, g in _adapter_grads(ref).items():
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    return decisions
+
+
+def test_selective_recompute_gives_the_same_gradients(tmp_path, monkeypatch):
+    decisions = _selective_step_equals_peft(tmp_path, monkeypatch)
     kept = {n for n, d in decisions if d == "MUST_SAVE"}
     recomputed = {n for n, d in decisions if d == "PREFER_RECOMPUTE"}
     assert "mm" in kept and "mm" in recomputed  # base GEMMs kept, rank-r LoRA GEMMs recomputed
@@ -630,15 +637,6 @@ def test_selective_recompute_with_a_one_op_grouped_gemm(tmp_path, one_op_grouped
     product into that very tensor in place (in the first forward) made the recompute either
     refuse the mutated cache entry or add the product twice; the base GEMM and the add are now
     one functional op. Adapter gradients equal PEFT's reference."""
-    ours, ref = _pair(tmp_path, BackendConfig(loss="standard"))
-    ours.train()
-    decisions = _spy_on_recompute_policy(monkeypatch)
-    lora.enable_selective_recompute(ours)
-    ids = _ids()
-    ours(input_ids=ids, labels=ids).loss.backward()
-    ref(input_ids=ids, labels=ids).loss.backward()
-    got = _adapter_grads(ours)
-    for name, g in _adapter_grads(ref).items():
-        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    decisions = _selective_step_equals_peft(tmp_path, monkeypatch)
     kept = {name for name, decision in decisions if decision == "MUST_SAVE"}
     assert "grouped_mm_plus_lowrank" in kept  # the experts' base GEMM output (adapter added) is kept
