@@ -51,6 +51,16 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed from: damaged, incomplete, unsafe or for another model."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint write that failed on some rank, raised on every rank alike (the ranks agree
+    on it at the save's synchronisation points, so all leave the save together and may go on
+    with collectives). ``reason`` says why, naming the rank that failed first."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 class LayoutMismatch(ValueError):
     """A checkpoint's optimizer state was written under another parallel layout."""
 
@@ -258,9 +268,29 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _settle(error: BaseException | None) -> None:
+    """A barrier at which the ranks also agree whether a write failed (collective when
+    distributed): one process re-raises ``error``; with several ranks, a failure on any rank
+    raises :class:`CheckpointWriteError` on every rank (else one rank would leave the save
+    while the others wait for it in a collective)."""
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    verdicts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, None if error is None else describe(error))
+    failed = [(r, why) for r, why in enumerate(verdicts) if why is not None]
+    if failed:
+        rank, why = failed[0]
+        raise CheckpointWriteError(f"rank {rank}: {why}") from error
+
+
+def describe(e: BaseException) -> str:
+    """One line saying why ``e`` happened: an OS error's text and file, else type and message."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}{' ...' if len(text) > 300 else ''}"
 
 
 def _first_line(e: BaseException) -> str:
@@ -323,31 +353,41 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     rank = _rank()
+    error = None  # a failed write; the ranks agree on it at each _settle (no rank left waiting)
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except Exception as e:
+            error = e
+    _settle(error)
     model_sd = full_state_dict(model)
     optim_sd = None
-    if per_rank_optimizer:
-        torch.save(_to_cpu(optimizer.state_dict()), tmp / f"optimizer_rank{rank}.pt")
-    else:
+    if not per_rank_optimizer:
         optim_sd = get_optimizer_state_dict(model, optimizer,
                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    try:
+        if per_rank_optimizer:
+            torch.save(_to_cpu(optimizer.state_dict()), tmp / f"optimizer_rank{rank}.pt")
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        if rank == 0:
+            model.save_pretrained(tmp, state_dict=model_sd)
+            torch.save({"step": step, "optimizer": optim_sd, **extra}, tmp / TRAINER_STATE)
+    except Exception as e:
+        error = e
+    _settle(error)
     if rank == 0:
-        model.save_pretrained(tmp, state_dict=model_sd)
-        torch.save({"step": step, "optimizer": optim_sd, **extra}, tmp / TRAINER_STATE)
-    _barrier()
-    if rank == 0:
-        write_manifest(tmp, step)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        _fsync_dir(final.parent)
-        if keep_last > 0:
-            for old in complete_checkpoints(root)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+        try:
+            write_manifest(tmp, step)
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            _fsync_dir(final.parent)
+            if keep_last > 0:
+                for old in complete_checkpoints(root)[:-keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+        except Exception as e:
+            error = e
+    _settle(error)
     return final
 
 

@@ -605,10 +605,12 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                                                       keep_last=cfg.checkpoint.keep_last,
                                                       per_rank_optimizer=replicas)
                 except Exception as e:
-                    if dist.is_initialized():  # the other ranks wait in the save's collectives
-                        raise
-                    raise SaveError(_checkpoint_failed(cfg, model, step, e, last_saved or resume_from,
-                                                       final=step == t.max_steps, created=created)) from e
+                    if dist.is_initialized() and not isinstance(e, ckpt.CheckpointWriteError):
+                        raise  # a collective failed (a rank died...): the ranks cannot act together
+                    # Every rank is here (the save agreed on the failure): rank 0 keeps the weights.
+                    _raise_on_any_rank(_checkpoint_failed(cfg, model, step, e, last_saved or resume_from,
+                                                          final=step == t.max_steps, created=created,
+                                                          writer=rt.rank == 0))
     finally:
         if bar is not None:
             bar.close()
@@ -1049,21 +1051,25 @@ def _raise_on_any_rank(failure: str | None) -> None:
 
 
 def _checkpoint_failed(cfg: FinetuneConfig, model: nn.Module, step: int, error: Exception,
-                       last_checkpoint: Path | None, *, final: bool, created: Sequence[Path] = ()) -> str:
-    """The :class:`SaveError` message of a checkpoint that could not be written at ``step`` (one
-    process): its partial folder is removed, and then the directories of ``created`` (those
-    the save made: ``checkpoint.dir`` and missing parents, deepest first) that are still
-    empty; the weights are kept elsewhere: in ``output_dir`` when this was the final step,
-    else (or when that fails too) in a fallback folder (:func:`_rescue`)."""
+                       last_checkpoint: Path | None, *, final: bool, created: Sequence[Path] = (),
+                       writer: bool = True) -> str | None:
+    """The :class:`SaveError` message of a checkpoint that could not be written at ``step``
+    (collective when distributed: every rank calls it, the ``writer`` (rank 0) acts and gets
+    the message, the others None): its partial folder is removed, and then the directories of
+    ``created`` (those the save made: ``checkpoint.dir`` and missing parents, deepest first)
+    that are still empty; the weights are kept elsewhere: in ``output_dir`` when this was the
+    final step, else (or when that fails too) in a fallback folder (:func:`_rescue`)."""
     from polyaccel.moe.ep_checkpoint import full_state_dict
 
+    state = full_state_dict(model)
+    if not writer:
+        return None
     partial = ckpt.step_dir(cfg.checkpoint.dir, step)
     shutil.rmtree(partial.with_name(partial.name + ".tmp"), ignore_errors=True)
     kept = (f"the last intact checkpoint, {last_checkpoint}, is untouched (resume from it)" if last_checkpoint
             else "no earlier checkpoint exists")
     head = (f"step {step}: the checkpoint could not be written to checkpoint.dir {cfg.checkpoint.dir} "
             f"({_reason(error)}){'' if final else ', so training stopped'}; {kept}")
-    state = full_state_dict(model)
 
     def write(staging: Path) -> Any:
         return model.save_pretrained(staging, state_dict=state)
@@ -1114,11 +1120,9 @@ def _rescue(cfg: FinetuneConfig, write_model: Callable[[Path], Any], name: str) 
 
 
 def _reason(e: BaseException) -> str:
-    """One line saying why ``e`` happened: an OS error's text and file, else type and message."""
-    if isinstance(e, OSError) and e.strerror:
-        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}{' ...' if len(text) > 300 else ''}"
+    """One line saying why ``e`` happened (see ``checkpoint.describe``); a checkpoint write
+    that failed on some rank says which."""
+    return e.reason if isinstance(e, ckpt.CheckpointWriteError) else ckpt.describe(e)
 
 
 _warned_stdout = False
