@@ -318,3 +318,23 @@ def test_adamw_step_checks_its_arguments():
 def test_adamw_scalars_refuses_step_zero():
     with pytest.raises(ValueError, match="step must be >= 1"):
         ops.adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 0)
+
+
+@pytest.mark.parametrize("offsets, why", [
+    ([4, 40], "past the output"),
+    ([5, 3], "decreasing"),
+    ([-2, 8], "negative"),
+    ([8], "fewer ends than groups"),
+])
+def test_grouped_lowrank_add_refuses_offsets_that_do_not_describe_its_rows(offsets, why):
+    out = torch.zeros(8, 6)
+    with pytest.raises(ValueError, match="offsets must be"):
+        ops.grouped_lowrank_add_.reference(out, torch.ones(8, 2), torch.ones(2, 2, 6),
+                                           torch.tensor(offsets, dtype=torch.int32))
+    assert not out.any(), why
+
+
+def test_grouped_lowrank_add_refuses_shapes_that_do_not_fit():
+    with pytest.raises(ValueError, match="do not fit"):  # a factor [E, r, 1] would broadcast over the columns
+        ops.grouped_lowrank_add_.reference(torch.zeros(8, 6), torch.ones(8, 2), torch.ones(2, 2, 1),
+                                           torch.tensor([4, 8], dtype=torch.int32))

@@ -210,6 +210,12 @@ def check_grouped_lowrank():
         print(f"grouped_lowrank_add_ r={r} transposed={transposed}: rel err {err:.2e}")
         assert err < 2e-3, err
         assert torch.equal(got[int(offsets[-1]):], out[int(offsets[-1]):]), "rows past the last group changed"
+    # offsets that run past the output (a caller's bug): nothing past its T rows is written
+    buffer = torch.randn(64, 40).half()
+    before = buffer.clone()
+    grouped_lowrank.grouped_lowrank_add_(buffer[:8], torch.randn(64, 16).half()[:8], torch.randn(2, 16, 40).half(),
+                                         torch.tensor([4, 40], dtype=torch.int32))
+    assert torch.equal(buffer[8:], before[8:]), "rows past the output were written"
 
 
 def main() -> None:

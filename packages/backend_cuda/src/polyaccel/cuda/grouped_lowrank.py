@@ -39,7 +39,7 @@ def _kernel():
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         row0 = tl.program_id(0) * BLOCK_M
         offs = tl.load(OFFS + tl.arange(0, G_PAD), mask=tl.arange(0, G_PAD) < G, other=2147483647)
-        total = tl.load(OFFS + G - 1)
+        total = tl.minimum(tl.load(OFFS + G - 1), T)  # rows past T are not this output's, whatever the offsets say
         if row0 < total:
             g = tl.sum((offs <= row0).to(tl.int32), axis=0)  # the first group ending past row0
             start = tl.load(OFFS + g - 1, mask=g > 0, other=0)

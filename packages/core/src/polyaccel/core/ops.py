@@ -176,9 +176,18 @@ def grouped_lowrank_add_(out: torch.Tensor, u: torch.Tensor, factor: torch.Tenso
     sum in fp32 (fp64 inputs: fp64), one rounding to ``out``'s dtype. Returns ``out``. (A LoRA adapter's
     ``(x·A)·B`` added into the base GEMM's output without writing the [T, N] delta.)
     """
+    T, N = out.shape
+    if u.dim() != 2 or u.shape[0] != T or factor.dim() != 3 or factor.shape[1:] != (u.shape[1], N):
+        raise ValueError(f"grouped_lowrank_add_: out [T, N] {tuple(out.shape)}, u [T, r] {tuple(u.shape)} and "
+                         f"factor [E, r, N] {tuple(factor.shape)} do not fit together")
+    ends = offsets.tolist()
+    if len(ends) != factor.shape[0] or any(b < a for a, b in zip([0, *ends], ends, strict=False)) or \
+            (ends and ends[-1] > T):
+        raise ValueError(f"grouped_lowrank_add_: offsets must be {factor.shape[0]} non-decreasing row ends "
+                         f"from 0 to at most {T}, got {ends[:8]}{' ...' if len(ends) > 8 else ''}")
     acc = torch.promote_types(out.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
     start = 0
-    for g, end in enumerate(offsets.tolist()):
+    for g, end in enumerate(ends):
         if end > start:
             rows = slice(start, end)
             out[rows] = (out[rows].to(acc) + u[rows].to(acc) @ factor[g].to(acc)).to(out.dtype)
