@@ -79,6 +79,26 @@ def test_a_final_save_that_fails_without_checkpoints_rescues_the_weights(tmp_pat
     assert model.config.num_hidden_layers == 2
 
 
+def test_a_rescue_goes_on_when_the_temporary_directory_cannot_be_found(tmp_path, capsys, monkeypatch):
+    """On a full disk finding $TMPDIR itself can fail (every candidate unwritable): the rescue
+    must go on to the working directory, not end with a traceback and the weights lost."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    _full_disk(monkeypatch, disk)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+
+    def no_tempdir():
+        raise FileNotFoundError("No usable temporary directory found in ['/tmp', '/var/tmp']")
+
+    monkeypatch.setattr(tempfile, "gettempdir", no_tempdir)
+    code, _, err = _cli(capsys, f"output_dir={disk / 'final'}", "checkpoint.dir=null")
+    line = _error_line(err)
+    rescued = list(cwd.glob("polyaccel-moe-rescue-final-*"))
+    assert code == 4 and len(rescued) == 1 and f"saved instead to {rescued[0]}" in line, err
+
+
 def test_a_final_save_that_fails_names_the_final_checkpoint_and_a_rerun_writes_it(tmp_path, capsys, monkeypatch):
     disk = tmp_path / "disk"
     disk.mkdir()

@@ -78,3 +78,18 @@ def test_a_model_config_nested_too_deeply_is_a_clean_error(tmp_path):
     (folder / "config.json").write_text("[" * 200_000)
     with pytest.raises(ConfigError, match="cannot read"):
         resolve_model_config(ModelConfig(path=str(folder)))
+
+
+@pytest.mark.parametrize("value", ["2024-13-45", "9" * 5000], ids=["impossible date", "5000 digits"])
+def test_a_value_yaml_reads_but_python_cannot_build_is_a_config_error(tmp_path, value):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"model: {{preset: qwen3-moe-tiny}}\ntrain: {{max_steps: {value}}}\n")
+    with pytest.raises(ConfigError, match="cfg.yaml"):
+        load_config(cfg)
+    with pytest.raises(ConfigError, match="--set"):
+        load_config(None, [f"train.max_steps={value}"])
+
+
+def test_a_config_that_is_not_a_regular_file_is_refused_unread():
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config("/dev/zero")

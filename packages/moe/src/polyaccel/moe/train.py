@@ -1092,19 +1092,23 @@ def _rescue(cfg: FinetuneConfig, write_model: Callable[[Path], Any], name: str) 
     temporary directory (``$TMPDIR``), the working directory, that takes them; a failed try
     leaves nothing. Returns the sentence to tell the user where they went (or that none
     could)."""
-    parents: list[Path] = []
+    # Each candidate is worked out only when tried: finding $TMPDIR (on a full disk) or the
+    # working directory (deleted) can fail too, which must not end the rescue.
+    candidates: list[Callable[[], Path]] = []
     if cfg.output_dir:
-        parents.append(Path(cfg.output_dir).parent)
-    parents += [Path(tempfile.gettempdir()), Path.cwd()]
+        candidates.append(lambda: Path(cfg.output_dir).parent)
+    candidates += [lambda: Path(tempfile.gettempdir()), Path.cwd]
     tried: list[str] = []
     seen: set[Path] = set()
-    for parent in parents:
-        key = parent.resolve()
-        if key in seen or not parent.is_dir():
-            continue
-        seen.add(key)
+    for candidate in candidates:
         folder = None
+        parent: Path | str = "a fallback folder"
         try:
+            parent = candidate()
+            key = parent.resolve()
+            if key in seen or not parent.is_dir():
+                continue
+            seen.add(key)
             folder = Path(tempfile.mkdtemp(prefix=f"polyaccel-moe-rescue-{name}-{time.strftime('%Y%m%d-%H%M%S')}-",
                                            dir=parent))
             _write_output(cfg, write_model, out=folder)

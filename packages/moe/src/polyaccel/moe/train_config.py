@@ -399,6 +399,8 @@ def _read_yaml_text(path: Path) -> str:
                           "(e.g. packages/moe/examples/tiny_synthetic_cpu.yaml)")
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
+    if not path.is_file():  # a FIFO or a device (/dev/zero) would be read without end
+        raise ConfigError(f"config file {path} is not a regular file")
     try:
         return path.read_text()
     except (OSError, UnicodeDecodeError) as e:
@@ -425,6 +427,10 @@ def load_yaml(text: str, where: str) -> Any:
             raise ConfigError(f"{where}: its YAML aliases expand to over {MAX_YAML_VALUES:,} values; "
                               "write the values out instead")
         return loader.construct_document(node)
+    except ConfigError:
+        raise
+    except (ValueError, OverflowError) as e:  # a value YAML reads but Python cannot build: 2024-13-45, 10**5000
+        raise ConfigError(f"{where}: {' '.join(str(e).split())[:300]}") from None
     except RecursionError:
         raise ConfigError(f"{where}: nested too deeply") from None
     finally:
