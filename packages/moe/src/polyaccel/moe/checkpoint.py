@@ -286,7 +286,10 @@ def _settle(error: BaseException | None) -> None:
 
 
 def describe(e: BaseException) -> str:
-    """One line saying why ``e`` happened: an OS error's text and file, else type and message."""
+    """One line saying why ``e`` happened: a failed checkpoint write's reason (naming its rank),
+    an OS error's text and file, else type and message."""
+    if isinstance(e, CheckpointWriteError):
+        return e.reason
     if isinstance(e, OSError) and e.strerror:
         return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
     text = " ".join(str(e).split())

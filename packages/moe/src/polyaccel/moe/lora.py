@@ -139,41 +139,10 @@ def merged_weight(weight: torch.Tensor, factors: Sequence[LoraFactors]) -> torch
 # ---------------------------------------------------------------------------------------------
 
 
-class _GroupedLora(torch.autograd.Function):
-    """delta [N, O] = grouped_mm(scale * grouped_mm(x, A), B) with a hand-written backward
-    that keeps x in its small gathered form (``source[rows]``) when given. The scale is applied
-    to the rank-r product, not to the [N, O] delta: one pass over N x r numbers instead of N x O."""
-
-    @staticmethod
-    def forward(ctx, x, A, B, offsets, scale, source, rows):  # noqa: ANN001, ANN205
-        xa = ops.grouped_mm(x, A, offsets) * scale  # [N, r], scaled
-        if source is not None:
-            ctx.save_for_backward(source, rows, xa, A, B, offsets)
-        else:
-            ctx.save_for_backward(x, None, xa, A, B, offsets)
-        ctx.scale = scale
-        return ops.grouped_mm(xa, B, offsets)
-
-    @staticmethod
-    def backward(ctx, dy):  # noqa: ANN001, ANN205
-        x, rows, xa, A, B, offsets = ctx.saved_tensors
-        s = ctx.scale
-        dy = dy.contiguous()
-        g = ops.grouped_mm(dy, B.transpose(1, 2), offsets) * s  # d(x·A) [N, r]
-        dx = ops.grouped_mm(g, A.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
-        dA = dB = None
-        if ctx.needs_input_grad[1]:
-            x_rows = x if rows is None else x.index_select(0, rows)
-            dA = _grouped_wgrad(g, x_rows.to(g.dtype), offsets)
-        if ctx.needs_input_grad[2]:
-            dB = _grouped_wgrad(dy, xa, offsets)  # xa already carries the scale
-        return dx, dA, dB, None, None, None, None
-
-
 @torch.library.custom_op("polyaccel_lora::grouped_wgrad", mutates_args=())
 def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``ops.grouped_mm_wgrad(dy, x, offsets)`` [E, O, K] as one opaque op: a compiled layer
-    (the backward of :class:`_GroupedLora` is traced with the forward) calls the backend's
+    (the backward of :class:`_GroupedLoraLinear` is traced with the forward) calls the backend's
     kernel (Triton on CUDA, a host-syncing loop in core's reference) instead of tracing into it,
     which could graph-break and so send a checkpointed layer back to eager."""
     return ops.grouped_mm_wgrad(dy, x, offsets)
@@ -184,31 +153,23 @@ def _(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return dy.new_empty(offsets.shape[0], dy.shape[1], x.shape[1])
 
 
-def grouped_lora(x: torch.Tensor, offsets: torch.Tensor, f: LoraFactors,
-                 gathered_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The LoRA delta of a grouped linear: rows of group ``e`` times ``scale * A_e.T @ B_e.T``.
-
-    x [N, K] sorted by group, ``offsets`` int32 [E] (the base GEMM's), factors A [E, r, K],
-    B [E, O, r] -> [N, O]. ``gathered_from=(source, rows)``: ``x`` is ``source[rows]``; the
-    backward then keeps the [T, K] source instead of the [N, K] copies.
-    """
-    source, rows = gathered_from if gathered_from is not None else (None, None)
-    if source is not None:
-        source = source.detach()
-    return _GroupedLora.apply(x, f.A, f.B, offsets, f.scale, source, rows)
-
-
 class _GroupedLoraLinear(torch.autograd.Function):
     """y [N, O] = grouped_mm(x, W) + grouped_mm(scale * grouped_mm(x, A), B) as one node: the
     adapter's rank-r product is added into the base GEMM's output in place
     (:func:`_grouped_mm_plus_lowrank`), and in the backward its data gradient into the base
     data gradient, so no [N, O] delta is written, read back and added (four passes over the
-    largest tensors of the layer, twice per adapter per micro-batch)."""
+    largest tensors of the layer, twice per adapter per micro-batch). ``weight=None``: the
+    adapter's delta alone (a further active adapter, added by the caller). The scale is applied
+    to the rank-r product: one pass over N x r numbers. ``source[rows]`` given: ``x`` is those
+    rows, and the backward keeps the smaller ``source`` instead of ``x``."""
 
     @staticmethod
     def forward(ctx, x, weight, A, B, offsets, scale, source, rows):  # noqa: ANN001, ANN205
         xa = ops.grouped_mm(x, A, offsets) * scale  # [N, r], scaled
-        y = _grouped_mm_plus_lowrank(x, weight, xa, B.transpose(1, 2), offsets)
+        if weight is None:
+            y = ops.grouped_mm(xa, B, offsets)
+        else:
+            y = _grouped_mm_plus_lowrank(x, weight, xa, B.transpose(1, 2), offsets)
         if source is not None:
             ctx.save_for_backward(source, rows, xa, weight, A, B, offsets)
         else:
@@ -223,7 +184,8 @@ class _GroupedLoraLinear(torch.autograd.Function):
         g = ops.grouped_mm(dy, B.transpose(1, 2), offsets) * ctx.scale  # d(x·A) [N, r]
         dx = dW = dA = dB = None
         if ctx.needs_input_grad[0]:
-            dx = _grouped_mm_plus_lowrank(dy, weight.transpose(1, 2), g, A, offsets)
+            dx = (ops.grouped_mm(g, A.transpose(1, 2), offsets) if weight is None
+                  else _grouped_mm_plus_lowrank(dy, weight.transpose(1, 2), g, A, offsets))
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             x_rows = (x if rows is None else x.index_select(0, rows)).to(dy.dtype)
             if ctx.needs_input_grad[1]:  # a base weight left trainable beside its adapter
@@ -259,16 +221,17 @@ def grouped_lora_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Te
                         gathered_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """A grouped linear with its LoRA adapters: ``grouped_mm(x, weight)`` plus, per expert,
     ``scale * (x·A_e)·B_e``, never forming ``W + B·A`` nor (for the first adapter) the [N, O]
-    delta. x [N, K] sorted by group, weight [E, O, K], ``offsets`` int32 [E];
-    ``gathered_from`` as for :func:`grouped_lora`."""
+    delta. x [N, K] sorted by group, weight [E, O, K], ``offsets`` int32 [E], factors A [E, r, K]
+    and B [E, O, r]; ``gathered_from=(source, rows)``: ``x`` is ``source[rows]``, and the
+    backward keeps the [T, K] source instead of the [N, K] copies."""
     if not factors:
         return ops.grouped_mm(x, weight, offsets)
-    first, *rest = factors
     source, rows = gathered_from if gathered_from is not None else (None, None)
-    y = _GroupedLoraLinear.apply(x, weight, first.A, first.B, offsets, first.scale,
-                                 None if source is None else source.detach(), rows)
-    for f in rest:  # further active adapters (rare): their deltas, added
-        y = y + grouped_lora(x, offsets, f, gathered_from)
+    source = None if source is None else source.detach()
+    y = None
+    for f in factors:  # the first added into the base output; further active adapters (rare): deltas
+        out = _GroupedLoraLinear.apply(x, weight if y is None else None, f.A, f.B, offsets, f.scale, source, rows)
+        y = out if y is None else y + out
     return y
 
 
@@ -675,7 +638,7 @@ def _base_param_counts(config: Any) -> list[int]:
 
 
 __all__ = [
-    "LoraFactors", "LoraSettings", "apply_lora", "dense_lora", "estimate_lora_memory", "finetune_setup", "grouped_lora",
+    "LoraFactors", "LoraSettings", "apply_lora", "dense_lora", "estimate_lora_memory", "finetune_setup",
     "grouped_lora_linear",
     "is_peft_param_wrapper", "load_adapter", "lora_param_count", "merged_weight", "resolve_recompute", "selective_recompute_policy",
     "unwrap_peft",

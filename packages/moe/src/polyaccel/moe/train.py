@@ -964,7 +964,7 @@ def _already_finished(cfg: FinetuneConfig, rt: Runtime, model_config: Any, check
                 _write_output(cfg, lambda staging: [shutil.copy2(checkpoint / n, staging / n) for n in files])
             except Exception as e:
                 failure = (f"the final model could not be written to output_dir {cfg.output_dir} from the final "
-                           f"checkpoint {checkpoint} ({_reason(e)}); nothing partial was left in output_dir and "
+                           f"checkpoint {checkpoint} ({ckpt.describe(e)}); nothing partial was left in output_dir and "
                            "the checkpoint is untouched. Make output_dir writable (free space), or choose another "
                            "with --set output_dir=..., and rerun the same command: it writes output_dir from that "
                            "checkpoint without training")
@@ -1017,19 +1017,14 @@ def save_final(model: nn.Module, cfg: FinetuneConfig, rt: Runtime, *, step: int 
     :class:`SaveError` (on every rank) says where the trained weights are: in
     ``final_checkpoint`` (this run's checkpoint of the final step), else in a fallback folder
     the weights are written to instead (:func:`_rescue`)."""
-    from polyaccel.moe.ep_checkpoint import full_state_dict
-
-    state = full_state_dict(model)
+    write = _model_writer(model)
     failure = None
     if rt.rank == 0:
-        def write(staging: Path) -> Any:
-            return model.save_pretrained(staging, state_dict=state)
-
         try:
             _write_output(cfg, write)
         except Exception as e:
             head = (f"training finished{f' (step {step})' if step else ''}, but the final model could not be "
-                    f"written to output_dir {cfg.output_dir} ({_reason(e)}); nothing partial was left there")
+                    f"written to output_dir {cfg.output_dir} ({ckpt.describe(e)}); nothing partial was left there")
             if final_checkpoint is not None:
                 failure = (f"{head}. The trained model is safe in the final checkpoint {final_checkpoint}: make "
                            "output_dir writable (free space), or choose another with --set output_dir=..., and "
@@ -1037,6 +1032,15 @@ def save_final(model: nn.Module, cfg: FinetuneConfig, rt: Runtime, *, step: int 
             else:
                 failure = f"{head}. {_rescue(cfg, write, Path(cfg.output_dir).name)}"
     _raise_on_any_rank(failure)
+
+
+def _model_writer(model: nn.Module) -> Callable[[Path], Any]:
+    """``save_pretrained`` of ``model``'s full weights into a folder, for :func:`_write_output`;
+    gathering them is collective when distributed, so every rank calls this."""
+    from polyaccel.moe.ep_checkpoint import full_state_dict
+
+    state = full_state_dict(model)
+    return lambda staging: model.save_pretrained(staging, state_dict=state)
 
 
 def _raise_on_any_rank(failure: str | None) -> None:
@@ -1059,9 +1063,7 @@ def _checkpoint_failed(cfg: FinetuneConfig, model: nn.Module, step: int, error: 
     ``created`` (those the save made: ``checkpoint.dir`` and missing parents, deepest first)
     that are still empty; the weights are kept elsewhere: in ``output_dir`` when this was the
     final step, else (or when that fails too) in a fallback folder (:func:`_rescue`)."""
-    from polyaccel.moe.ep_checkpoint import full_state_dict
-
-    state = full_state_dict(model)
+    write = _model_writer(model)
     if not writer:
         return None
     partial = ckpt.step_dir(cfg.checkpoint.dir, step)
@@ -1069,18 +1071,14 @@ def _checkpoint_failed(cfg: FinetuneConfig, model: nn.Module, step: int, error: 
     kept = (f"the last intact checkpoint, {last_checkpoint}, is untouched (resume from it)" if last_checkpoint
             else "no earlier checkpoint exists")
     head = (f"step {step}: the checkpoint could not be written to checkpoint.dir {cfg.checkpoint.dir} "
-            f"({_reason(error)}){'' if final else ', so training stopped'}; {kept}")
-
-    def write(staging: Path) -> Any:
-        return model.save_pretrained(staging, state_dict=state)
-
+            f"({ckpt.describe(error)}){'' if final else ', so training stopped'}; {kept}")
     try:
         if final and cfg.output_dir:
             try:
                 _write_output(cfg, write)
                 return f"{head}. The final model was written to output_dir {cfg.output_dir}"
             except Exception as e:
-                head += f"; output_dir {cfg.output_dir} could not be written either ({_reason(e)})"
+                head += f"; output_dir {cfg.output_dir} could not be written either ({ckpt.describe(e)})"
         return f"{head}. {_rescue(cfg, write, partial.name)}"
     finally:  # after the rescue, which may have gone into one of them (then it stays)
         _remove_empty_dirs(created)
@@ -1115,18 +1113,12 @@ def _rescue(cfg: FinetuneConfig, write_model: Callable[[Path], Any], name: str) 
         except Exception as e:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
-            tried.append(f"{parent}: {_reason(e)}")
+            tried.append(f"{parent}: {ckpt.describe(e)}")
             continue
         return (f"The trained weights were saved instead to {folder} (what output_dir would hold; load it with "
                 "from_pretrained, or move it where you want it)")
     return (f"No fallback folder could be written either ({'; '.join(tried)}): the trained weights are lost. "
             "Set checkpoint.dir to keep checkpoints a failed save can be redone from")
-
-
-def _reason(e: BaseException) -> str:
-    """One line saying why ``e`` happened (see ``checkpoint.describe``); a checkpoint write
-    that failed on some rank says which."""
-    return e.reason if isinstance(e, ckpt.CheckpointWriteError) else ckpt.describe(e)
 
 
 _warned_stdout = False
