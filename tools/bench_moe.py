@@ -394,6 +394,53 @@ def bench_wgrad_accumulation() -> list[dict]:
     return rows
 
 
+def bench_wgrad_one_micro_batch() -> list[dict]:
+    """One micro-batch's expert weight gradients at ~1,000 rows per expert (Mixtral's shapes,
+    8 experts top-2, and Qwen3's at four micro-batches' rows): the tensor-memory kernel that
+    takes them (``grouped_mm_wgrad``) against the pointer kernel (forced) and CUTLASS's
+    ``torch._grouped_mm`` (which writes a new tensor: no accumulation)."""
+    rows = []
+    for shape in (("mixtral gate_up", 8, 2, 4096, 2 * 14336, 4096), ("mixtral down", 8, 2, 4096, 4096, 14336),
+                  ("qwen3 gate_up", 128, 8, 16384, 1536, 2048)):
+        rows.append(_time_wgrad_one_micro_batch(*shape))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _time_wgrad_one_micro_batch(name: str, E: int, k: int, T: int, N: int, K: int) -> dict:
+    from triton.testing import do_bench
+
+    from polyaccel.cuda import grouped_wgrad
+
+    dev, bf = "cuda", torch.bfloat16
+    offs = torch.bincount(torch.rand(T, E, device=dev).argsort(-1)[:, :k].flatten(), minlength=E
+                          ).cumsum(0).to(torch.int32)
+    dy = torch.randn(T * k, N, device=dev, dtype=bf)
+    x = torch.randn(T * k, K, device=dev, dtype=bf)
+    grad = torch.empty(E, N, K, device=dev, dtype=bf)
+    ref = torch._grouped_mm(dy.t(), x, offs=offs).float()
+    assert grouped_wgrad._takes_tma(dy, x, E)
+    got = grouped_wgrad.grouped_mm_wgrad(dy, x, offs).float()
+    rec = {"kernel": f"wgrad one micro-batch {name} [E{E},{N},{K}] {T * k} rows",
+           "rel_err_vs_grouped_mm": round(((got - ref).norm() / ref.norm()).item(), 5)}
+
+    def ours():
+        grouped_wgrad.grouped_mm_wgrad(dy, x, offs, out=grad, accumulate=False)
+
+    def timed(fn) -> float:  # noqa: ANN001
+        return round(do_bench(fn, warmup=25, rep=100, return_mode="median"), 3)
+
+    rec["tma_ms"], rec["grouped_mm_ms"] = timed(ours), timed(lambda: torch._grouped_mm(dy.t(), x, offs=offs))
+    saved, grouped_wgrad.TMA_MIN_ROWS = grouped_wgrad.TMA_MIN_ROWS, 1 << 40
+    try:
+        rec["pointer_ms"] = timed(ours)
+    finally:
+        grouped_wgrad.TMA_MIN_ROWS = saved
+    for case in ("tma", "pointer", "grouped_mm"):
+        rec[f"tflops_{case}"] = round(2 * T * k * N * K / (rec[f"{case}_ms"] * 1e-3) / 1e12, 1)
+    return rec
+
+
 def bench_adamw() -> list[dict]:
     """One optimizer step over ~1.26 B bf16 parameters shaped like the workload's (one MoE
     layer's experts, attention matrices, embedding and LM head, norms): ``ops.adamw_step_``
@@ -634,7 +681,8 @@ def main(argv: list[str] | None = None) -> None:
 
         select_backend("cuda")
         if a.kernels:
-            benches = {"wgrad": bench_wgrad_accumulation, "ops": bench_kernels,
+            benches = {"wgrad": lambda: bench_wgrad_accumulation() + bench_wgrad_one_micro_batch(),
+                       "ops": bench_kernels,
                        "adamw": lambda: bench_adamw() + bench_adamw_full_size()}
             for name in a.kernels.split(","):
                 if name not in benches:

