@@ -310,3 +310,43 @@ def test_scale_next_step_applies_to_one_step_only():
         opt.step()
         opt.zero_grad()
         _assert_same(ref, ours)
+
+
+def test_grad_norm_reads_the_flat_buffers_and_falls_back_when_they_do_not_hold_the_grads():
+    """``grad_norm(model, FlatAdamW)`` (one pass per flat buffer: two dtypes here, params with
+    alignment gaps between them) == the exact norm, in fp32 (torch's per-tensor norm of bf16
+    grads is bf16); a grad set to None or replaced since the backward, or a param with a grad
+    that the optimizer does not hold, takes torch's norm of what ``.grad`` says."""
+    from polyaccel.moe.optim import grad_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 33), nn.Linear(33, 8))
+    model[1].to(torch.bfloat16)
+    opt = FlatAdamW(model.parameters(), lr=1e-2)
+    assert len(opt._flats[0]) == 2
+
+    def exact():
+        return torch.stack([p.grad.double().square().sum() for p in model.parameters() if p.grad is not None]
+                           ).sum().sqrt().float()
+
+    for seed in range(2):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(seed))
+        model[1](model[0](x).bfloat16()).float().square().mean().backward()
+        got = grad_norm(model, opt)
+        assert got.dtype == torch.float32 and float(got) > 0
+        torch.testing.assert_close(got, exact(), rtol=1e-6, atol=0)
+        opt.step()
+        opt.zero_grad()
+    x = torch.randn(4, 16)
+    model[1](model[0](x).bfloat16()).float().square().mean().backward()
+    model[0].bias.grad = None  # the flat view still holds its gradient; .grad says there is none
+    assert opt.grad_norm() is None
+    torch.testing.assert_close(grad_norm(model, opt).float(), exact(), rtol=1e-2, atol=0)
+    model[0].bias.grad = torch.full_like(model[0].bias, 3.0)  # replaced: not the flat view
+    torch.testing.assert_close(grad_norm(model, opt).float(), exact(), rtol=1e-2, atol=0)
+    opt.zero_grad()
+    extra = nn.Linear(2, 2)  # a param with a gradient the optimizer does not hold
+    model.append(extra)
+    extra(torch.randn(1, 2)).sum().backward()
+    torch.testing.assert_close(grad_norm(model, opt).float(), exact(), rtol=1e-2, atol=0)
+    assert float(grad_norm(model, opt)) > 0

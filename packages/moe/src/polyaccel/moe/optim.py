@@ -201,6 +201,21 @@ class FlatAdamW(torch.optim.Optimizer):
                     s += 1
         flat.zeroed_version = flat.grad._version
 
+    def grad_norm(self) -> torch.Tensor | None:
+        """The L2 norm of every param's gradient as a 0-dim fp32 device tensor, read in one pass
+        over each flat grad buffer (the gaps between views stay zero) rather than tensor by
+        tensor. None when some ``p.grad`` is not its flat view (set to ``None`` or replaced
+        since the backward): then nothing in the buffers says what the gradient is."""
+        squares = []
+        for flats in self._flats:
+            for flat in flats:
+                if any(p.grad is not g for p, g in zip(flat.params, flat.grads, strict=True)):
+                    return None
+                squares.append(torch.linalg.vector_norm(flat.grad, dtype=torch.float32).square())
+        if not squares:
+            return None
+        return torch.stack(squares).sum().sqrt() if len(squares) > 1 else squares[0].sqrt()
+
     def scale_next_step(self, grad_scale: torch.Tensor | None) -> None:
         """Multiply the gradients by ``grad_scale`` in the next :meth:`step` (when that call is
         given none itself): for callers that cannot pass it, e.g. a Trainer that clips before
@@ -251,6 +266,20 @@ class FlatAdamW(torch.optim.Optimizer):
                         step = float(s["step"]) if "step" in s else 0.0
                         self.state[p] = {"step": torch.tensor(step, dtype=torch.float32),
                                          "exp_avg": m.view(p.shape), "exp_avg_sq": v.view(p.shape)}
+
+
+def grad_norm(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+    """L2 norm of all gradients of a single-process ``model`` as a device tensor (no host sync):
+    :meth:`FlatAdamW.grad_norm`'s one pass per buffer when ``optimizer`` is a FlatAdamW that
+    holds every param with a gradient, else ``torch.nn.utils.get_total_norm``."""
+    grads = {p: p.grad for p in model.parameters() if p.grad is not None}
+    if isinstance(optimizer, FlatAdamW) and grads:
+        held = {p for group in optimizer.param_groups for p in group["params"]}
+        if grads.keys() <= held:
+            norm = optimizer.grad_norm()
+            if norm is not None:
+                return norm
+    return torch.nn.utils.get_total_norm(list(grads.values())) if grads else torch.zeros(())
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float | None) -> torch.Tensor | None:

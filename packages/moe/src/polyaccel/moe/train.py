@@ -45,6 +45,7 @@ from polyaccel.moe.data import IGNORE_INDEX, Batches, build_dataset
 from polyaccel.moe.ep_checkpoint import index_escape
 from polyaccel.moe.flops import mfu, peak_flops, train_flops_per_token
 from polyaccel.moe.optim import clip_coefficient, step_scaled
+from polyaccel.moe.optim import grad_norm as model_grad_norm  # (train's own grad_norm: a float)
 from polyaccel.moe.resume_settings import apply_train_settings, check_resume_settings, model_shape
 from polyaccel.moe.train_config import ConfigError, FinetuneConfig, ModelConfig, TrainConfig, did_you_mean
 
@@ -554,7 +555,7 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                 # Clipping folded into the optimizer's pass (FlatAdamW), no host sync before it.
                 if grad_sync is not None:
                     grad_sync.all_reduce()
-                grad_norm = grad_sync.grad_norm() if grad_sync is not None else _grad_norm(model)
+                grad_norm = grad_sync.grad_norm() if grad_sync is not None else model_grad_norm(model, optimizer)
                 grad_scale = clip_coefficient(grad_norm, t.grad_clip)
             lr = scheduler.get_last_lr()[0]
             if sharded:
@@ -695,12 +696,6 @@ def _scaled_loss(out: Any, config: Any, world_size: int, micro_batches: int) -> 
         return out.loss * world_size
     aux_part = coef * aux.to(out.loss.device)
     return (out.loss - aux_part) * world_size + aux_part / micro_batches
-
-
-def _grad_norm(model: nn.Module) -> torch.Tensor:
-    """L2 norm of all gradients of a single-process model, on the device."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
 
 
 def _clip_grads(model: nn.Module, max_norm: float | None) -> float:

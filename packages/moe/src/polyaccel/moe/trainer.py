@@ -30,7 +30,7 @@ import transformers
 from torch import nn
 
 from polyaccel.moe import fast_path
-from polyaccel.moe.optim import FlatAdamW, clip_coefficient
+from polyaccel.moe.optim import FlatAdamW, clip_coefficient, grad_norm
 
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
 
@@ -86,8 +86,7 @@ class FastPathMixin:
         opt = self.flat_optimizer()
         if opt is None or self.accelerator.num_processes > 1:
             return super()._clip_grad_norm(model)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        norm = grad_norm(model, opt)
         opt.scale_next_step(clip_coefficient(norm, self.args.max_grad_norm))
         return norm
 
