@@ -512,10 +512,29 @@ def bench_adamw_full_size() -> list[dict]:
             rows.append({"kernel": f"adamw step bf16 one flat buffer {n / 1e9:.3f}B params, zero_grad={zero}, "
                                    "nonzero state", "ours_ms": round(ms, 3),
                          "ours_gbps": round((16 if zero else 14) * n / (ms * 1e-3) / 1e9, 1)})
+            rows[-1]["after_gemm_burst_ms"] = round(_after_gemm_burst(
+                lambda z=zero, st=state: ops.adamw_step_(*st, **hyper, zero_grad=z)), 3)
             print(json.dumps(rows[-1]), flush=True)
         state.clear()
         torch.cuda.empty_cache()
     return rows
+
+
+def _after_gemm_burst(fn, reps: int = 5, gemms: int = 40) -> float:  # noqa: ANN001
+    """Median ms of ``fn`` run right after ``gemms`` 8192^3 bf16 matrix products (as in a
+    training step, where the optimizer follows the backward's tensor-core work)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    times = []
+    for _ in range(reps):
+        for _ in range(gemms):
+            a @ a
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def loss_sanity(layers: int, seq: int) -> dict:
