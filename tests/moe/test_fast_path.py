@@ -147,6 +147,48 @@ def _losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+def _nan_once(base: type) -> type:
+    """``base`` whose third micro-batch reports a NaN loss (back-propagating the real one)."""
+
+    class NanOnce(base):
+        calls = 0
+
+        def compute_loss(self, model, inputs, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            type(self).calls += 1
+            return loss + torch.tensor(float("nan")) if type(self).calls == 3 else loss
+
+    return NanOnce
+
+
+def test_trainer_filters_a_nan_loss_on_the_device_like_transformers(tmp_path):
+    """With ``logging_nan_inf_filter`` (Trainer's default) a NaN micro-batch loss is replaced by
+    the average since the last log, on the device: the logged losses equal Transformers'
+    Trainer's (which checks each micro-batch with a host sync), Trainer's own check is off
+    while training (so it never syncs) and the user's setting is back afterwards; with the
+    filter off the NaN is logged, as Transformers does."""
+    from polyaccel.moe import Trainer
+
+    seen = []
+
+    class Watch(transformers.TrainerCallback):
+        def on_substep_end(self, args, state, control, **kw):  # noqa: ANN001, ANN003, ANN201
+            seen.append(args.logging_nan_inf_filter)
+
+    for nan_filter in (True, False):
+        ours = _nan_once(Trainer)(model=_model(), args=_args(tmp_path / f"o{nan_filter}", logging_nan_inf_filter=nan_filter),
+                                  train_dataset=_data(), callbacks=[Watch()])
+        ours.train()
+        ref = _nan_once(transformers.Trainer)(model=_model(), train_dataset=_data(),
+                                              args=_args(tmp_path / f"r{nan_filter}", logging_nan_inf_filter=nan_filter))
+        ref.train()
+        got, want = _losses(ours), _losses(ref)
+        assert len(got) == len(want) == 4 and any(map(torch.isnan, map(torch.tensor, want))) != nan_filter
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6, equal_nan=True)
+        assert ours.args.logging_nan_inf_filter is nan_filter
+    assert seen[:4] == [False] * 4  # Trainer's own check was off while the filter ran on the device
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"])
 def test_trainer_checkpoint_resume_matches_straight_run(tmp_path, arch):
     """Save at step 2 of 4, resume into another init: the losses after the resume, the final

@@ -1,7 +1,7 @@
 """``polyaccel.moe.Trainer``: ``transformers.Trainer`` on polyaccel's fast training path.
 
 A drop-in subclass (TRL's ``SFTTrainer`` takes the same change through
-:func:`fast_trainer_class`). It changes three things, each only where it applies and each
+:func:`fast_trainer_class`). It changes four things, each only where it applies and each
 logged once where it does not:
 
 - the optimizer: for ``optim="adamw_torch"`` / ``"adamw_torch_fused"`` (Transformers'
@@ -11,7 +11,9 @@ logged once where it does not:
   inside FlatAdamW's pass (no host sync, no extra pass over the gradients);
 - the micro-step: on one CUDA device with a polyaccel model, each micro-batch's forward and
   backward replay as one CUDA graph (:class:`~polyaccel.moe.graphed_step.GraphedMicroStep`)
-  with the expert weight-gradient window :mod:`polyaccel.moe.fast_path` picks.
+  with the expert weight-gradient window :mod:`polyaccel.moe.fast_path` picks;
+- the NaN/inf filter of logged losses (``logging_nan_inf_filter``, on by default) runs on the
+  device instead of as an ``if`` on each micro-batch's loss (a host sync per micro-batch).
 
 Losses are Trainer's (``num_items_in_batch`` normalisation included); checkpoints and resume
 are Trainer's own (FlatAdamW's ``state_dict`` has torch AdamW's format).
@@ -109,20 +111,51 @@ class FastPathMixin:
         tensorize_numpy_rng(Path(output_dir) / name)
 
     # ---- micro-step --------------------------------------------------------------------------
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's ``train``; ``args.logging_nan_inf_filter`` is put back as it was after it
+        (:meth:`_filter_loss` takes that filter over while it runs)."""
+        self._filter_moved = False
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._filter_moved:
+                self.args.logging_nan_inf_filter = True
+                self._filter_moved = False
+
+    def _filter_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Trainer's ``logging_nan_inf_filter`` on the device: a NaN or infinite micro-batch loss
+        adds the average of the losses since the last log instead, as Trainer's own check does,
+        but without its ``if`` on a device tensor (a host sync per micro-batch, which leaves the
+        GPU idle while the next micro-batch is prepared). Trainer's check is switched off for
+        the run once this one can stand in for it (Transformers keeps the running loss in
+        ``self._tr_loss``)."""
+        if not getattr(self, "_filter_moved", False):
+            if not (self.args.logging_nan_inf_filter and torch.is_tensor(getattr(self, "_tr_loss", None))
+                    and hasattr(self, "_globalstep_last_logged")):
+                return loss
+            self.args.logging_nan_inf_filter = False
+            self._filter_moved = True
+        total = self._tr_loss
+        if total.device != loss.device:
+            return loss  # Trainer reports this itself
+        average = total / (1 + self.state.global_step - self._globalstep_last_logged)
+        return torch.where(torch.isfinite(loss), loss, average)
+
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
-        """Trainer's micro-step, replayed as a CUDA graph where :meth:`_graphed_step` applies."""
+        """Trainer's micro-step, replayed as a CUDA graph where :meth:`_graphed_step` applies;
+        its loss filtered on the device (:meth:`_filter_loss`)."""
         step = self._graphed_step(model, inputs)
         n = max(1, int(getattr(self, "current_gradient_accumulation_steps", 1) or 1))
         i = self._micro_index % n
         self._micro_index = 0 if i == n - 1 else i + 1
         if step is None:
-            return super().training_step(model, inputs, num_items_in_batch)
+            return self._filter_loss(super().training_step(model, inputs, num_items_in_batch))
         model.train()
         batch = {k: v for k, v in self._prepare_inputs(inputs).items() if torch.is_tensor(v)}
         if num_items_in_batch is not None:
             batch["num_items_in_batch"] = torch.as_tensor(num_items_in_batch, device=self.args.device)
-        return step(micro_batch=(i, n), **batch)
+        return self._filter_loss(step(micro_batch=(i, n), **batch))
 
     def _graphed_step(self, model: nn.Module, inputs: dict[str, Any]) -> Any:
         """The :class:`GraphedMicroStep` of this run, or None (then why is logged once)."""
