@@ -240,7 +240,45 @@ def run_variant(a) -> dict:
     }
     if a.profile:
         rec["profile"] = profile_step(model, opt, ids, a, micro_step)
+    if a.optimizer_timing:
+        rec["optimizer_ms"] = optimizer_timing(model, opt, ids, a, micro_step)
     return rec
+
+
+def optimizer_timing(model, opt, ids, a, micro_step=None, steps: int = 3) -> dict:  # noqa: ANN001
+    """Median ms of ``opt.step()`` (CUDA events) where a training step runs it (right after the
+    last backward), after the GPU idled 200 ms, and run again at once: tells a slow pass in the
+    step (clocks after tensor-core work? memory state?) from the kernel itself."""
+    def timed(fn) -> float:  # noqa: ANN001
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    def backward_then(idle: float) -> tuple[float, float]:
+        for i in range(a.accum):
+            if micro_step is not None:
+                micro_step(input_ids=ids, labels=ids, micro_batch=(i, a.accum))
+            else:
+                model(input_ids=ids, labels=ids, **forward_kwargs(a.one)).loss.backward()
+        if idle:
+            torch.cuda.synchronize()
+            time.sleep(idle)
+        first = timed(opt.step)
+        again = timed(opt.step)  # same buffers, the GPU already busy with this very pass
+        opt.zero_grad(set_to_none=True)
+        return first, again
+
+    in_step, after_idle, again = [], [], []
+    for _ in range(steps):
+        first, second = backward_then(0.0)
+        in_step.append(first)
+        again.append(second)
+        after_idle.append(backward_then(0.2)[0])
+    med = lambda xs: round(sorted(xs)[len(xs) // 2], 3)  # noqa: E731
+    return {"in_step": med(in_step), "after_200ms_idle": med(after_idle), "run_again_at_once": med(again)}
 
 
 def profile_step(model, opt, ids, a, micro_step=None) -> str:
@@ -665,6 +703,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sanity", action="store_true", help="our loss vs HF's on identical weights")
     p.add_argument("--sanity-layers", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="write a torch.profiler table per variant")
+    p.add_argument("--optimizer-timing", action="store_true",
+                   help="also time opt.step() in the step, after the GPU idled, and run again at once")
     p.add_argument("--peak-tflops", type=float, default=H200_DENSE_BF16_TFLOPS)
     p.add_argument("--timeout", type=float, default=420, help="seconds per variant process")
     p.add_argument("--out", help="append every JSON line to this file")
@@ -729,6 +769,8 @@ def main(argv: list[str] | None = None) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--one", v, *common]
         if a.profile:
             cmd.append("--profile")
+        if a.optimizer_timing:
+            cmd.append("--optimizer-timing")
         if a.out:
             cmd += ["--out", a.out]
         for r in run_subprocess(cmd, a.timeout):
