@@ -127,3 +127,17 @@ def test_cli_output_into_a_closed_pipe_is_no_traceback():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141  # 128 + SIGPIPE, like a standard tool
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_cli_a_broken_pipe_other_than_stdout_is_an_error_not_141(capsys, monkeypatch):
+    import errno
+
+    from polyaccel.core import cli
+
+    def broken(args):
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")  # from some pipe the command wrote, not stdout
+
+    monkeypatch.setattr(cli, "_kernels", broken)
+    assert cli_main(["kernels"]) == 1
+    err = capsys.readouterr().err
+    assert err == "polyaccel: error: cannot write a pipe other than stdout: Broken pipe (its reader went away)\n"

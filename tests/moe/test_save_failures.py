@@ -2,19 +2,28 @@
 checkpoint that cannot be written (full disk) exits 4 with the trained weights in the final
 checkpoint or a fallback folder; output locations are proven writable before training; a
 run that would keep nothing is refused; a refused run creates no directory; the printed JSON
-is strict; a closed stdout ends ``presets`` quietly and never stops a training run. Also: the
-rescue folder holds the tokenizer as ``output_dir`` would; a checkpoint write that fails
+is strict; a closed stdout ends ``presets`` quietly and never stops a training run, another
+broken pipe (a metrics log FIFO whose reader left) is one warning naming it while training
+goes on, not 141; a failure after a
+checkpoint's rename (pruning, the directory sync) is a warning, the checkpoint is written.
+Also: the rescue folder holds the tokenizer as ``output_dir`` would, and the line says it is
+private and when a reboot deletes it (tmpfs); a checkpoint write that fails
 removes the directories it created (only those, when empty); JSON nested too deeply in the
 metrics log or in the summary a ``--ray`` run hands back is a clean error naming the file (or,
 as the line a kill cut, dropped)."""
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -195,11 +204,95 @@ def test_presets_into_a_closed_pipe_exit_quietly():
     assert code == 141 and "Traceback" not in err, err
 
 
+def test_an_unbuffered_stdout_into_a_closed_pipe_exits_quietly_too():
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "polyaccel.moe.cli", "presets"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "POLYACCEL_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    proc.stdout.close()  # with -u nothing is left to flush: the closed pipe is seen by poll
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141 and "Traceback" not in err, err
+
+
+def test_a_metrics_log_fifo_whose_reader_left_is_a_warning_and_training_goes_on(tmp_path, capsys, caplog):
+    fifo = tmp_path / "metrics.fifo"
+    os.mkfifo(fifo)
+
+    def leave():
+        with open(fifo, "rb"):  # returns once finetune opens the log, then the reader goes away
+            pass
+
+    reader = threading.Thread(target=leave, daemon=True)
+    reader.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+            code, out, err = _cli(capsys, "train.max_steps=4", "checkpoint.dir=null",
+                                  f"output_dir={tmp_path / 'out'}", f"log.metrics_jsonl={fifo}")
+    finally:
+        if reader.is_alive():  # finetune never opened it: release the reader
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=60)
+    assert code == 0, err  # not 141 (stdout is fine), and the run was not stopped for a metrics line
+    assert json.loads(out.splitlines()[-1])["steps"] == 4
+    assert (tmp_path / "out/model.safetensors").is_file()
+    assert caplog.text.count(f"the metrics log {fifo} could not be written") == 1
+
+
 def test_a_closed_stdout_does_not_stop_training(tmp_path):
     code, err = _closed_stdout("finetune", str(TINY), *[a for s in QUICK for a in ("--set", s)],
                                "--set", f"output_dir={tmp_path / 'out'}", "--set", "checkpoint.dir=null")
     assert code == 0 and "Traceback" not in err and "metrics lines are no longer printed" in err, err
     assert (tmp_path / "out/model.safetensors").is_file()
+
+
+# ---- what fails after a checkpoint's rename (pruning, the directory sync) is a warning, not a failed save
+
+def _finished_with_the_checkpoint(tmp_path: Path, code: int, out: str, err: str) -> Path:
+    """The run finished (exit 0, its summary printed) with the final checkpoint written and loadable."""
+    assert code == 0 and "could not be written" not in err, err
+    final = tmp_path / "ck/step_00000003"
+    assert json.loads(out.splitlines()[-1])["last_checkpoint"] == str(final)
+    assert train.ckpt.verify_checkpoint(final) is None
+    assert transformers.AutoModelForCausalLM.from_pretrained(final).config.num_hidden_layers == 2
+    assert (tmp_path / "out/model.safetensors").is_file()
+    return final
+
+
+def test_old_checkpoints_that_cannot_be_pruned_are_a_warning_naming_them(tmp_path, capsys, monkeypatch, caplog):
+    real = shutil.rmtree
+
+    def rmtree(path, ignore_errors=False, **kwargs):  # an old checkpoint's files cannot be removed
+        if re.fullmatch(r"step_\d+", Path(path).name) and Path(path).exists():
+            if ignore_errors:
+                return None
+            raise PermissionError(errno.EACCES, "Permission denied", str(Path(path) / "model.safetensors"))
+        return real(path, ignore_errors=ignore_errors, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+        code, out, err = _cli(capsys, "train.max_steps=3", "checkpoint.every_steps=1", "checkpoint.keep_last=1",
+                              f"checkpoint.dir={tmp_path / 'ck'}", f"output_dir={tmp_path / 'out'}")
+    _finished_with_the_checkpoint(tmp_path, code, out, err)
+    for old in ("step_00000001", "step_00000002"):
+        assert (tmp_path / "ck" / old).is_dir()
+        assert (f"old checkpoint {tmp_path / 'ck' / old} could not be removed (checkpoint.keep_last=1: Permission "
+                f"denied: {tmp_path / 'ck' / old / 'model.safetensors'}); remove it yourself") in caplog.text
+
+
+def test_a_checkpoint_directory_that_cannot_be_synced_after_the_rename_is_a_warning(tmp_path, capsys, monkeypatch,
+                                                                                      caplog):
+    real = train.ckpt._fsync_dir
+
+    def fsync_dir(path):  # the step_N.tmp folder syncs; checkpoint.dir, after the rename, does not
+        if Path(path) == tmp_path / "ck":
+            raise OSError(errno.EIO, "Input/output error")
+        real(path)
+
+    monkeypatch.setattr(train.ckpt, "_fsync_dir", fsync_dir)
+    with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+        code, out, err = _cli(capsys, "train.max_steps=3", "checkpoint.every_steps=3",
+                              f"checkpoint.dir={tmp_path / 'ck'}", f"output_dir={tmp_path / 'out'}")
+    final = _finished_with_the_checkpoint(tmp_path, code, out, err)
+    assert (f"checkpoint {final} is written, but its directory {tmp_path / 'ck'} could not be synced "
+            "(Input/output error)") in caplog.text
 
 
 # ---- small cases: the rescue folder, directories a failed checkpoint created, JSON nested too deeply
@@ -245,6 +338,43 @@ def test_the_rescue_folder_holds_the_tokenizer_as_output_dir_would(tmp_path, cap
     assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in rescued[0].iterdir()}
     assert AutoTokenizer.from_pretrained(rescued[0]).eos_token == "</s>"
+
+
+@pytest.mark.parametrize("fs", ["ext4", "tmpfs"])
+def test_the_rescue_line_says_the_folder_is_private_and_when_a_reboot_deletes_it(tmp_path, capsys, monkeypatch, fs):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    tmp = _private_tmpdir(monkeypatch, tmp_path / "tmp")
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/vda / ext4 rw 0 0\n{fs} {tmp.resolve()} {fs} rw 0 0\n")
+    monkeypatch.setattr(train, "_MOUNTS", mounts)
+    _full_disk(monkeypatch, disk)
+    code, _, err = _cli(capsys, f"output_dir={disk / 'final'}", "checkpoint.dir=null")
+    line = _error_line(err)
+    rescued = list(tmp.glob("polyaccel-moe-rescue-final-*"))
+    assert code == 4 and len(rescued) == 1 and f"saved instead to {rescued[0]}" in line, err
+    assert rescued[0].stat().st_mode & 0o777 == 0o700  # private, as the line says
+    assert f"private to your user (mode 700): chmod -R go+rX {rescued[0]} if others need it" in line
+    assert ("It is on a tmpfs (in memory): a reboot deletes it, so move it to a disk" in line) == (fs == "tmpfs")
+
+
+def test_an_in_memory_file_system_is_the_mount_with_the_longest_mount_point(tmp_path, monkeypatch):
+    base = tmp_path.resolve()
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/vda / ext4 rw 0 0\n"
+                      f"tmpfs {base}/in\\040memory tmpfs rw 0 0\n"  # /proc/mounts writes a space as \040
+                      f"/dev/vdb {base}/in\\040memory/disk xfs rw 0 0\n"
+                      f"none {base}/ram ramfs rw 0 0\n"
+                      f"tmpfs {base}/over tmpfs rw 0 0\n"
+                      f"/dev/vdc {base}/over ext4 rw 0 0\n")  # mounted later over the tmpfs: hides it
+    monkeypatch.setattr(train, "_MOUNTS", mounts)
+    assert train._memory_fs(base / "in memory/rescue") == "tmpfs"
+    assert train._memory_fs(base / "ram") == "ramfs"
+    assert train._memory_fs(base / "in memory/disk/rescue") is None
+    assert train._memory_fs(base / "in memoryx") is None  # a prefix of the name is not a parent
+    assert train._memory_fs(base / "over/rescue") is None
+    monkeypatch.setattr(train, "_MOUNTS", tmp_path / "missing")  # not Linux: nothing said
+    assert train._memory_fs(base / "in memory/rescue") is None
 
 
 # -- a failed checkpoint write removes the directories it created, and only those -------------

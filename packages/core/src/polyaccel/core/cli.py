@@ -6,7 +6,7 @@ import argparse
 import platform
 import sys
 
-from polyaccel.core.clitools import dumps, stdout_gone
+from polyaccel.core.clitools import broken_pipe, dumps
 
 
 def _backends(args: argparse.Namespace) -> int:
@@ -77,8 +77,9 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="polyaccel", description=__doc__,
-                                epilog="exit status: 0 ok, 1 doctor found the cpu backend unusable, 2 usage error, "
-                                       "141 the reader of the output went away (e.g. `| head`)")
+                                epilog="exit status: 0 ok, 1 doctor found the cpu backend unusable (or another error, "
+                                       "named in one line), 2 usage error, 141 the reader of the output went away "
+                                       "(e.g. `| head`)")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("backends", help="list backends, whether each is available here, and why not")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -91,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except BrokenPipeError:  # `polyaccel kernels | head`: the reader left; no traceback
-        return stdout_gone()
+    except BrokenPipeError as e:  # `polyaccel kernels | head`: the reader left; no traceback
+        return broken_pipe(e, "polyaccel")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """What the ``polyaccel``, ``polyaccel-moe`` and ``polyaccel-asr`` command lines share: strict
-JSON output and a quiet exit when the reader of their output goes away (``... | head``)."""
+JSON output, a quiet exit when the reader of their output goes away (``... | head``), and an
+error for a broken pipe that is not stdout."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import select
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -13,6 +15,8 @@ from typing import Any
 #: The exit status after the reader of stdout left: 128 + SIGPIPE, what a shell reports for a
 #: standard tool stopped the same way (``yes | head -1``).
 EXIT_BROKEN_PIPE = 141
+#: The exit status of an error no other status names (Python's own for an uncaught exception).
+EXIT_ERROR = 1
 
 
 def json_safe(obj: Any) -> Any:
@@ -43,3 +47,32 @@ def stdout_gone() -> int:
     except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (captured)
         pass
     return EXIT_BROKEN_PIPE
+
+
+def stdout_broken() -> bool:
+    """Whether the reader of stdout went away: flushing it fails with a broken pipe, or stdout
+    is a pipe whose reading end is closed (``poll``; False where that cannot be told)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return True
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no poll (Windows), stdout without a descriptor
+        return False
+
+
+def broken_pipe(e: BrokenPipeError, prog: str) -> int:
+    """Call on a ``BrokenPipeError`` that ended command ``prog``: when stdout's reader went
+    away, :func:`stdout_gone` (quiet, 141); else another pipe broke (a log written into a FIFO
+    whose reader left...): a one-line error naming it on stderr, and :data:`EXIT_ERROR`."""
+    if e.filename is None and stdout_broken():
+        return stdout_gone()
+    what = e.filename if e.filename is not None else "a pipe other than stdout"
+    why = e.strerror or "broken pipe"
+    print(f"{prog}: error: cannot write {what}: {why} (its reader went away)", file=sys.stderr)
+    return EXIT_ERROR

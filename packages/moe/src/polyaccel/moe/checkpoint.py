@@ -11,12 +11,13 @@ Layout of ``<dir>/step_00000100/``:
 
 A checkpoint is written to ``step_N.tmp``; once every file is written (and synced) the
 manifest is written atomically (temporary file, then ``os.replace``) and the directory is
-renamed to ``step_N`` (rename is atomic on one file system). A crash mid-save leaves only a
-``.tmp`` that resume ignores and the next save clears; a ``step_N`` without a valid manifest,
-or whose files no longer match it, is not resumed from (:func:`find_resume` falls back to
-the newest intact one). Everything is loaded with ``torch.load(weights_only=True)``: tensors
-and plain containers only, never code. With several ranks the directory must be on a shared
-file system.
+renamed to ``step_N`` (rename is atomic on one file system); what follows the rename (syncing
+its parent directory, pruning old checkpoints) cannot fail the save: a failure there is a
+warning naming the path. A crash mid-save leaves only a ``.tmp`` that resume ignores and the
+next save clears; a ``step_N`` without a valid manifest, or whose files no longer match it,
+is not resumed from (:func:`find_resume` falls back to the newest intact one). Everything is
+loaded with ``torch.load(weights_only=True)``: tensors and plain containers only, never code.
+With several ranks the directory must be on a shared file system.
 """
 
 from __future__ import annotations
@@ -340,7 +341,8 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     """Write the checkpoint of ``step`` (collective: every rank calls it) and prune old ones.
     The weights are the whole model's, as a Hugging Face checkpoint, whatever the layout
     (:func:`polyaccel.moe.ep_checkpoint.full_state_dict`). The manifest goes last, then the
-    rename; see the module docstring.
+    rename; a failure up to the rename fails the save, one after it (syncing the directory,
+    pruning) is only a warning; see the module docstring.
 
     :param extra: trainer state of tensors, numbers, strings and plain containers (scheduler,
         data position, config...): what ``weights_only`` loading accepts.
@@ -384,14 +386,40 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
             write_manifest(tmp, step)
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
-            _fsync_dir(final.parent)
-            if keep_last > 0:
-                for old in complete_checkpoints(root)[:-keep_last]:
-                    shutil.rmtree(old, ignore_errors=True)
         except Exception as e:
             error = e
+        else:  # the checkpoint is in place: what fails from here on is a warning, not a failed save
+            _sync_dir(final)
+            if keep_last > 0:
+                _prune(root, keep_last)
     _settle(error)
     return final
+
+
+def _sync_dir(final: Path) -> None:
+    """Sync the directory the checkpoint ``final`` was renamed into; a failure is a warning."""
+    try:
+        _fsync_dir(final.parent)
+    except Exception as e:
+        logger.warning("polyaccel.moe: checkpoint %s is written, but its directory %s could not be synced (%s): "
+                       "a power loss now could undo the rename", final, final.parent, describe(e))
+
+
+def _prune(root: str | Path, keep_last: int) -> None:
+    """Remove the complete checkpoints under ``root`` older than the newest ``keep_last``; one
+    that cannot be removed is a warning naming it."""
+    try:
+        old = complete_checkpoints(root)[:-keep_last]
+    except Exception as e:
+        logger.warning("polyaccel.moe: old checkpoints in %s were not pruned (checkpoint.keep_last=%d): %s",
+                       root, keep_last, describe(e))
+        return
+    for path in old:
+        try:
+            shutil.rmtree(path)
+        except Exception as e:
+            logger.warning("polyaccel.moe: old checkpoint %s could not be removed (checkpoint.keep_last=%d: %s); "
+                           "remove it yourself", path, keep_last, describe(e))
 
 
 def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,

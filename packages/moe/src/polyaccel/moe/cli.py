@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from polyaccel.core.argtypes import integer, number
-from polyaccel.core.clitools import dumps, stdout_gone
+from polyaccel.core.clitools import broken_pipe, dumps
 
 _EPILOG = """examples:
   polyaccel-moe presets
@@ -21,14 +21,15 @@ _EPILOG = """examples:
 config precedence: --set key=value > the YAML file > the preset named by model.preset.
 outputs: finetune needs output_dir (the final model) or checkpoint.dir, else it refuses to start
 (exit 2): nothing else would keep what it trains. Output locations are proven writable first.
-exit status: 0 done (also: the run had already finished), 2 configuration or checkpoint
-error (nothing trained; with --ray also a run summary Ray hands back unreadable, the run
-itself finished), 3 a non-finite loss or gradient norm stopped training (or every step
-was skipped, or the final weights are not finite: nothing saved), 4 training ran but its model
-could not be written (output_dir or a checkpoint: full disk...); nothing partial is left, and
-the message names where the trained weights are: the final checkpoint (rerun the same command
-to write output_dir from it), or, without checkpoint.dir, a fallback folder
-polyaccel-moe-rescue-* next to output_dir, else in $TMPDIR or the working directory.
+exit status: 0 done (also: the run had already finished), 1 another error, named in one line
+(a pipe other than stdout broke), 2 configuration or checkpoint error (nothing trained; with --ray also a run summary
+Ray hands back unreadable, the run itself finished), 3 a non-finite loss or gradient norm
+stopped training (or every step was skipped, or the final weights are not finite: nothing
+saved), 4 training ran but its model could not be written (output_dir or a checkpoint: full
+disk...); nothing partial is left, and the message names where the trained weights are: the
+final checkpoint (rerun the same command to write output_dir from it), or, without
+checkpoint.dir, a fallback folder polyaccel-moe-rescue-* next to output_dir, else in $TMPDIR or
+the working directory.
 141: the reader of stdout went away (| head). JSON printed is strict (NaN, infinity: null).
 docs: docs/moe_finetune.md"""
 
@@ -155,8 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, NotImplementedError) as e:
         print(f"polyaccel-moe: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    except BrokenPipeError:  # `polyaccel-moe presets | head`: the reader left; no traceback
-        return stdout_gone()
+    except BrokenPipeError as e:  # `polyaccel-moe presets | head`: the reader left; no traceback
+        return broken_pipe(e, "polyaccel-moe")
 
 
 if __name__ == "__main__":

@@ -590,8 +590,7 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                                 mfu="n/a" if record["mfu"] is None else f"{record['mfu']:.1%}")
             if rt.rank == 0 and step % cfg.log.every_steps == 0:
                 if metrics_file is not None:
-                    metrics_file.write(dumps(record) + "\n")
-                    metrics_file.flush()
+                    metrics_file = _write_metrics(metrics_file, record)
                 if bar is None:
                     _print_metrics(dumps(record))
             if step == t.max_steps:  # neither the final checkpoint nor output_dir of a model that did not train
@@ -942,6 +941,23 @@ def _open_metrics(path: str, start_step: int):
     return p.open("a")
 
 
+def _write_metrics(file: Any, record: dict[str, Any]) -> Any:
+    """Append ``record`` to the open metrics log and return it; a failed write (a full disk, a
+    FIFO whose reader left) is one warning naming the file, the log is closed and None
+    returned: nothing more goes to it this run, and training goes on (a metrics line is never
+    worth the steps since the last checkpoint)."""
+    try:
+        file.write(dumps(record) + "\n")
+        file.flush()
+        return file
+    except OSError as e:
+        with contextlib.suppress(OSError):  # closed now: the line it still holds would fail again at the close
+            file.close()
+        logger.warning("polyaccel.moe: the metrics log %s could not be written (%s): no more metrics go to it "
+                       "this run; training goes on", file.name, ckpt.describe(e))
+        return None
+
+
 def _already_finished(cfg: FinetuneConfig, rt: Runtime, model_config: Any, checkpoint: Path) -> TrainResult:
     """The result of a run whose checkpoint is already at ``train.max_steps``: nothing trained."""
     done = ckpt.checkpoint_step(checkpoint)
@@ -1110,10 +1126,45 @@ def _rescue(cfg: FinetuneConfig, write_model: Callable[[Path], Any], name: str) 
                 shutil.rmtree(folder, ignore_errors=True)
             tried.append(f"{parent}: {ckpt.describe(e)}")
             continue
-        return (f"The trained weights were saved instead to {folder} (what output_dir would hold; load it with "
-                "from_pretrained, or move it where you want it)")
+        return _rescued(folder)
     return (f"No fallback folder could be written either ({'; '.join(tried)}): the trained weights are lost. "
             "Set checkpoint.dir to keep checkpoints a failed save can be redone from")
+
+
+def _rescued(folder: Path) -> str:
+    """The sentence naming the rescue ``folder`` (made by ``mkdtemp``: only its owner may open
+    it), and that a reboot deletes it when it is in memory (tmpfs)."""
+    text = (f"The trained weights were saved instead to {folder} (what output_dir would hold; load it with "
+            "from_pretrained, or move it where you want it). The folder is private to your user (mode 700): "
+            f"chmod -R go+rX {folder} if others need it")
+    kind = _memory_fs(folder)
+    if kind is not None:
+        text += (f". It is on a {kind} (in memory): a reboot deletes it, so move it to a disk before that "
+                 f"(mv {folder} <a disk folder>)")
+    return text
+
+
+_MOUNTS = Path("/proc/mounts")
+
+
+def _memory_fs(path: Path) -> str | None:
+    """``tmpfs`` or ``ramfs`` when ``path`` is on such an in-memory file system (the mount of
+    ``/proc/mounts`` with the longest mount point above it), else None, also where that cannot
+    be told (not Linux)."""
+    try:
+        mounts = _MOUNTS.read_text().splitlines()
+        path = path.resolve()
+    except (OSError, ValueError):
+        return None
+    best, kind = -1, None
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1]))  # \040: a space
+        if path.is_relative_to(point) and len(point.parts) >= best:  # >=: a later mount hides an earlier one
+            best, kind = len(point.parts), fields[2]
+    return kind if kind in ("tmpfs", "ramfs") else None
 
 
 _warned_stdout = False
