@@ -141,14 +141,21 @@ def _kernel():
             acc += tl.load(OUT + off, mask=mask, other=0.0).to(tl.float32)
         tl.store(OUT + off, acc.to(OUT.dtype.element_ty), mask=mask)
 
-    tuned = triton.autotune(
+    return grouped_wgrad, _autotuned(grouped_wgrad, CONFIGS, ["N", "K", "ROWS", "SOURCES", "ACCUMULATE"],
+                                     prune_configs_by={"early_config_prune": _prune})
+
+
+def _autotuned(kernel, configs: list[tuple[int, ...]], key: list[str], **kwargs):  # noqa: ANN001, ANN202
+    """``kernel`` under Triton's autotuner over ``configs`` (BLOCK_N, BLOCK_K, BLOCK_T, warps, stages)."""
+    import triton
+
+    return triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt}, num_warps=w, num_stages=s)
-                 for bn, bk, bt, w, s in CONFIGS],
-        key=["N", "K", "ROWS", "SOURCES", "ACCUMULATE"],
-        prune_configs_by={"early_config_prune": _prune},
+                 for bn, bk, bt, w, s in configs],
+        key=key,
         restore_value=["OUT"],  # trial runs add into OUT: put it back after each
-    )(grouped_wgrad)
-    return grouped_wgrad, tuned
+        **kwargs,
+    )(kernel)
 
 
 @triton_kernels
@@ -183,13 +190,7 @@ def _tma_kernel():
             acc += tl.load(OUT + off, mask=mask, other=0.0).to(tl.float32)
         tl.store(OUT + off, acc.to(OUT.dtype.element_ty), mask=mask)
 
-    tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt}, num_warps=w, num_stages=s)
-                 for bn, bk, bt, w, s in TMA_CONFIGS],
-        key=["N", "K", "ROWS", "ACCUMULATE"],
-        restore_value=["OUT"],
-    )(grouped_wgrad_tma)
-    return grouped_wgrad_tma, tuned
+    return grouped_wgrad_tma, _autotuned(grouped_wgrad_tma, TMA_CONFIGS, ["N", "K", "ROWS", "ACCUMULATE"])
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:  # noqa: ARG001
