@@ -34,3 +34,19 @@ def test_results_lines_are_strict_json() -> None:
     line = dumps({"path": "a.wav", "text": "", "duration_s": 0.0, "rtfx": float("inf"), "score": float("nan")})
     rec = json.loads(line, parse_constant=refuse)
     assert rec["rtfx"] is None and rec["score"] is None and rec["duration_s"] == 0.0
+
+
+def test_a_broken_pipe_other_than_stdout_is_exit_1_naming_it(monkeypatch, capsys) -> None:
+    """Only a closed stdout is the quiet 141: a pipe the command writes besides (a FIFO whose
+    reader left) stops it with one line naming that pipe, and the "stopped early" status."""
+    import errno
+
+    from polyaccel.asr import cli
+
+    def broken(argv):  # noqa: ANN001, ANN202
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe", "/tmp/subs.fifo")
+
+    monkeypatch.setattr(cli, "_main", broken)
+    assert cli.main(["wer"]) == 1
+    err = capsys.readouterr().err
+    assert "polyaccel-asr: error: cannot write /tmp/subs.fifo: Broken pipe" in err and "Traceback" not in err

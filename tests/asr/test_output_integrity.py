@@ -215,6 +215,83 @@ def test_a_short_write_still_appends_the_whole_record(tmp_path: Path, monkeypatc
     assert [r["text"] for r in load_results(out)] == ["a long enough transcript"]
 
 
+def test_the_writer_fsyncs_on_close_and_once_per_interval(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records a run reported done must survive a power loss: the writer syncs its file at most
+    :data:`FSYNC_INTERVAL_S` apart while writing, and always when it closes."""
+    import os
+    import types
+
+    from polyaccel.asr import results_file
+    from polyaccel.asr.results_file import ResultsWriter, load_results
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    clock = [1000.0]
+    monkeypatch.setattr(results_file, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    rec = {"path": "a.wav", "text": "a", "duration_s": 1.0, "error": None}
+    with ResultsWriter(tmp_path / "out.jsonl") as w:
+        fd = w._fd
+        w.write(rec)
+        assert synced == [], "not within the interval"
+        clock[0] += results_file.FSYNC_INTERVAL_S
+        w.write({**rec, "path": "b.wav"})
+        assert synced == [fd], "an interval after the last sync"
+        w.write({**rec, "path": "c.wav"})
+        assert synced == [fd]
+    assert synced == [fd, fd], "and on close"
+    assert [r["path"] for r in load_results(tmp_path / "out.jsonl")] == ["a.wav", "b.wav", "c.wav"]
+
+
+def test_one_record_per_input_is_its_first_good_one_as_resume_keeps(tmp_path: Path) -> None:
+    """An input with two good lines (concatenated results, a Ray retry): export and wer use the
+    same record a resumed run kept (the first), not whichever came last."""
+    from polyaccel.asr.cli import main
+    from polyaccel.asr.results_file import completed, one_per_input
+
+    recs = [{"path": "a.wav", "text": "", "duration_s": 0.0, "error": "boom"},
+            {"path": "a.wav", "text": "first", "duration_s": 1.0, "error": None},
+            {"path": "b.wav", "text": "bee", "duration_s": 1.0, "error": None},
+            {"path": "a.wav", "text": "second", "duration_s": 1.0, "error": None},
+            {"path": "a.wav", "text": "", "duration_s": 0.0, "error": "late failure"}]
+    assert [r["text"] for r in one_per_input(recs)] == ["first", "bee"]
+    assert [r["text"] for r in completed(recs)] == ["first", "bee"]
+    res = tmp_path / "out.jsonl"
+    res.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main(["export", str(res), "-f", "txt", "-d", str(tmp_path / "t"), "-q"]) == 0
+    assert (tmp_path / "t" / "a.txt").read_text() == "first\n"
+
+
+def test_a_lock_file_removed_while_it_is_being_locked_is_made_again(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run holding the lock releases it (unlinks the file) between our open and our flock:
+    our flock then succeeds on a file no longer in the folder, which a third run would not see.
+    The lock is taken again on a new file, so two runs never write one output."""
+    import fcntl
+    import os
+
+    from polyaccel.asr.results_file import OutputBusy, OutputLock
+
+    out = tmp_path / "out.jsonl"
+    real_flock = fcntl.flock
+    calls: list[int] = []
+
+    def flock(fd: int, op: int) -> None:
+        if not calls:
+            os.unlink(tmp_path / "out.jsonl.lock")  # the holder's release, just before our flock
+        calls.append(fd)
+        real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with OutputLock(out) as lock:
+        monkeypatch.setattr(fcntl, "flock", real_flock)
+        assert len(calls) == 2, "the first, unlinked file was let go and a new one locked"
+        assert os.path.samestat(os.fstat(lock._fd), os.stat(lock.path))
+        with pytest.raises(OutputBusy):
+            OutputLock(out).acquire()
+    assert not lock.path.exists()
+
+
 # ---- timestamps: seeking past the last segment ---------------------------------------------------
 
 
@@ -272,6 +349,65 @@ def test_export_takes_the_good_record_after_a_failed_one(tmp_path: Path) -> None
     out = tmp_path / "subs"
     assert main(["export", str(res), "-f", "srt", "-d", str(out), "-q"]) == 0
     assert (out / "a.srt").read_text() == "1\n00:00:00,000 --> 00:00:01,000\nhi\n\n"
+
+
+@pytest.mark.parametrize("link", ["hard link", "symlink"])
+def test_export_overwrite_replaces_the_file_not_what_it_links_to(tmp_path: Path, link: str) -> None:
+    """``--overwrite`` puts a new file in place of ``-d``'s old one (written beside it and renamed
+    over it). Writing into the old one instead would change a user's file that the old one is
+    a hard or symbolic link to, and a kill mid-write would leave a half-written subtitle."""
+    import os
+
+    from polyaccel.asr.cli import main
+
+    res = tmp_path / "out.jsonl"
+    res.write_text(json.dumps({"path": "clips/a.wav", "text": "new words", "duration_s": 1.0, "error": None}) + "\n")
+    mine = tmp_path / "notes.txt"
+    mine.write_text("my notes\n")
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    if link == "hard link":
+        os.link(mine, subs / "a.txt")
+    else:
+        (subs / "a.txt").symlink_to(mine)
+    assert main(["export", str(res), "-f", "txt", "-d", str(subs), "-q"]) == 3  # exists: left alone
+    assert mine.read_text() == "my notes\n"
+    assert main(["export", str(res), "-f", "txt", "-d", str(subs), "--overwrite", "-q"]) == 0
+    assert mine.read_text() == "my notes\n"
+    assert not (subs / "a.txt").is_symlink() and (subs / "a.txt").read_text() == "new words\n"
+    assert sorted(p.name for p in subs.iterdir()) == ["a.txt"], "no temporary left behind"
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_export_file_cut_short_by_a_write_error_is_not_left_behind(tmp_path: Path, overwrite: bool,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    """A write that fails half-way (a full disk; here the file size limit) must not leave a
+    half-written subtitle: a rerun without --overwrite would take it for a finished one
+    ("exists") and keep it for good; with --overwrite the file it replaces stays whole. No
+    partial or temporary file is left, and the rerun writes the whole file."""
+    import resource
+
+    from polyaccel.asr.cli import main
+
+    text = "word " * 4000
+    res = tmp_path / "out.jsonl"
+    res.write_text(json.dumps({"path": "a.wav", "text": text, "duration_s": 1.0, "error": None}) + "\n")
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    extra = ["--overwrite"] if overwrite else []
+    if overwrite:
+        (subs / "a.txt").write_text("old words\n")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # writes past 4 kB fail (EFBIG)
+    try:
+        status = main(["export", str(res), "-f", "txt", "-d", str(subs), "-q", *extra])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert status == 3 and "cannot write" in capsys.readouterr().err
+    assert {p.name: p.read_text() for p in subs.iterdir()} == ({"a.txt": "old words\n"} if overwrite else {})
+    assert main(["export", str(res), "-f", "txt", "-d", str(subs), "-q", *extra]) == 0
+    assert [p.name for p in subs.iterdir()] == ["a.txt"]
+    assert (subs / "a.txt").read_text() == text.strip() + "\n"
 
 
 # ---- greedy decoding ------------------------------------------------------------------------------
@@ -364,6 +500,42 @@ def test_a_failed_later_window_fails_the_whole_file() -> None:
     assert r.windows == 2 and r.text == ""
     assert r.error is not None and "device lost" in r.error
     assert short.ok and short.text == "w0 w1 w2 w3 w4"
+
+
+@pytest.mark.parametrize("where", ["opening", "streaming"])
+def test_an_unexpected_read_error_is_that_files_error_not_the_jobs(tmp_path: Path, where: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error that is not an AudioError (a file the user may not read: PermissionError) while
+    one file is opened, or half-way through streaming a long one, fails that file only; the
+    files around it keep their transcripts (the job would otherwise end and lose them)."""
+    import soundfile as sf
+
+    from polyaccel.asr import transcriber as transcriber_mod
+
+    paths = []
+    for name, seconds in (("a.wav", 1.0), ("locked.wav", 45.0 if where == "streaming" else 1.0), ("c.wav", 2.0)):
+        sf.write(tmp_path / name, np.full(int(seconds * SR), 0.1, np.float32), SR)
+        paths.append(str(tmp_path / name))
+    real_extent, real_stream = transcriber_mod.audio_extent, transcriber_mod.stream_audio
+
+    def extent(path, *a, **k):
+        if where == "opening" and path.endswith("locked.wav"):
+            raise PermissionError(13, "Permission denied")
+        return real_extent(path, *a, **k)
+
+    def stream(path, *a, **k):
+        for i, block in enumerate(real_stream(path, *a, **k)):
+            if i == 1:
+                raise PermissionError(13, "Permission denied")
+            yield block
+
+    monkeypatch.setattr(transcriber_mod, "audio_extent", extent)
+    monkeypatch.setattr(transcriber_mod, "stream_audio", stream)
+    with Transcriber(lambda i: lambda batch: [f"{len(a)} samples" for a in batch], sample_rate=SR,
+                     replicas=1, batch_size=2) as tr:
+        a, locked, c = tr.transcribe(paths)
+    assert (a.text, a.error, c.text, c.error) == (f"{SR} samples", None, f"{2 * SR} samples", None)
+    assert locked.text == "" and locked.error == "could not read: PermissionError: [Errno 13] Permission denied"
 
 
 # ---- the CLI: exit status after resumes and write errors ---------------------------------------------

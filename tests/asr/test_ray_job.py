@@ -60,6 +60,16 @@ def test_rows_come_back_once_in_order_when_ray_reruns_blocks() -> None:
         list(exactly_once(_batches([0, 1], [3]), 4))
 
 
+def test_a_row_that_comes_back_after_it_was_yielded_is_never_yielded_again() -> None:
+    """Rows 0 and 1 come back a second time (a re-run block) after they were yielded, and row 2
+    never comes: the rows held at the gap are yielded once, without the late copies."""
+    got: list[int] = []
+    with pytest.raises(RuntimeError, match="row 2 never came back"):
+        for r in exactly_once(_batches([0, 1], [1, 0], [3]), 4):
+            got.append(r["i"])
+    assert got == [0, 1, 3]
+
+
 def _records_of(*rows: tuple[int, str | None]) -> dict:
     return {"idx": np.asarray([i for i, _ in rows]),
             "record": np.asarray([json.dumps({"i": i, "error": e}) for i, e in rows], dtype=object)}
@@ -95,6 +105,43 @@ def test_an_ok_copy_replaces_an_error_not_yet_written() -> None:
     batches = [_records_of((1, None), (2, "first")), _records_of((1, "x"), (2, "second")), _records_of((0, None))]
     got = list(exactly_once(batches, 3))
     assert [(r["i"], r["error"]) for r in got] == [(0, None), (1, None), (2, "first")]
+
+
+def test_rows_after_a_lost_one_are_written_under_their_own_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """Row 2 of 4 never comes back: ``exactly_once`` still yields row 3 (before its error). The
+    CLI wrote records by position, so c.wav's line held d.wav's transcript (and a rerun skipped
+    c.wav as done). Each record must land under its own input, the run stops early (exit 1, one
+    line) and the rerun does c.wav."""
+    from polyaccel.asr import ray_job
+
+    paths = [str(tmp_path / f"{c}.wav") for c in "abcd"]
+    for p in paths:
+        Path(p).write_bytes(b"RIFF")  # never read: the fake job makes the records
+    lost = {2}
+
+    def fake_job(items, opts):
+        rows = [{"idx": np.asarray([i]), "record": np.asarray([json.dumps(
+            {"path": it.path, "text": f"said {Path(it.path).stem}", "duration_s": 1.0, "error": None})],
+            dtype=object)} for i, it in enumerate(items) if i not in lost]
+        return exactly_once(rows, len(items))
+
+    monkeypatch.setattr(ray_job, "import_ray", lambda: None)
+    monkeypatch.setattr(ray_job, "transcribe_with_ray", fake_job)
+    out = tmp_path / "out.jsonl"
+    argv = ["transcribe", *paths, "-o", str(out), "--ray", "-q"]
+    assert cli.main(argv) == 1  # stopped early, one line, no traceback
+    err = capsys.readouterr().err
+    assert "stopped early: the Ray job returned 3 of 4 rows; row 2 never came back" in err, err
+    assert "Traceback" not in err
+    recs = _records(out)
+    assert all(r["text"] == f"said {Path(r['path']).stem}" for r in recs), recs
+    assert [Path(r["path"]).name for r in recs] == ["a.wav", "b.wav", "d.wav"]
+    lost.clear()
+    assert cli.main(argv) == 0
+    recs = _records(out)
+    assert sorted(Path(r["path"]).name for r in recs) == ["a.wav", "b.wav", "c.wav", "d.wav"]
+    assert all(r["text"] == f"said {Path(r['path']).stem}" for r in recs), recs
 
 
 def _two_clips() -> list[str]:

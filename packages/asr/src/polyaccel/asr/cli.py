@@ -4,7 +4,8 @@ Exit status: 0 when every input has a transcript; 2 for usage errors (bad argume
 model or backend, no inputs, an output that may not be written), with nothing written. Under
 ``transcribe``: 1 when some files failed (their lines say why) or the run stopped early, 3 when
 nothing was transcribed (every file failed). Every command: 141 when the reader of its output
-went away (``polyaccel-asr wer ... --per-file | head``), quietly, like a standard tool.
+went away (``polyaccel-asr wer ... --per-file | head``), quietly, like a standard tool; 1 with
+one line naming it when another pipe it writes broke.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from polyaccel.core.argtypes import integer, number
-from polyaccel.core.clitools import dumps, stdout_gone
+from polyaccel.core.clitools import broken_pipe, dumps
 
 EXAMPLES = """\
 examples:
@@ -144,8 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     try:
         return _main(list(sys.argv[1:] if argv is None else argv))
-    except BrokenPipeError:  # `... | head`: the reader left; no traceback
-        return stdout_gone()
+    except BrokenPipeError as e:  # `... | head`: the reader left (141, no traceback); another pipe: exit 1
+        return broken_pipe(e, "polyaccel-asr")
 
 
 def _main(argv: list[str]) -> int:
@@ -289,13 +290,21 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str) -> _Counts:
     """Transcribe ``todo`` and write its records to ``out``. The writer (which repairs, or with
     --overwrite truncates, the file) opens only when the first record is in hand, so a model or
     backend that fails to load leaves the file as it was."""
+    from polyaccel.asr.ray_job import RowsLost  # (no Ray needed to import it)
     from polyaccel.asr.results_file import ResultsWriter
 
     c = _Counts()
     writer = bar = None
     start = time.perf_counter()
+    # Records are matched to inputs by path, never by position: after a row a Ray job lost,
+    # the rows behind it still come back (ray_job.exactly_once), one place early.
+    unwritten = {it.path: it for it in todo}
     try:
-        for item, rec in zip(todo, _results(todo, args)):
+        for rec in _results(todo, args):
+            item = unwritten.pop(rec.get("path"), None)
+            if item is None:
+                raise RowsLost(f"a result came back for {rec.get('path')!r}, which is not an input of this "
+                               "run, or came twice")
             rec = _finish(rec, item)
             if writer is None:
                 writer = ResultsWriter(out, resume=not args.overwrite)
@@ -311,6 +320,8 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str) -> _Counts:
                 bar.set_postfix_str(f"{c.audio_s / max(time.perf_counter() - start, 1e-9):.1f} audio-s/s")
     except OSError as e:
         c.stopped = f"cannot write {args.output}: {e.strerror or e}"
+    except RowsLost as e:  # what came back is written; the rerun does the rest
+        c.stopped = str(e)
     finally:
         if bar is not None:
             bar.close()

@@ -17,6 +17,7 @@ written; 3 nothing written at all.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -207,7 +208,12 @@ def _write(target: bytes, body: str, overwrite: bool) -> None:
     data = body.encode("utf-8")
     if not overwrite:
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        with open(fd, "wb") as f:
-            f.write(data)
+        try:
+            with open(fd, "wb") as f:
+                f.write(data)
+        except BaseException:  # a rerun would take a half-written file for a finished one ("exists")
+            with contextlib.suppress(OSError):
+                os.unlink(target)  # ours: O_EXCL created it
+            raise
         return
     replace_file(target, data)

@@ -129,6 +129,10 @@ def _default_actors(ray: Any, resources: dict[str, Any]) -> int:
     return max(1, int(have.get("CPU", 1)) // 4)
 
 
+class RowsLost(RuntimeError):
+    """A Ray job ended without returning every row (the rows it did return were yielded)."""
+
+
 def exactly_once(batches: Iterable[dict[str, Any]], n: int) -> Iterator[dict[str, Any]]:
     """Each of rows ``0..n-1`` once, in input order, from ``{"idx", "record"}`` batches.
 
@@ -137,7 +141,7 @@ def exactly_once(batches: Iterable[dict[str, Any]], n: int) -> Iterator[dict[str
     came is an error, so the output holds every input exactly once. Of two copies of a row that
     arrive before it is yielded, an ok record wins over one with an error. If rows are missing
     at the end (or the batches fail), every row received after the gap is still yielded, in
-    row order, before the ``RuntimeError`` (or the batches' error) is raised.
+    row order, before :class:`RowsLost` (or the batches' error) is raised.
     """
     pending: dict[int, dict[str, Any]] = {}
     done = 0
@@ -156,7 +160,7 @@ def exactly_once(batches: Iterable[dict[str, Any]], n: int) -> Iterator[dict[str
         got = sorted(pending)
         yield from _drain(pending)
         missing = [i for i in range(done, n) if i not in got]
-        raise RuntimeError(f"the Ray job returned {n - len(missing)} of {n} rows; row {done} never came back"
+        raise RowsLost(f"the Ray job returned {n - len(missing)} of {n} rows; row {done} never came back"
                            f"{_missing_note(missing)} (the {len(got)} rows received after it were yielded)")
 
 
