@@ -187,6 +187,9 @@ def test_trainer_filters_a_nan_loss_on_the_device_like_transformers(tmp_path):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6, equal_nan=True)
         assert ours.args.logging_nan_inf_filter is nan_filter
     assert seen[:4] == [False] * 4  # Trainer's own check was off while the filter ran on the device
+    ours.args.logging_nan_inf_filter = True
+    nan = torch.tensor(float("nan"))
+    assert ours._filter_loss(nan) is nan and ours.args.logging_nan_inf_filter  # outside train(): untouched
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"])

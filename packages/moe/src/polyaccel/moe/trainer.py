@@ -114,13 +114,13 @@ class FastPathMixin:
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """Trainer's ``train``; ``args.logging_nan_inf_filter`` is put back as it was after it
         (:meth:`_filter_loss` takes that filter over while it runs)."""
-        self._filter_moved = False
+        self._filter_moved, self._training = False, True
         try:
             return super().train(*args, **kwargs)
         finally:
             if self._filter_moved:
                 self.args.logging_nan_inf_filter = True
-                self._filter_moved = False
+            self._filter_moved = self._training = False
 
     def _filter_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Trainer's ``logging_nan_inf_filter`` on the device: a NaN or infinite micro-batch loss
@@ -129,7 +129,9 @@ class FastPathMixin:
         GPU idle while the next micro-batch is prepared). Trainer's check is switched off for
         the run once this one can stand in for it (Transformers keeps the running loss in
         ``self._tr_loss``)."""
-        if not getattr(self, "_filter_moved", False):
+        if not getattr(self, "_training", False):  # a micro-step outside train(): Trainer filters nothing
+            return loss
+        if not self._filter_moved:
             if not (self.args.logging_nan_inf_filter and torch.is_tensor(getattr(self, "_tr_loss", None))
                     and hasattr(self, "_globalstep_last_logged")):
                 return loss
