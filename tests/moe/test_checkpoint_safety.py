@@ -127,6 +127,19 @@ def test_keep_last_prunes_only_the_oldest_checkpoints(tmp_path):
     assert all(ckpt.verify_checkpoint(tmp_path / "ck" / name) is None for name in kept)
 
 
+def test_keep_last_never_prunes_the_checkpoint_just_written_nor_newer_ones(tmp_path):
+    """A damaged newer checkpoint (step 200: manifest there, a file cut) that resume skipped,
+    then step 150 written with keep_last=1: 150 (the only intact state) and 200 stay, only
+    older ones go. Before, the newest keep_last by name were kept: 200 alone, all progress lost."""
+    root = tmp_path / "ck"
+    for step in (100, 150, 200):
+        d = root / f"step_{step:08d}"
+        d.mkdir(parents=True)
+        (d / ckpt.MANIFEST).write_text(json.dumps({"step": step}))
+    ckpt._prune(root, root / "step_00000150", keep_last=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000150", "step_00000200"]
+
+
 def test_a_save_clears_what_a_killed_save_left_in_its_temporary_folder(tmp_path):
     """A kill mid-save leaves ``step_N.tmp``: resume ignores it, and the next save of step N
     starts from an empty folder, so none of the stale files end up in the checkpoint."""

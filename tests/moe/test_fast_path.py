@@ -176,8 +176,9 @@ def test_trainer_filters_a_nan_loss_on_the_device_like_transformers(tmp_path):
             seen.append(args.logging_nan_inf_filter)
 
     for nan_filter in (True, False):
-        ours = _nan_once(Trainer)(model=_model(), args=_args(tmp_path / f"o{nan_filter}", logging_nan_inf_filter=nan_filter),
-                                  train_dataset=_data(), callbacks=[Watch()])
+        ours = _nan_once(Trainer)(model=_model(), train_dataset=_data(), callbacks=[Watch()],
+                                  args=_args(tmp_path / f"o{nan_filter}", logging_nan_inf_filter=nan_filter,
+                                             save_strategy="steps", save_steps=2))
         ours.train()
         ref = _nan_once(transformers.Trainer)(model=_model(), train_dataset=_data(),
                                               args=_args(tmp_path / f"r{nan_filter}", logging_nan_inf_filter=nan_filter))
@@ -186,6 +187,10 @@ def test_trainer_filters_a_nan_loss_on_the_device_like_transformers(tmp_path):
         assert len(got) == len(want) == 4 and any(map(torch.isnan, map(torch.tensor, want))) != nan_filter
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6, equal_nan=True)
         assert ours.args.logging_nan_inf_filter is nan_filter
+        for step in (2, 4):  # a checkpoint written mid-run records the setting as given
+            saved = torch.load(tmp_path / f"o{nan_filter}" / f"checkpoint-{step}" / "training_args.bin",
+                               weights_only=False)
+            assert saved.logging_nan_inf_filter is nan_filter
     assert seen[:4] == [False] * 4  # Trainer's own check was off while the filter ran on the device
     ours.args.logging_nan_inf_filter = True
     nan = torch.tensor(float("nan"))
@@ -223,6 +228,20 @@ def test_trainer_checkpoint_resume_matches_straight_run(tmp_path, arch):
     for i in want:
         for name in ("step", "exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(got[i][name], want[i][name], rtol=1e-5, atol=1e-7)
+
+
+def test_trainer_clipping_with_a_loss_scaler_is_trainers_own(tmp_path, monkeypatch):
+    """With fp16's GradScaler the gradients are scaled by the loss scale until Trainer's own
+    clipping unscales them: the FlatAdamW shortcut would measure the scaled norm, so it steps
+    aside for Trainer's path then."""
+    from polyaccel.moe import Trainer
+
+    trainer = Trainer(model=_model(), args=_args(tmp_path), train_dataset=_data())
+    trainer.create_optimizer()
+    monkeypatch.setattr(transformers.Trainer, "_clip_grad_norm", lambda self, model: "trainer's own")
+    assert trainer.accelerator.scaler is None and trainer._clip_grad_norm(trainer.model) != "trainer's own"
+    monkeypatch.setattr(trainer.accelerator, "scaler", object())
+    assert trainer._clip_grad_norm(trainer.model) == "trainer's own"
 
 
 def test_trainer_keeps_other_optimizers(tmp_path):

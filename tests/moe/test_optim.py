@@ -350,3 +350,25 @@ def test_grad_norm_reads_the_flat_buffers_and_falls_back_when_they_do_not_hold_t
     extra(torch.randn(1, 2)).sum().backward()
     torch.testing.assert_close(grad_norm(model, opt).float(), exact(), rtol=1e-2, atol=0)
     assert float(grad_norm(model, opt)) > 0
+
+
+def test_grad_norm_of_fp64_params_and_of_an_optimizer_holding_more_than_the_model():
+    """fp64 gradients are measured in fp64 (not refused for narrowing); an optimizer that also
+    holds a param outside the model (with a gradient) does not count it: torch's norm of the
+    model's own gradients is taken instead."""
+    from polyaccel.moe.optim import grad_norm
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).double()
+    extra = nn.Parameter(torch.randn(16))
+    opt = FlatAdamW([*model.parameters(), extra], lr=1e-2)
+    model(torch.randn(3, 8, dtype=torch.float64)).square().sum().backward()
+    extra.grad.copy_(torch.full_like(extra, 10.0))  # large: counting it would show
+    exact = torch.stack([p.grad.square().sum() for p in model.parameters()]).sum().sqrt()
+    torch.testing.assert_close(grad_norm(model, opt).double(), exact, rtol=1e-6, atol=0)
+    whole = nn.Linear(8, 4).double()
+    opt2 = FlatAdamW(whole.parameters(), lr=1e-2)
+    whole(torch.randn(3, 8, dtype=torch.float64)).square().sum().backward()
+    exact2 = torch.stack([p.grad.square().sum() for p in whole.parameters()]).sum().sqrt()
+    assert opt2.grad_norm() is not None  # the flat path itself, in fp64
+    torch.testing.assert_close(grad_norm(whole, opt2).double(), exact2, rtol=1e-6, atol=0)

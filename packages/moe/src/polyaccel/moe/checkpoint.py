@@ -391,7 +391,7 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
         else:  # the checkpoint is in place: what fails from here on is a warning, not a failed save
             _sync_dir(final)
             if keep_last > 0:
-                _prune(root, keep_last)
+                _prune(root, final, keep_last)
     _settle(error)
     return final
 
@@ -405,11 +405,14 @@ def _sync_dir(final: Path) -> None:
                        "a power loss now could undo the rename", final, final.parent, describe(e))
 
 
-def _prune(root: str | Path, keep_last: int) -> None:
-    """Remove the complete checkpoints under ``root`` older than the newest ``keep_last``; one
-    that cannot be removed is a warning naming it."""
+def _prune(root: str | Path, final: Path, keep_last: int) -> None:
+    """Remove the complete checkpoints under ``root`` older than the newest ``keep_last`` of
+    those up to ``final`` (the one just written, always kept); newer ones (a damaged one a
+    resume skipped, say) are left alone. One that cannot be removed is a warning naming it."""
     try:
-        old = complete_checkpoints(root)[:-keep_last]
+        step = lambda p: int(_STEP_DIR.match(p.name).group(1))  # noqa: E731  (every step_N directory matches)
+        upto = [p for p in complete_checkpoints(root) if step(p) <= step(final)]
+        old = upto[:-keep_last]
     except Exception as e:
         logger.warning("polyaccel.moe: old checkpoints in %s were not pruned (checkpoint.keep_last=%d): %s",
                        root, keep_last, describe(e))

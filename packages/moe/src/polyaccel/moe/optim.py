@@ -206,15 +206,16 @@ class FlatAdamW(torch.optim.Optimizer):
         over each flat grad buffer (the gaps between views stay zero) rather than tensor by
         tensor. None when some ``p.grad`` is not its flat view (set to ``None`` or replaced
         since the backward): then nothing in the buffers says what the gradient is."""
-        squares = []
-        for flats in self._flats:
-            for flat in flats:
-                if any(p.grad is not g for p, g in zip(flat.params, flat.grads, strict=True)):
-                    return None
-                squares.append(torch.linalg.vector_norm(flat.grad, dtype=torch.float32).square())
-        if not squares:
+        flats = [flat for group in self._flats for flat in group]
+        if not flats or len({flat.grad.device for flat in flats}) > 1:  # (buffers on several devices: torch's)
             return None
-        return torch.stack(squares).sum().sqrt() if len(squares) > 1 else squares[0].sqrt()
+        squares = []
+        for flat in flats:
+            if any(p.grad is not g for p, g in zip(flat.params, flat.grads, strict=True)):
+                return None
+            dtype = torch.promote_types(flat.grad.dtype, torch.float32)  # fp64 grads keep fp64
+            squares.append(torch.linalg.vector_norm(flat.grad, dtype=dtype).square().float())
+        return torch.stack(squares).sum().sqrt()
 
     def scale_next_step(self, grad_scale: torch.Tensor | None) -> None:
         """Multiply the gradients by ``grad_scale`` in the next :meth:`step` (when that call is
@@ -271,11 +272,14 @@ class FlatAdamW(torch.optim.Optimizer):
 def grad_norm(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """L2 norm of all gradients of a single-process ``model`` as a device tensor (no host sync):
     :meth:`FlatAdamW.grad_norm`'s one pass per buffer when ``optimizer`` is a FlatAdamW that
-    holds every param with a gradient, else ``torch.nn.utils.get_total_norm``."""
-    grads = {p: p.grad for p in model.parameters() if p.grad is not None}
+    holds every param of ``model`` with a gradient and no other, else
+    ``torch.nn.utils.get_total_norm``."""
+    ordered = list(model.parameters())
+    params = set(ordered)
+    grads = {p: p.grad for p in ordered if p.grad is not None}
     if isinstance(optimizer, FlatAdamW) and grads:
         held = {p for group in optimizer.param_groups for p in group["params"]}
-        if grads.keys() <= held:
+        if grads.keys() <= held <= params:  # the buffers hold exactly the model's gradients
             norm = optimizer.grad_norm()
             if norm is not None:
                 return norm

@@ -21,6 +21,7 @@ are Trainer's own (FlatAdamW's ``state_dict`` has torch AdamW's format).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -86,7 +87,8 @@ class FastPathMixin:
     def _clip_grad_norm(self, model: nn.Module) -> Any:
         """The gradient norm, measured on the device; clipping rides on FlatAdamW's pass."""
         opt = self.flat_optimizer()
-        if opt is None or self.accelerator.num_processes > 1:
+        # fp16's loss scaler: Trainer's own path unscales the gradients before measuring them.
+        if opt is None or self.accelerator.num_processes > 1 or getattr(self.accelerator, "scaler", None) is not None:
             return super()._clip_grad_norm(model)
         norm = grad_norm(model, opt)
         opt.scale_next_step(clip_coefficient(norm, self.args.max_grad_norm))
@@ -122,13 +124,37 @@ class FastPathMixin:
                 self.args.logging_nan_inf_filter = True
             self._filter_moved = self._training = False
 
+    @contextlib.contextmanager
+    def _args_as_given(self) -> Any:
+        """The user's ``logging_nan_inf_filter`` back in ``args`` for a while (what a checkpoint's
+        ``training_args.bin`` records), when :meth:`_filter_loss` switched it off."""
+        if not getattr(self, "_filter_moved", False):
+            yield
+            return
+        self.args.logging_nan_inf_filter = True
+        try:
+            yield
+        finally:
+            self.args.logging_nan_inf_filter = False
+
+    def _save(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's ``_save`` (it writes ``training_args.bin``), with the arguments as given."""
+        with self._args_as_given():
+            return super()._save(*args, **kwargs)
+
+    def _push_from_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's hub upload of a checkpoint (it writes ``training_args.bin``), with the
+        arguments as given."""
+        with self._args_as_given():
+            return super()._push_from_checkpoint(*args, **kwargs)
+
     def _filter_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Trainer's ``logging_nan_inf_filter`` on the device: a NaN or infinite micro-batch loss
         adds the average of the losses since the last log instead, as Trainer's own check does,
         but without its ``if`` on a device tensor (a host sync per micro-batch, which leaves the
         GPU idle while the next micro-batch is prepared). Trainer's check is switched off for
         the run once this one can stand in for it (Transformers keeps the running loss in
-        ``self._tr_loss``)."""
+        ``self._tr_loss``); checkpoints still record the setting as given (:meth:`_save`)."""
         if not getattr(self, "_training", False):  # a micro-step outside train(): Trainer filters nothing
             return loss
         if not self._filter_moved:
