@@ -107,6 +107,24 @@ def test_an_ok_copy_replaces_an_error_not_yet_written() -> None:
     assert [(r["i"], r["error"]) for r in got] == [(0, None), (1, None), (2, "first")]
 
 
+def test_records_take_their_inputs_paths_by_row_number() -> None:
+    """Whatever path an actor put in a record (decoded with another file-name encoding, say),
+    the record leaves the job under its input's own path, chosen by its row number, also for
+    the rows after a lost one."""
+    from polyaccel.asr.manifest import InputItem
+    from polyaccel.asr.ray_job import RowsLost, records_of
+
+    items = [InputItem(f"/data/caf\udce9-{i}.wav", None) for i in range(4)]
+    batch = {"idx": np.asarray([3, 0, 1]),
+             "record": np.asarray([json.dumps({"path": f"/data/caf\u00e9-{i}.wav", "i": i}) for i in (3, 0, 1)],
+                                  dtype=object)}
+    got = []
+    with pytest.raises(RowsLost, match="row 2 never came back"):
+        for rec in records_of([batch], items):
+            got.append(rec)
+    assert [(r["i"], r["path"]) for r in got] == [(i, items[i].path) for i in (0, 1, 3)]
+
+
 def test_rows_after_a_lost_one_are_written_under_their_own_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture) -> None:
     """Row 2 of 4 never comes back: ``exactly_once`` still yields row 3 (before its error). The

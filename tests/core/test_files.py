@@ -1,4 +1,5 @@
-"""``polyaccel.core.files.replace_file``: atomic, never through a file or link beside it."""
+"""``polyaccel.core.files``: ``replace_file`` atomic, never through a file or link beside it;
+``create_file`` never replaces anything and never leaves a cut file, even after a kill."""
 
 from __future__ import annotations
 
@@ -82,3 +83,59 @@ def test_short_writes_are_continued_until_every_byte_is_written(tmp_path: Path, 
     data = bytes(range(256)) * 5
     replace_file(tmp_path / "out.bin", data)
     assert (tmp_path / "out.bin").read_bytes() == data
+
+
+# ---- create_file: a new file, whole or not at all --------------------------------------------------
+
+def test_create_file_makes_a_new_file_and_never_replaces_one(tmp_path: Path) -> None:
+    from polyaccel.core.files import create_file
+
+    create_file(tmp_path / "a.srt", b"1\n")
+    create_file(os.fsencode(tmp_path / "b\xe9.srt".encode("latin-1").decode("utf-8", "surrogateescape")), b"2\n")
+    mine = tmp_path / "mine.txt"
+    mine.write_text("mine\n")
+    (tmp_path / "c.srt").symlink_to(mine)
+    for existing in ("a.srt", "c.srt"):
+        with pytest.raises(FileExistsError):
+            create_file(tmp_path / existing, b"new\n")
+    assert (tmp_path / "a.srt").read_bytes() == b"1\n" and mine.read_text() == "mine\n"
+    assert len(list(tmp_path.iterdir())) == 4  # a, b, c, mine: no temporary left
+
+
+def test_create_file_without_hard_links_creates_it_in_place(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    from polyaccel.core.files import create_file
+
+    def no_links(src, dst):  # noqa: ANN001
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    create_file(tmp_path / "a.txt", b"words\n")
+    assert (tmp_path / "a.txt").read_bytes() == b"words\n" and len(list(tmp_path.iterdir())) == 1
+    with pytest.raises(FileExistsError):
+        create_file(tmp_path / "a.txt", b"other\n")
+
+
+def test_a_kill_while_creating_leaves_no_cut_file(tmp_path: Path) -> None:
+    """SIGKILL in the middle of writing: the target does not exist (a rerun creates it whole),
+    where a file created in place would be there cut, and taken for finished."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "a.srt"
+    child = f"""
+import os, signal
+from polyaccel.core import files
+real = os.write
+def write(fd, data):
+    real(fd, bytes(data[:10]))
+    os.kill(os.getpid(), signal.SIGKILL)
+os.write = write
+files.create_file({str(target)!r}, b"x" * 100000)
+"""
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr.decode()
+    assert not target.exists()
+    files.create_file(target, b"whole\n")
+    assert target.read_bytes() == b"whole\n"

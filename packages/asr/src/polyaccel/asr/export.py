@@ -17,13 +17,12 @@ written; 3 nothing written at all.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from polyaccel.core.files import replace_file
+from polyaccel.core.files import create_file, replace_file
 
 FORMATS = ("srt", "vtt", "txt")
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_NOTHING_DONE = 0, 1, 2, 3
@@ -205,15 +204,5 @@ def _same_file(a: bytes, b: str) -> bool:
 
 
 def _write(target: bytes, body: str, overwrite: bool) -> None:
-    data = body.encode("utf-8")
-    if not overwrite:
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            with open(fd, "wb") as f:
-                f.write(data)
-        except BaseException:  # a rerun would take a half-written file for a finished one ("exists")
-            with contextlib.suppress(OSError):
-                os.unlink(target)  # ours: O_EXCL created it
-            raise
-        return
-    replace_file(target, data)
+    # Never a cut file in place (a rerun would take it for finished: "exists"), even after a kill.
+    (replace_file if overwrite else create_file)(target, body.encode("utf-8"))

@@ -134,7 +134,14 @@ class RowsLost(RuntimeError):
 
 
 def exactly_once(batches: Iterable[dict[str, Any]], n: int) -> Iterator[dict[str, Any]]:
-    """Each of rows ``0..n-1`` once, in input order, from ``{"idx", "record"}`` batches.
+    """The records of :func:`exactly_once_indexed`, without their row numbers."""
+    for _, rec in exactly_once_indexed(batches, n):
+        yield rec
+
+
+def exactly_once_indexed(batches: Iterable[dict[str, Any]], n: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(row, record)`` for each of rows ``0..n-1`` once, in input order, from ``{"idx", "record"}``
+    batches.
 
     When an actor or a node dies, Ray re-runs its blocks: a row may then come back twice or
     late. Repeats are dropped, early rows wait for the ones before them, and a row that never
@@ -151,7 +158,7 @@ def exactly_once(batches: Iterable[dict[str, Any]], n: int) -> Iterator[dict[str
                 if int(idx) >= done:
                     _keep_better(pending, int(idx), json.loads(rec))
             while done in pending:
-                yield pending.pop(done)
+                yield done, pending.pop(done)
                 done += 1
     except Exception:
         yield from _drain(pending)
@@ -161,7 +168,16 @@ def exactly_once(batches: Iterable[dict[str, Any]], n: int) -> Iterator[dict[str
         yield from _drain(pending)
         missing = [i for i in range(done, n) if i not in got]
         raise RowsLost(f"the Ray job returned {n - len(missing)} of {n} rows; row {done} never came back"
-                           f"{_missing_note(missing)} (the {len(got)} rows received after it were yielded)")
+                       f"{_missing_note(missing)} (the {len(got)} rows received after it were yielded)")
+
+
+def records_of(batches: Iterable[dict[str, Any]], items: Sequence[InputItem]) -> Iterator[dict[str, Any]]:
+    """The job's record of each of ``items`` once, in input order (:func:`exactly_once_indexed`),
+    each under its input's own path string, taken by row number: never what an actor decoded
+    (another file-name encoding there would change it) nor a place in the stream."""
+    for idx, rec in exactly_once_indexed(batches, len(items)):
+        rec["path"] = items[idx].path
+        yield rec
 
 
 def _keep_better(pending: dict[int, dict[str, Any]], idx: int, rec: dict[str, Any]) -> None:
@@ -171,10 +187,10 @@ def _keep_better(pending: dict[int, dict[str, Any]], idx: int, rec: dict[str, An
         pending[idx] = rec
 
 
-def _drain(pending: dict[int, dict[str, Any]]) -> Iterator[dict[str, Any]]:
+def _drain(pending: dict[int, dict[str, Any]]) -> Iterator[tuple[int, dict[str, Any]]]:
     """The rows held back behind a missing one, in row order (emptying ``pending``)."""
     for idx in sorted(pending):
-        yield pending.pop(idx)
+        yield idx, pending.pop(idx)
 
 
 def _missing_note(missing: list[int]) -> str:
@@ -213,7 +229,7 @@ def transcribe_with_ray(items: Sequence[InputItem], opts: RayJobOptions) -> Iter
         ds = ds.map_batches(TranscribeActor, fn_constructor_kwargs={"opts": opts, "backend": backend},
                             batch_size=per_call, batch_format="numpy",
                             compute=ray.data.ActorPoolStrategy(size=actors), **resources)
-        yield from exactly_once(ds.iter_batches(batch_size=None, batch_format="numpy"), len(rows))
+        yield from records_of(ds.iter_batches(batch_size=None, batch_format="numpy"), items)
     finally:
         ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
         if started_here:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
@@ -22,7 +23,47 @@ def replace_file(path: str | os.PathLike | bytes, data: bytes) -> None:
     (never through an existing file or link, whatever its name), synced, renamed over ``path``,
     and the folder synced. A kill leaves the old contents or the new, never a mix. The file
     keeps ``path``'s permission bits, or gets the usual ones (0666 less the umask) when new."""
+    _put_file(os.fspath(path), data, os.replace)
+
+
+def create_file(path: str | os.PathLike | bytes, data: bytes) -> None:
+    """Create ``path`` holding ``data``, never replacing anything there (``FileExistsError``):
+    written to a new file beside it, synced, then hard-linked into place, so that a kill leaves
+    no file or the whole one, never a cut file a rerun would take for finished (a kill between
+    the link and the clean-up can leave the hidden temporary). Where the file system has no
+    hard links: created with ``O_EXCL`` and written in place (removed again on an error)."""
     path = os.fspath(path)
+    try:
+        _put_file(path, data, _link_new)
+    except _NoHardLinks:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        try:
+            with open(fd, "wb") as f:
+                f.write(data)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # ours: O_EXCL created it
+            raise
+
+
+class _NoHardLinks(OSError):
+    """The file system refused a hard link (FAT, some network file systems)."""
+
+
+def _link_new(tmp: str | bytes, path: str | bytes) -> None:
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+            raise _NoHardLinks(e.errno, e.strerror) from e
+        raise
+    os.unlink(tmp)
+
+
+def _put_file(path: str | bytes, data: bytes, put) -> None:  # noqa: ANN001
+    """``data`` into a new, synced file beside ``path``, then ``put(tmp, path)`` moves it there."""
     folder, name = os.path.split(path)
     dot, suffix = (b".", b".tmp") if isinstance(path, bytes) else (".", ".tmp")
     fd, tmp = tempfile.mkstemp(prefix=name + dot, suffix=suffix, dir=folder or None)
@@ -35,7 +76,7 @@ def replace_file(path: str | os.PathLike | bytes, data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        put(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
