@@ -249,14 +249,6 @@ def optimizer_timing(model, opt, ids, a, micro_step=None, steps: int = 3) -> dic
     """Median ms of ``opt.step()`` (CUDA events) where a training step runs it (right after the
     last backward), after the GPU idled 200 ms, and run again at once: tells a slow pass in the
     step (clocks after tensor-core work? memory state?) from the kernel itself."""
-    def timed(fn) -> float:  # noqa: ANN001
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
-
     def backward_then(idle: float) -> tuple[float, float]:
         for i in range(a.accum):
             if micro_step is not None:
@@ -266,8 +258,8 @@ def optimizer_timing(model, opt, ids, a, micro_step=None, steps: int = 3) -> dic
         if idle:
             torch.cuda.synchronize()
             time.sleep(idle)
-        first = timed(opt.step)
-        again = timed(opt.step)  # same buffers, the GPU already busy with this very pass
+        first = _event_ms(opt.step)
+        again = _event_ms(opt.step)  # same buffers, the GPU already busy with this very pass
         opt.zero_grad(set_to_none=True)
         return first, again
 
@@ -566,13 +558,18 @@ def _after_gemm_burst(fn, reps: int = 5, gemms: int = 40) -> float:  # noqa: ANN
     for _ in range(reps):
         for _ in range(gemms):
             a @ a
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(_event_ms(fn))
     return sorted(times)[len(times) // 2]
+
+
+def _event_ms(fn) -> float:  # noqa: ANN001
+    """Milliseconds of the GPU work ``fn`` queues, between two CUDA events (synchronised after)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
 
 
 def loss_sanity(layers: int, seq: int) -> dict:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from polyaccel.asr import cli, samples
-from polyaccel.asr.ray_job import cluster_backend, exactly_once, import_ray
+from polyaccel.asr.ray_job import cluster_backend, exactly_once_indexed, import_ray
 from polyaccel.core.ray_local import init_local, start_head
 
 LIBRIVOX = samples.librivox_dir() or samples.DEBIAN_LIBRIVOX
@@ -29,6 +29,10 @@ class _Cluster:
         return self.resources
 
 
+def exactly_once(batches, n: int):  # noqa: ANN001, ANN201
+    """The records :func:`exactly_once_indexed` yields, without their row numbers."""
+    for _, rec in exactly_once_indexed(batches, n):
+        yield rec
 
 
 def test_actor_resources_come_from_the_backend() -> None:
@@ -127,7 +131,7 @@ def test_records_take_their_inputs_paths_by_row_number() -> None:
 
 def test_rows_after_a_lost_one_are_written_under_their_own_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture) -> None:
-    """Row 2 of 4 never comes back: ``exactly_once`` still yields row 3 (before its error). The
+    """Row 2 of 4 never comes back: ``exactly_once_indexed`` still yields row 3 (before its error). The
     CLI wrote records by position, so c.wav's line held d.wav's transcript (and a rerun skipped
     c.wav as done). Each record must land under its own input, the run stops early (exit 1, one
     line) and the rerun does c.wav."""

@@ -9,6 +9,7 @@ interpreter runs each program in NumPy. Exits non-zero on the first mismatch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -52,23 +53,38 @@ def check_fwd_bwd(name, fast, ref, inputs, tol=1e-5):
     assert max(errs) < tol, (name, errs)
 
 
-def check_grouped_wgrad():
-    counts = torch.randint(0, 70, (6,))
-    counts[2] = 0
+@contextlib.contextmanager
+def tma_rule(on: bool):
+    """One micro-batch takes the tensor-memory kernel (``on``) or the pointer kernel, whatever its rows."""
+    grouped_wgrad.TMA_MIN_ROWS = 1 if on else 1 << 40
+    try:
+        yield
+    finally:
+        grouped_wgrad.TMA_MIN_ROWS = 512
+
+
+def check_grouped_wgrad(tma: bool):
+    """One micro-batch, pointer or tensor-memory kernel: an empty expert, rows past the last
+    one, groups that end inside a row chunk; new, added and written over."""
+    G, empty = (6, 2) if not tma else (5, 1)
+    counts = torch.randint(0 if not tma else 1, 70 if not tma else 150, (G,))
+    counts[empty] = 0
     offsets = counts.cumsum(0).to(torch.int32)
-    T = int(counts.sum()) + 3  # rows past the last group are ignored
+    T = int(counts.sum()) + (3 if not tma else 9)  # rows past the last group are ignored
     dy, x = torch.randn(T, 136).half(), torch.randn(T, 72).half()
     ref = ops.grouped_mm_wgrad.reference(dy.double(), x.double(), offsets)
-    fresh = grouped_wgrad.grouped_mm_wgrad(dy, x, offsets)
-    acc = torch.randn(6, 136, 72).half()
-    expected = acc.double() + ref
-    grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=acc)
-    over = torch.randn(6, 136, 72).half()
-    grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=over, accumulate=False)
+    with tma_rule(tma):
+        assert grouped_wgrad._takes_tma(dy, x, G) == tma
+        fresh = grouped_wgrad.grouped_mm_wgrad(dy, x, offsets)
+        acc = torch.randn(G, 136, 72).half()
+        expected = acc.double() + ref
+        grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=acc)
+        over = torch.randn(G, 136, 72).half()
+        grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=over, accumulate=False)
     errs = rel_err(fresh, ref), rel_err(acc, expected), rel_err(over, ref)
-    print(f"grouped_mm_wgrad fp16 (new, accumulate, overwrite): rel err {errs[0]:.2e}, {errs[1]:.2e}, "
-          f"{errs[2]:.2e}")
-    assert max(errs) < 2e-3 and not fresh[2].any() and not over[2].any(), errs
+    print(f"grouped_mm_wgrad fp16, {'tensor-memory' if tma else 'pointer'} kernel (new, accumulate, overwrite): "
+          f"rel err {errs[0]:.2e}, {errs[1]:.2e}, {errs[2]:.2e}")
+    assert max(errs) < 2e-3 and not fresh[empty].any() and not over[empty].any(), errs
 
 
 def check_grouped_wgrad_offsets_past_rows():
@@ -76,8 +92,7 @@ def check_grouped_wgrad_offsets_past_rows():
     them (here the rows after are large values of the same buffer), as the reference's
     slicing does."""
     for tma in (False, True):
-        grouped_wgrad.TMA_MIN_ROWS = 1 if tma else 1 << 40
-        try:
+        with tma_rule(tma):
             offsets = torch.tensor([30, 30, 90, 140], dtype=torch.int32)  # 140 > T
             T = 100
             dy_all, x_all = torch.randn(T + 64, 136).half(), torch.randn(T + 64, 72).half()
@@ -87,38 +102,10 @@ def check_grouped_wgrad_offsets_past_rows():
             ref = ops.grouped_mm_wgrad.reference(dy.double(), x.double(), offsets)
             got = grouped_wgrad.grouped_mm_wgrad([dy, dy], [x, x], [offsets, offsets]) if not tma else \
                 grouped_wgrad.grouped_mm_wgrad(dy, x, offsets)
-        finally:
-            grouped_wgrad.TMA_MIN_ROWS = 512
         err = rel_err(got, ref * (1 if tma else 2))
         print(f"grouped_mm_wgrad offsets past the rows ({'tensor-memory' if tma else 'pointer'} kernel): rel err "
               f"{err:.2e}")
         assert err < 2e-3, err
-
-
-def check_grouped_wgrad_tma():
-    """The tensor-memory kernel (one micro-batch, many rows per expert): an empty expert, rows
-    past the last one, groups that end inside a row chunk; new, added and written over."""
-    grouped_wgrad.TMA_MIN_ROWS = 1
-    try:
-        counts = torch.randint(1, 150, (5,))
-        counts[1] = 0
-        offsets = counts.cumsum(0).to(torch.int32)
-        T = int(counts.sum()) + 9
-        dy, x = torch.randn(T, 136).half(), torch.randn(T, 72).half()
-        assert grouped_wgrad._takes_tma(dy, x, 5)
-        ref = ops.grouped_mm_wgrad.reference(dy.double(), x.double(), offsets)
-        fresh = grouped_wgrad.grouped_mm_wgrad(dy, x, offsets)
-        acc = torch.randn(5, 136, 72).half()
-        expected = acc.double() + ref
-        grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=acc)
-        over = torch.randn(5, 136, 72).half()
-        grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=over, accumulate=False)
-    finally:
-        grouped_wgrad.TMA_MIN_ROWS = 512
-    errs = rel_err(fresh, ref), rel_err(acc, expected), rel_err(over, ref)
-    print(f"grouped_mm_wgrad tensor-memory kernel fp16 (new, accumulate, overwrite): rel err {errs[0]:.2e}, "
-          f"{errs[1]:.2e}, {errs[2]:.2e}")
-    assert max(errs) < 2e-3 and not fresh[1].any() and not over[1].any(), errs
 
 
 def check_grouped_wgrad_window():
@@ -283,8 +270,8 @@ def main() -> None:
     check_fwd_bwd("linear_cross_entropy fp32", lambda h, w: linear_cross_entropy(h, w, labels),
                   lambda h, w: ops.linear_cross_entropy.reference(h, w, labels),
                   [torch.randn(19, 32), 0.1 * torch.randn(300, 32)])
-    check_grouped_wgrad()
-    check_grouped_wgrad_tma()
+    check_grouped_wgrad(tma=False)
+    check_grouped_wgrad(tma=True)
     check_grouped_wgrad_offsets_past_rows()
     check_grouped_wgrad_window()
     check_grouped_lowrank()

@@ -297,7 +297,7 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str) -> _Counts:
     writer = bar = None
     start = time.perf_counter()
     # Records are matched to inputs by path, never by position: after a row a Ray job lost,
-    # the rows behind it still come back (ray_job.exactly_once), one place early.
+    # the rows behind it still come back (ray_job.exactly_once_indexed), one place early.
     unwritten = {it.path: it for it in todo}
     try:
         for rec in _results(todo, args):

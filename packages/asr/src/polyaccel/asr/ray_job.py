@@ -133,12 +133,6 @@ class RowsLost(RuntimeError):
     """A Ray job ended without returning every row (the rows it did return were yielded)."""
 
 
-def exactly_once(batches: Iterable[dict[str, Any]], n: int) -> Iterator[dict[str, Any]]:
-    """The records of :func:`exactly_once_indexed`, without their row numbers."""
-    for _, rec in exactly_once_indexed(batches, n):
-        yield rec
-
-
 def exactly_once_indexed(batches: Iterable[dict[str, Any]], n: int) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(row, record)`` for each of rows ``0..n-1`` once, in input order, from ``{"idx", "record"}``
     batches.

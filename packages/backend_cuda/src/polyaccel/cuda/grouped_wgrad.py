@@ -26,6 +26,7 @@ several micro-batches it would need one short pipelined loop per source, which m
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -221,11 +222,19 @@ def _takes_tma(dy: torch.Tensor, x: torch.Tensor, groups: int) -> bool:
         return False
     if any(t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16 for t in (dy, x)):
         return False
-    if dy.is_cuda and torch.cuda.get_device_capability(dy.device)[0] < 9:
-        return False
+    return _tma_capable(dy.device.index if dy.is_cuda else None)
+
+
+@functools.cache
+def _tma_capable(cuda_index: int | None) -> bool:
+    """Whether Triton has device-side descriptors and the GPU (``None``: the interpreter) is a
+    Hopper or newer; asked once per device, not at every launch."""
+    import triton
     import triton.language as tl
 
-    return hasattr(tl, "make_tensor_descriptor") and hasattr(__import__("triton"), "set_allocator")
+    if not (hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")):
+        return False
+    return cuda_index is None or torch.cuda.get_device_capability(cuda_index)[0] >= 9
 
 
 def grouped_mm_wgrad(dy: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor | Sequence[torch.Tensor],
