@@ -152,6 +152,17 @@ def check_adamw():
     errs = [rel_err(x, y) for x, y in zip(a, ref, strict=True)]
     print(f"adamw_step_ fp32, grad_scale: max rel err {max(errs):.2e}")
     assert max(errs) < 1e-6 and torch.equal(a[1], g), errs
+    # Zero second moments (params no gradient has reached: the kernel takes eps as their
+    # denominator without the sqrt): never fed (m = 0 too) and fed once, then no more (m != 0).
+    g[:4096], m[:2048], v[:4096] = 0.0, 0.0, 0.0
+    ref = [t.clone() for t in (p, g, m, v)]
+    ops.adamw_step_.reference(*ref, **hp, zero_grad=True)
+    a = [t.clone() for t in (p, g, m, v)]
+    adamw.adamw_step_(*a, **hp, zero_grad=True)
+    assert torch.equal(a[0][:2048], ref[0][:2048]) and not a[3][:4096].any()
+    errs = [rel_err(x, y) for x, y in zip(a[::2] + a[3:], ref[::2] + ref[3:], strict=True)]
+    print(f"adamw_step_ fp32, zero moments: max rel err {max(errs):.2e}")
+    assert max(errs) < 1e-6 and a[0].isfinite().all(), errs
 
 
 def check_add_scaled():

@@ -117,6 +117,25 @@ def test_gpu_adamw_matches_reference(dtype, zero_grad):
             assert (x != y).float().mean() < 1e-2, name
 
 
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_zero_second_moments_match_reference(dtype):
+    """Params no gradient has reached (zero second moment: the kernel takes eps as the
+    denominator, off IEEE sqrt's slow path): never fed (m = 0), and fed before (m != 0)."""
+    n, seed = 1_000_003, int(torch.seed() % 2**31)
+    fast, ref = _state(n, dtype, "cuda", seed), _state(n, dtype, "cuda", seed)
+    for p, g, m, v in (fast, ref):
+        g[: n // 2], m[: n // 4], v[: n // 2] = 0, 0, 0
+    adamw.adamw_step_(*fast, **HYPER, step=3, zero_grad=True)
+    ops.adamw_step_.reference(*ref, **HYPER, step=3, zero_grad=True)
+    assert torch.equal(fast[0][: n // 4], ref[0][: n // 4]) and not fast[3][: n // 2].any()
+    for i, name in ((0, "param"), (2, "exp_avg"), (3, "exp_avg_sq")):
+        x, y = fast[i].double(), ref[i].double()
+        assert x.isfinite().all(), name
+        assert ((x - y).norm() / y.norm()).item() < (1e-6 if dtype == torch.float32 else 2e-3), name
+
+
 def test_grad_scale_is_the_step_on_scaled_grads():
     """``grad_scale`` (clipping's coefficient, a device tensor) == the step on pre-scaled grads;
     the grads themselves are not scaled in place."""
