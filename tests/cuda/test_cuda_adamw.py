@@ -125,7 +125,7 @@ def test_gpu_zero_second_moments_match_reference(dtype):
     denominator, off IEEE sqrt's slow path): never fed (m = 0), and fed before (m != 0)."""
     n, seed = 1_000_003, int(torch.seed() % 2**31)
     fast, ref = _state(n, dtype, "cuda", seed), _state(n, dtype, "cuda", seed)
-    for p, g, m, v in (fast, ref):
+    for _, g, m, v in (fast, ref):
         g[: n // 2], m[: n // 4], v[: n // 2] = 0, 0, 0
     adamw.adamw_step_(*fast, **HYPER, step=3, zero_grad=True)
     ops.adamw_step_.reference(*ref, **HYPER, step=3, zero_grad=True)
