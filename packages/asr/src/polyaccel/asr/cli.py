@@ -185,13 +185,14 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     out = _check_output(args, items)
     with _locked(out, args.output):
         previous = _previous_results(out, args.output)
-        done = set() if args.overwrite else {path_key(record_path(r)) for r in completed(previous)}
+        kept = [] if args.overwrite else completed(previous)
+        done = {path_key(record_path(r)) for r in kept}
         todo = [it for it in items if path_key(it.path) not in done]
         skipped = len(items) - len(todo)
         if skipped and not args.quiet:
             print(f"resuming {args.output}: {skipped} of {len(items)} already done", file=sys.stderr)
         start = time.perf_counter()
-        counts = _run(todo, args, out)
+        counts = _run(todo, args, out, kept)
     return _report(args, counts, skipped, time.perf_counter() - start)
 
 
@@ -286,10 +287,11 @@ class _Counts:
     stopped: str | None = None  # why the run ended early (a write error)
 
 
-def _run(todo: list[Any], args: argparse.Namespace, out: str) -> _Counts:
+def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[str, Any]]) -> _Counts:
     """Transcribe ``todo`` and write its records to ``out``. The writer (which repairs, or with
     --overwrite truncates, the file) opens only when the first record is in hand, so a model or
-    backend that fails to load leaves the file as it was."""
+    backend that fails to load leaves the file as it was; so does a resume whose ``kept`` records
+    were made another way (another model, timestamps on or off, ...): a usage error."""
     from polyaccel.asr.ray_job import RowsLost  # (no Ray needed to import it)
     from polyaccel.asr.results_file import ResultsWriter
 
@@ -307,6 +309,11 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str) -> _Counts:
                                "run, or came twice")
             rec = _finish(rec, item)
             if writer is None:
+                clash = _made_differently(kept, rec, args.timestamps)
+                if clash:
+                    raise UsageError(f"-o {args.output} holds results made another way ({clash}); resuming "
+                                     "would mix them in one file: use --overwrite to start it afresh, or "
+                                     "another -o")
                 writer = ResultsWriter(out, resume=not args.overwrite)
                 bar = _progress(len(todo), args.quiet)
             writer.write(rec)
@@ -328,6 +335,36 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str) -> _Counts:
         if writer is not None:
             writer.close()
     return c
+
+
+def _made_differently(kept: list[dict[str, Any]], first: dict[str, Any], timestamps: bool) -> str | None:
+    """Why the records a resume keeps were not made as this run makes ``first`` (another model
+    or weights, timestamps on or off, FP8 encoder GEMMs, batch invariance), or None. A record
+    from before records named their weights is taken to be this model's."""
+    mine = _how_made(first, timestamps)
+    for rec in kept:
+        theirs = _how_made(rec, "segments" in rec)
+        if "weights_sha256" not in rec:
+            theirs.update(model=mine["model"], weights_sha256=mine["weights_sha256"])
+        elif theirs["weights_sha256"] and theirs["weights_sha256"] == mine["weights_sha256"]:
+            theirs["model"] = mine["model"]  # the same weights under another name (a moved folder)
+        if theirs != mine:
+            return f"{rec['path']}: {_describe(theirs)}; this run: {_describe(mine)}"
+    return None
+
+
+def _how_made(rec: dict[str, Any], timestamps: bool) -> dict[str, Any]:
+    return {"model": rec.get("model"), "weights_sha256": rec.get("weights_sha256"), "timestamps": bool(timestamps),
+            "encoder_gemms": rec.get("encoder_gemms"), "batch_invariant": bool(rec.get("batch_invariant"))}
+
+
+def _describe(how: dict[str, Any]) -> str:
+    sha = how["weights_sha256"]
+    parts = [f"model {how['model']}" + (f" (weights {sha[:12]})" if isinstance(sha, str) else ""),
+             "timestamps" if how["timestamps"] else "no timestamps"]
+    parts += ["FP8 encoder GEMMs"] if how["encoder_gemms"] else []
+    parts += ["batch-invariant"] if how["batch_invariant"] else []
+    return ", ".join(parts)
 
 
 def _finish(rec: dict[str, Any], item: Any) -> dict[str, Any]:
@@ -448,6 +485,8 @@ def _gather(specs: Sequence[str]) -> list[Any]:
         items = expand_inputs(specs)
     except (ValueError, json.JSONDecodeError) as e:
         raise UsageError(f"bad manifest: {e}") from None
+    except OSError as e:  # a manifest (or folder) we may not read
+        raise UsageError(f"cannot read {e.filename}: {e.strerror or e}") from None
     if not items:
         raise UsageError(f"no audio files found in {' '.join(specs)}")
     return items
@@ -461,6 +500,8 @@ def _read_refs(path: str, read_refs: Any) -> dict[str, str]:
         return read_refs(path)
     except (ValueError, json.JSONDecodeError) as e:
         raise UsageError(f"bad reference file: {e}") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
 
 
 def _dtype(name: str | None) -> Any:

@@ -5,7 +5,8 @@ Files are named after the input's stem (``clips/a.wav`` -> ``DIR/a.srt``); a fil
 not valid UTF-8 is rebuilt from the record's ``path_bytes`` so the subtitle sits next to the
 right name byte for byte. Two inputs with one stem, in any letter case (``A.wav``, ``a.wav``),
 get ``A.srt`` and ``a-2.srt`` on every file system (in record order, each said on stderr). An
-existing file is never replaced unless ``--overwrite``; a new one is created exclusively
+existing file is never replaced unless ``--overwrite``, and never when it is one of the
+transcribed inputs (audio named ``talk.txt``) or the results file; a new one is created exclusively
 (``O_EXCL``), a replaced one written next to it and renamed over it.
 
 Exit status: 0 every transcribed input has its file; 1 some could not be written (the record
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -51,8 +53,10 @@ def _cues(segments: Sequence[dict[str, Any]]) -> list[tuple[float, float, str]]:
 
 
 def to_srt(segments: Sequence[dict[str, Any]]) -> str:
-    """SubRip: numbered cues, ``HH:MM:SS,mmm --> HH:MM:SS,mmm``, a blank line after each."""
-    return "".join(f"{i}\n{_clock(a, ',')} --> {_clock(b, ',')}\n{t}\n\n"
+    """SubRip: numbered cues, ``HH:MM:SS,mmm --> HH:MM:SS,mmm``, a blank line after each. SRT
+    has no escapes and readers take a line holding ``-->`` for a cue's times, so an arrow in
+    the text is written ``->``."""
+    return "".join(f"{i}\n{_clock(a, ',')} --> {_clock(b, ',')}\n{re.sub('-{2,}>', '->', t)}\n\n"
                    for i, (a, b, t) in enumerate(_cues(segments), 1))
 
 
@@ -117,6 +121,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     # one line per input: a resumed file's good line over its failed one; a failure said once
     written, problems, taken = 0, 0, set()
+    # --overwrite never replaces a recording (audio named talk.txt exports to talk.txt)
+    inputs = {_file_id(os.fsencode(record_path(r))) for r in records} - {None} if args.overwrite else set()
     for rec in one_per_input(records):
         path = record_path(rec)
         shown = rec.get("path", path)
@@ -134,6 +140,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         if _same_file(target, args.results):
             problems += 1
             print(f"  skipped {shown}: {_show(target)} is the results file itself", file=sys.stderr)
+            continue
+        if inputs and _file_id(target) in inputs:
+            problems += 1
+            print(f"  skipped {shown}: {_show(target)} is an input that was transcribed; never replaced",
+                  file=sys.stderr)
             continue
         try:
             _write(target, body, args.overwrite)
@@ -201,6 +212,14 @@ def _same_file(a: bytes, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return False
+
+
+def _file_id(path: bytes) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _write(target: bytes, body: str, overwrite: bool) -> None:

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from polyaccel.asr.audio import AUDIO_EXTENSIONS
@@ -50,15 +50,15 @@ def expand_inputs(specs: Iterable[str | os.PathLike]) -> list[InputItem]:
     file is read as a manifest (relative paths resolved against the manifest's folder); anything
     else is taken as an audio path, even if missing, so the job reports it as a per-file error.
     A file named twice
-    (by any spelling: relative, absolute, through a symlinked folder) is kept once.
+    (by any spelling: relative, absolute, through a symlinked folder) is kept once. A folder
+    that cannot be listed (no permission) raises OSError instead of being skipped silently.
     """
     items: list[InputItem] = []
     seen: set[str] = set()
     for spec in specs:
         p = Path(spec)
         if p.is_dir():
-            found = [InputItem(str(f)) for f in sorted(p.rglob("*"))
-                     if f.suffix.lower() in AUDIO_EXTENSIONS and not f.is_dir()]
+            found = [InputItem(str(f)) for f in sorted(_files_under(p)) if f.suffix.lower() in AUDIO_EXTENSIONS]
         elif p.suffix.lower() in MANIFEST_EXTENSIONS and p.is_file():
             found = read_manifest(p)
         else:
@@ -69,6 +69,17 @@ def expand_inputs(specs: Iterable[str | os.PathLike]) -> list[InputItem]:
                 seen.add(key)
                 items.append(it)
     return items
+
+
+def _files_under(folder: Path) -> Iterator[Path]:
+    """Every entry under ``folder`` that is not a folder (symlinked folders are listed, not
+    entered). Unlike ``Path.rglob``, which skips a folder it may not list without a word, an
+    unreadable folder raises its OSError."""
+    def fail(e: OSError) -> None:
+        raise e
+
+    for top, _dirs, files in os.walk(folder, onerror=fail):
+        yield from (Path(top, f) for f in files)
 
 
 def read_manifest(path: str | os.PathLike) -> list[InputItem]:

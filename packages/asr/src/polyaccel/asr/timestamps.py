@@ -57,9 +57,10 @@ def stitch_segments(windows: Sequence[Sequence[Segment] | None],
 
     Consecutive windows share audio; each seam is the middle of the shared stretch: a segment
     is taken from the window on whose side of the seam its middle lies, so speech in the
-    shared audio is taken once. Times are then made non-decreasing (a segment starts no
-    earlier than the previous one ends). None if any window has no segments list (decoded
-    without timestamps)."""
+    shared audio is taken once. Times are then kept within their window's audio (Whisper may
+    place a last timestamp past the end of a short file: 3.00 s in a 2.99 s clip) and made
+    non-decreasing (a segment starts no earlier than the previous one ends). None if any
+    window has no segments list (decoded without timestamps)."""
     if any(w is None for w in windows):
         return None
     out: list[Segment] = []
@@ -70,7 +71,7 @@ def stitch_segments(windows: Sequence[Sequence[Segment] | None],
         for s in shifted(segs or [], a):
             mid = (s.start + s.end) / 2
             if lo <= mid < hi:
-                out.append(s)
+                out.append(Segment(min(s.start, b), min(s.end, b), s.text))
     fixed: list[Segment] = []
     prev_end = 0.0
     for s in out:

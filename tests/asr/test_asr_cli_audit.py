@@ -1,0 +1,153 @@
+"""``polyaccel-asr`` used carelessly (audit of issue 10's follow-ups): resuming a results file
+made by another model or with other settings, segment times past the end of the audio,
+inputs that cannot be read, ``export --overwrite`` over a recording, arrows in SRT text.
+All with fake recognizers: no model is loaded."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from polyaccel.asr import cli
+from polyaccel.asr.decoding import Segment
+from polyaccel.asr.export import to_srt
+from polyaccel.asr.timestamps import TimedText
+from polyaccel.asr.transcriber import Transcriber
+
+SR = 16000
+
+
+def _wav(path: Path, seconds: float = 0.1) -> Path:
+    sf.write(path, np.full(int(SR * seconds), 0.1, np.float32), SR, format="WAV")
+    return path
+
+
+def _fake(monkeypatch: pytest.MonkeyPatch, name: str, sha: str | None) -> None:
+    """``from_pretrained`` gives a recognizer (its text: the sample count) named ``name`` whose
+    weights hash to ``sha``."""
+    def from_pretrained(path_or_name: str = "fake", *, batch_size: int | None = None, **kw):
+        tr = Transcriber(lambda i: (lambda batch: [f"{len(a)} samples" for a in batch]), sample_rate=SR,
+                         replicas=1, batch_size=batch_size or 8, model_name=name)
+        tr.weights_sha256 = sha
+        return tr
+    monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(from_pretrained))
+
+
+# ---- a resume never mixes two models (or settings) in one results file ------------------------------
+
+
+def test_resume_refuses_results_of_another_model_or_with_other_timestamps(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    _wav(clips / "a.wav")
+    out = tmp_path / "out.jsonl"
+    _fake(monkeypatch, "whisper-tiny.en", "aa" * 32)
+    assert cli.main(["transcribe", str(clips), "-o", str(out), "-q"]) == 0
+    _wav(clips / "b.wav")  # a new file: the rerun has something to do
+    before = out.read_bytes()
+    _fake(monkeypatch, "whisper-base", "bb" * 32)
+    assert cli.main(["transcribe", str(clips), "-o", str(out), "-q", "--model", "whisper-base"]) == 2
+    err = capsys.readouterr().err
+    assert "holds results made another way" in err and "model whisper-tiny.en" in err and "--overwrite" in err
+    assert out.read_bytes() == before, "nothing written: b.wav by base next to a.wav by tiny.en"
+    _fake(monkeypatch, "whisper-tiny.en", "aa" * 32)
+    assert cli.main(["transcribe", str(clips), "-o", str(out), "-q", "--timestamps"]) == 2
+    assert "no timestamps; this run: model whisper-tiny.en (weights aaaaaaaaaaaa), timestamps" in capsys.readouterr().err
+    assert out.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["clips", "out.jsonl"]
+    # the same weights under another name (the model folder moved) resume; --overwrite starts afresh
+    _fake(monkeypatch, "/new/place/whisper-tiny.en", "aa" * 32)
+    assert cli.main(["transcribe", str(clips), "-o", str(out), "-q"]) == 0
+    assert [json.loads(x)["path"] for x in out.read_text().splitlines()] == [str(clips / "a.wav"), str(clips / "b.wav")]
+    _fake(monkeypatch, "whisper-base", "bb" * 32)
+    assert cli.main(["transcribe", str(clips), "-o", str(out), "-q", "--overwrite"]) == 0
+    assert {json.loads(x)["model"] for x in out.read_text().splitlines()} == {"whisper-base"}
+
+
+# ---- segment times lie within the audio -------------------------------------------------------------
+
+
+def test_segments_never_end_past_the_audio() -> None:
+    """Whisper may put a window's last timestamp past the audio's end (tiny.en: 3.00 s in the
+    2.99 s LibriVox clip 0880); each segment is kept within its window, so within the file."""
+    def recognize(batch: list[np.ndarray]) -> list[TimedText]:  # every window "ends" at 30 s
+        return [TimedText("word", [Segment(0.0, 1.0, "word"), Segment(1.0, 30.0, "more")]) for _ in batch]
+
+    with Transcriber(lambda i: recognize, sample_rate=SR, max_audio_seconds=30.0, replicas=1, batch_size=4) as tr:
+        short, long = tr.transcribe([np.full(int(SR * 2.99), 0.1, np.float32),
+                                     np.full(int(SR * 45.5), 0.1, np.float32)])
+    for r in (short, long):
+        assert r.ok and r.segments
+        assert all(0 <= s["start"] <= s["end"] <= r.duration_s for s in r.segments), (r.duration_s, r.segments)
+    assert short.segments[-1]["end"] == 2.99
+
+
+# ---- inputs that cannot be read: a usage error naming them, never a traceback, never skipped ---------
+
+
+def test_an_unreadable_manifest_reference_file_or_folder_is_a_usage_error(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    """(Tests run as root here, where chmod 000 does not stop a read: the denial is simulated.)"""
+    _fake(monkeypatch, "fake", None)
+    wav = _wav(tmp_path / "a.wav")
+    (tmp_path / "clips" / "private").mkdir(parents=True)
+    _wav(tmp_path / "clips" / "ok.wav")
+    _wav(tmp_path / "clips" / "private" / "x.wav")
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"path": str(wav)}) + "\n")
+    refs = tmp_path / "refs.txt"
+    refs.write_text("<s> hi </s> (a)\n")
+    denied = {str(manifest), str(refs), str(tmp_path / "clips" / "private")}
+    read_text, scandir = Path.read_text, os.scandir
+
+    def deny(path: object) -> None:
+        if os.fspath(path) in denied:
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: deny(self) or read_text(self, *a, **k))
+    monkeypatch.setattr(os, "scandir", lambda path=".": deny(path) or scandir(path))
+    out = tmp_path / "out.jsonl"
+    for argv, what in [([str(manifest)], manifest), ([str(wav), "--refs", str(refs)], refs),
+                       ([str(tmp_path / "clips")], tmp_path / "clips" / "private")]:
+        assert cli.main(["transcribe", *argv, "-o", str(out), "-q"]) == 2, argv
+        assert f"error: cannot read {what}: Permission denied" in capsys.readouterr().err
+        assert not out.exists()
+    assert cli.main(["wer", "--refs", str(refs), "--hyps", str(manifest)]) == 2
+    assert f"error: cannot read {refs}: Permission denied" in capsys.readouterr().err
+
+
+# ---- export ----------------------------------------------------------------------------------------
+
+
+def test_export_overwrite_never_replaces_a_transcribed_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    """A recording named ``talk.txt`` (WAV inside) exports to ``talk.txt`` next to it: even with
+    --overwrite it is never replaced by its own transcript."""
+    _fake(monkeypatch, "fake", None)
+    talk = _wav(tmp_path / "talk.txt")
+    audio = talk.read_bytes()
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["transcribe", str(talk), "-o", str(out), "-q"]) == 0
+    assert cli.main(["export", str(out), "-f", "txt", "-d", str(tmp_path), "--overwrite", "-q"]) == 3
+    assert "is an input that was transcribed; never replaced" in capsys.readouterr().err
+    assert talk.read_bytes() == audio
+    assert cli.main(["export", str(out), "-f", "txt", "-d", str(tmp_path / "subs"), "--overwrite", "-q"]) == 0
+    assert (tmp_path / "subs" / "talk.txt").read_text() == "1600 samples\n"
+
+
+def test_srt_cue_text_never_holds_a_time_arrow() -> None:
+    """SRT has no escapes, and readers that find a cue's times by its ``-->`` would take a text
+    line holding one for the next cue's times; VTT escapes ``>`` already."""
+    srt = to_srt([{"start": 0, "end": 1, "text": "a ---> b 00:00:05,000 --> 00:00:09,000 c"},
+                  {"start": 1, "end": 2, "text": "next"}])
+    lines = srt.splitlines()
+    assert [x for x in lines if "-->" in x] == ["00:00:00,000 --> 00:00:01,000", "00:00:01,000 --> 00:00:02,000"]
+    assert lines[2] == "a -> b 00:00:05,000 -> 00:00:09,000 c"
