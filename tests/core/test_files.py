@@ -139,3 +139,44 @@ files.create_file({str(target)!r}, b"x" * 100000)
     assert not target.exists()
     files.create_file(target, b"whole\n")
     assert target.read_bytes() == b"whole\n"
+
+
+# ---- the temporary: beside the target, its mode from the kernel's umask ---------------------------
+
+def test_a_bare_file_name_gets_its_temporary_beside_it_not_in_tmpdir(tmp_path: Path, monkeypatch) -> None:
+    """``replace_file("out.jsonl")`` (a name without a folder): the temporary goes in the current
+    folder, never in ``$TMPDIR``, whence the rename (or the hard link) fails with EXDEV when
+    that is another file system (a tmpfs ``/tmp``) and the file cannot be written at all."""
+    import tempfile
+
+    from polyaccel.core.files import create_file
+
+    elsewhere = tmp_path / "tmpdir"
+    elsewhere.mkdir()
+    (tmp_path / "work").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(elsewhere))
+    monkeypatch.chdir(tmp_path / "work")
+    moved = []
+    real_replace, real_link = os.replace, os.link
+    monkeypatch.setattr(files.os, "replace", lambda a, b: moved.append(a) or real_replace(a, b))
+    monkeypatch.setattr(files.os, "link", lambda a, b: moved.append(a) or real_link(a, b))
+    replace_file("out.jsonl", b"new\n")
+    create_file(b"subs.srt", b"1\n")
+    assert [os.path.dirname(os.fsdecode(m)) for m in moved] == ["", ""], moved
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["out.jsonl", "subs.srt"]
+    assert not any(elsewhere.iterdir())
+
+
+def test_replace_file_never_clears_the_process_umask(tmp_path: Path, monkeypatch) -> None:
+    """The umask is process-wide: ``os.umask(0)`` to read it leaves a window where every other
+    thread (replica threads, Ray's and torch's native threads) creates files readable and
+    writable by everyone. The new file's mode comes from the kernel applying the umask."""
+    calls = []
+    real = os.umask
+    monkeypatch.setattr(os, "umask", lambda mask: calls.append(mask) or real(mask))
+    old = real(0o027)
+    try:
+        replace_file(tmp_path / "fresh.jsonl", b"x")
+    finally:
+        real(old)
+    assert calls == [] and stat.S_IMODE((tmp_path / "fresh.jsonl").stat().st_mode) == 0o640

@@ -7,6 +7,7 @@ private in-process cluster of ``make demo``, the ASR job and ``finetune --ray`` 
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import shlex
@@ -124,6 +125,21 @@ def test_token_file_left_empty_is_replaced(fresh_token: Path) -> None:
     assert [p.name for p in fresh_token.parent.iterdir()] == [fresh_token.name]  # no temporary file left
 
 
+def test_a_token_another_process_made_meanwhile_is_never_replaced(fresh_token: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes making the first token at once: the one that loses the race keeps the
+    winner's token (a cluster may already run with it), never replaces it with its own."""
+    real_mkstemp = ray_local.tempfile.mkstemp
+
+    def racing_mkstemp(**kwargs):  # the other process writes its token just before ours lands
+        fresh_token.write_text("a" * 64)
+        return real_mkstemp(**kwargs)
+
+    monkeypatch.setattr(ray_local.tempfile, "mkstemp", racing_mkstemp)
+    assert ensure_token().read_text() == "a" * 64
+    assert [p.name for p in fresh_token.parent.iterdir()] == [fresh_token.name]
+
+
 def test_env_command_output_survives_eval(fresh_token: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`eval "$(python -m polyaccel.core.ray_local env)"`: values are shell-quoted."""
@@ -194,20 +210,38 @@ def test_a_job_starts_its_own_cluster_only_without_an_address_or_with_local(monk
 
 
 def test_connect_never_starts_a_cluster_of_its_own(fresh_token: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No address at all: join what "auto" finds (or fail), never ray.init(None)'s new cluster."""
+    """An address from the caller or RAY_ADDRESS is joined, never ray.init(None)'s new cluster."""
     fake, applied = _FakeRay(), []
     monkeypatch.setattr(ray_local, "import_ray", lambda *a: fake)
     monkeypatch.setattr(ray_local, "_apply", applied.append)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    ray_local.connect()
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    ray_local.connect()
     ray_local.connect("auto")
     ray_local.connect("10.0.0.5:6379")  # an explicit address beats RAY_ADDRESS, as in Ray
-    assert [c["address"] for c in fake.calls] == ["auto", "127.0.0.1:6379", "10.0.0.5:6379"]
+    assert [c["address"] for c in fake.calls] == ["127.0.0.1:6379", "127.0.0.1:6379", "10.0.0.5:6379"]
     assert all("_node_ip_address" not in c for c in fake.calls)
     assert all(env["RAY_AUTH_MODE"] == "token" for env in applied)
     # A cluster on loopback is joined from loopback, another one is not.
-    assert ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" in env for env in applied] == [False, True, False]
+    assert ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" in env for env in applied] == [True, True, False]
+
+
+@pytest.mark.parametrize("address, env_address", [(None, None), ("auto", None), (None, "auto"), ("", "")])
+def test_connect_never_guesses_a_cluster_another_user_could_advertise(
+        address: str | None, env_address: str | None, fresh_token: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's "auto" (also what ray.init does without an address) joins the cluster named in
+    /tmp/ray/ray_current_cluster (Ray makes /tmp/ray 0777, no sticky bit: any local user can
+    write it) or any gcs_server process on the machine, whoever runs it: their cluster gets our
+    token and sends this driver pickles. connect() refuses to guess."""
+    fake = _FakeRay()
+    monkeypatch.setattr(ray_local, "import_ray", lambda *a: fake)
+    monkeypatch.setattr(ray_local, "_apply", lambda env: None)
+    if env_address is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env_address)
+    with pytest.raises(ValueError, match="address"):
+        ray_local.connect(address)
+    assert fake.calls == []
 
 
 def test_local_env_turns_auth_on_even_when_disabled(fresh_token: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,7 +252,7 @@ def test_local_env_turns_auth_on_even_when_disabled(fresh_token: Path, monkeypat
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_ray_start_head_is_loopback_only_and_needs_the_token(fresh_token: Path, tmp_path: Path) -> None:
     with start_head(num_cpus=1) as head:
         assert_loopback_only(psutil.Process(head.proc.pid))
@@ -235,6 +269,14 @@ def test_ray_start_head_is_loopback_only_and_needs_the_token(fresh_token: Path, 
             assert not joined, out
             assert "Authentication" in out or "Unauthenticated" in out, out
         assert joins(head.gcs_address, tmp_path / "friend", token)[0], "the right token must get in"
+        # The token is never on a command line (``ps`` shows them to every user) nor in a log.
+        procs = [head.proc.pid, *(p.pid for p in psutil.Process(head.proc.pid).children(recursive=True))]
+        for pid in procs:
+            with contextlib.suppress(psutil.Error):
+                assert token not in " ".join(psutil.Process(pid).cmdline()), pid
+        for f in Path(temp).rglob("*"):
+            with contextlib.suppress(OSError):
+                assert not f.is_file() or token.encode() not in f.read_bytes(), f
 
 
 INIT_LOCAL = textwrap.dedent("""

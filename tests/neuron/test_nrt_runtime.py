@@ -5,6 +5,7 @@ truly in parallel (the GIL released around nrt_execute)."""
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 import threading
@@ -296,6 +297,46 @@ def test_a_libnrt_others_can_write_is_not_loaded(fake_libnrt, tmp_path, monkeypa
     so.chmod(0o755)
     d.chmod(0o755)
     assert nrt.load().path == str(so)
+
+
+def test_a_libnrt_another_user_owns_is_not_loaded(fake_libnrt, tmp_path, monkeypatch):
+    """Whoever owns the library (or its folder) can rewrite it, whatever its mode."""
+    d = tmp_path / "lib"
+    d.mkdir()
+    so = d / "libnrt.so.1"
+    shutil.copy(fake_libnrt.path, so)
+    if os.geteuid() == 0:
+        os.chown(so, 4242, -1)
+    else:
+        monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 1)
+    monkeypatch.setenv("NEURON_RT_LIB", str(so))
+    with pytest.raises(OSError, match="owned by uid"):
+        nrt.load()
+
+
+def test_the_checked_libnrt_is_loaded_not_a_link_swapped_after_the_check(fake_libnrt, tmp_path, monkeypatch):
+    """NEURON_RT_LIB at a link in a folder others can write, to a trusted libnrt: the check
+    passed on the link's target, then dlopen followed the link again, which its folder's
+    users could have pointed elsewhere in between."""
+    trusted, shared = tmp_path / "trusted", tmp_path / "shared"
+    trusted.mkdir()
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    shutil.copy(fake_libnrt.path, trusted / "libnrt.so.1")
+    (shared / "planted.so").write_bytes(b"not the library the check saw")
+    link = shared / "libnrt.so.1"
+    link.symlink_to(trusted / "libnrt.so.1")
+    real_check = nrt.check_trusted_library
+
+    def check_then_swap(path):
+        checked = real_check(path)
+        link.unlink()
+        link.symlink_to(shared / "planted.so")  # another user, between the check and dlopen
+        return checked
+
+    monkeypatch.setattr(nrt, "check_trusted_library", check_then_swap)
+    monkeypatch.setenv("NEURON_RT_LIB", str(link))
+    assert nrt.load().path == str(trusted / "libnrt.so.1")
 
 
 def test_a_relative_or_bare_libnrt_never_loads_from_the_current_folder(tmp_path, monkeypatch):

@@ -162,9 +162,10 @@ class Libnrt:
         return infos
 
 
-def check_trusted_library(path: str) -> None:
+def check_trusted_library(path: str) -> str:
     """Refuse to load ``path`` unless it is absolute and neither it nor its folder can be
-    written by a user other than us or root (a libnrt in a shared folder runs their code)."""
+    written by a user other than us or root (a libnrt in a shared folder runs their code).
+    Returns the file checked (symlinks resolved): load that one, not a link someone may swap."""
     if not os.path.isabs(path):
         raise OSError(f"libnrt path {path!r} is relative (it would load from the current folder): "
                       f"give NEURON_RT_LIB an absolute path")
@@ -176,6 +177,7 @@ def check_trusted_library(path: str) -> None:
         if st.st_uid not in (0, os.geteuid()) or others_write:
             raise OSError(f"refusing to load {path}: {p} is owned by uid {st.st_uid} with mode "
                           f"{st.st_mode & 0o7777:o}; libnrt and its folder must not be writable by others")
+    return real
 
 
 _libs: dict[str, Libnrt] = {}
@@ -194,7 +196,7 @@ def load(path: str | None = None) -> Libnrt:
         raise OSError(f"libnrt.so.1 (the Neuron runtime) was not found; install {INSTALL_HINT} "
                       f"or point NEURON_RT_LIB at it")
     if os.sep in path:  # a file path; a bare name is dlopen's to find in the system's paths, never ./
-        check_trusted_library(path)
+        path = check_trusted_library(path)
     with _libs_lock:
         if path not in _libs:
             _libs[path] = Libnrt(path)

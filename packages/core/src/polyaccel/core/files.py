@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import stat
 import tempfile
 
@@ -65,11 +66,9 @@ def _link_new(tmp: str | bytes, path: str | bytes) -> None:
 def _put_file(path: str | bytes, data: bytes, put) -> None:  # noqa: ANN001
     """``data`` into a new, synced file beside ``path``, then ``put(tmp, path)`` moves it there."""
     folder, name = os.path.split(path)
-    dot, suffix = (b".", b".tmp") if isinstance(path, bytes) else (".", ".tmp")
-    fd, tmp = tempfile.mkstemp(prefix=name + dot, suffix=suffix, dir=folder or None)
+    fd, tmp = _new_beside(folder, name, _mode_of(path))
     try:
         try:
-            os.fchmod(fd, _mode_for(path))
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
@@ -84,10 +83,34 @@ def _put_file(path: str | bytes, data: bytes, put) -> None:  # noqa: ANN001
     fsync_dir(folder or ".")
 
 
-def _mode_for(path: str | bytes) -> int:
+def _new_beside(folder: str | bytes, name: str | bytes, mode: int | None) -> tuple[int, str | bytes]:
+    """A new file ``folder/name.<random>.tmp`` (``O_EXCL``: never an existing file or link),
+    open for writing; its mode is ``mode``, or 0666 less the umask (the kernel applies it: no
+    ``os.umask`` call, which would open a window where other threads create files with no
+    umask at all)."""
+    dot, suffix = (b".", b".tmp") if isinstance(name, bytes) else (".", ".tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(tempfile.TMP_MAX):
+        token = secrets.token_hex(6)
+        tmp = os.path.join(folder, name + dot + (token.encode() if isinstance(name, bytes) else token) + suffix)
+        try:
+            fd = os.open(tmp, flags, 0o600 if mode is not None else 0o666)
+        except FileExistsError:
+            continue
+        if mode is not None:
+            try:
+                os.fchmod(fd, mode)
+            except BaseException:
+                os.close(fd)
+                os.unlink(tmp)
+                raise
+        return fd, tmp
+    raise FileExistsError(errno.EEXIST, f"no free temporary name beside {name!r}")
+
+
+def _mode_of(path: str | bytes) -> int | None:
+    """The permission bits of the existing ``path`` (None when there is none)."""
     try:
         return stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
+        return None

@@ -196,17 +196,23 @@ def connect(address: str | None = None, **kwargs: Any) -> Any:
     under the machine's external address). ``"local"`` (the address, or ``RAY_ADDRESS``
     when no other address is given) starts a private cluster through :func:`init_local`:
     Ray's own would listen on every interface, and keep a ``RAY_AUTH_MODE`` the user set.
-    Without any address this joins the cluster ``"auto"`` finds, never starting one."""
+    No address (or ``"auto"``) is refused, never guessed: Ray's ``"auto"`` takes the address
+    in ``/tmp/ray/ray_current_cluster`` (a folder any local user can write) or of any
+    ``gcs_server`` process here, whoever runs it; joining another user's cluster hands them
+    our token and lets their workers send this driver pickles."""
     env_address = os.environ.get("RAY_ADDRESS")
     target = env_address if env_address and address in (None, "auto") else address  # Ray's precedence
     if target == "local":
         return init_local(**kwargs)
+    if target in (None, "", "auto"):
+        raise ValueError("give the Ray cluster's address (host:port, or RAY_ADDRESS; 'local' for a private "
+                         "cluster): 'auto' would join whatever cluster another local user advertises")
     env = auth_env(force=False)
     if is_loopback_address(target):
         env.update(LOOPBACK_ENV)
     _apply(env)
     ray = import_ray()
-    ray.init(address=target or "auto", **kwargs)
+    ray.init(address=target, **kwargs)
     return ray
 
 
