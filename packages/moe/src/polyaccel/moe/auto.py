@@ -67,6 +67,8 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
                 kwargs["device_mesh"] = device_mesh
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+            if isinstance(model, tuple):  # output_loading_info=True: (model, info)
+                return _apply_to_fallback(model[0], backend), *model[1:]
             return _apply_to_fallback(model, backend)
         ep_setup = _expert_parallel_setup(device_mesh, parallel)
         _drop_ignored_kwargs(kwargs)
@@ -79,6 +81,8 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             model.device_mesh, model.parallel_plan = meshes, plan
             return model
         model = model_class.from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+        if isinstance(model, tuple):  # output_loading_info=True: (model, info)
+            return _finish(model[0], backend, device_mesh, parallel), *model[1:]
         return _finish(model, backend, device_mesh, parallel)
 
     @classmethod

@@ -448,16 +448,30 @@ def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.opti
             raise LayoutMismatch(
                 f"{own.name} is missing in {path}: this checkpoint was not written by {_world()} ranks with "
                 "parallel.dense=replicate; resume with the layout that wrote it")
-        optimizer.load_state_dict(load_file(own))
+        _restore(own, "optimizer state", lambda: optimizer.load_state_dict(load_file(own)))
     elif saved is None:
         raise LayoutMismatch(f"{path} keeps its optimizer state per rank (written with parallel.dense=replicate); "
                              "resume with that layout and world size")
     else:
-        set_optimizer_state_dict(model, optimizer, saved, options=StateDictOptions(full_state_dict=True))
+        _restore(path / TRAINER_STATE, "optimizer state", lambda: set_optimizer_state_dict(
+            model, optimizer, saved, options=StateDictOptions(full_state_dict=True)))
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.is_file():
-        set_rng_state(load_file(rng))
+        _restore(rng, "RNG states", lambda: set_rng_state(load_file(rng)))
     return state
+
+
+def _restore(file: Path, what: str, load: Any) -> None:
+    """Call ``load`` (restoring ``what`` from ``file``); a state it cannot take (a file that
+    passed its manifest but is not what polyaccel wrote) is a :class:`CheckpointError` naming
+    the file, not a traceback."""
+    try:
+        load()
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{file}: its {what} cannot be restored into this run ({describe(e)}); resume "
+                              "from another checkpoint, or use a new checkpoint.dir") from None
 
 
 def weights_error(path: str | Path, error: BaseException, model_shapes: dict[str, tuple[int, ...]] | None) -> CheckpointError:

@@ -316,7 +316,7 @@ def _record(line: str, path: Path, line_no: int) -> dict[str, Any]:
     """One JSONL line as a JSON object."""
     try:
         rec = json.loads(line)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, or an integer of more digits than Python converts
         raise ConfigError(f"{path}:{line_no}: not valid JSON ({e})") from None
     except RecursionError:
         raise ConfigError(f"{path}:{line_no}: not valid JSON (nested too deeply)") from None

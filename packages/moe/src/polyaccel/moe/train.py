@@ -259,8 +259,13 @@ def build_model(cfg: ModelConfig, model_config: Any, *, dtype: torch.dtype, devi
         raise ConfigError(why)
     if source is not None:
         # Loaded on the CPU, then moved: a device_map would need `accelerate`.
-        model = cls.from_pretrained(str(source), config=model_config, local_files_only=True, trust_remote_code=False,
-                                    **kwargs)
+        model, info = cls.from_pretrained(str(source), config=model_config, local_files_only=True,
+                                          trust_remote_code=False, output_loading_info=True, **kwargs)
+        if missing := sorted(info.get("missing_keys") or ()):  # Transformers would train them from random values
+            raise ckpt.CheckpointError(
+                f"{source} lacks {len(missing)} weights of the model ({', '.join(missing[:6])}"
+                f"{' ...' if len(missing) > 6 else ''}): training would start them from random values. Use a "
+                "complete checkpoint, or the model config it was written with (its config.json)")
     else:
         if device.type != "meta":
             _check_weights_fit(cls, model_config, kwargs, device)
@@ -832,7 +837,11 @@ def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
                           "or be pruned with the checkpoints. Choose a directory outside it")
     if out.is_dir():
         names = sorted(p.name for p in out.iterdir() if not p.is_dir())
-        if names and not any(n in ("config.json", _ADAPTER_CONFIG) for n in names):
+        if ckpt.MANIFEST in names or ckpt.TRAINER_STATE in names:  # another run's, or checkpoint.resume
+            raise ConfigError(f"output_dir: {out} is a training checkpoint; saving there would change its weights, "
+                              "so it could no longer be resumed from. Choose another output_dir")
+        saved = any(n in ("config.json", _ADAPTER_CONFIG) for n in names) and any(map(_WEIGHT_FILE.match, names))
+        if names and not saved:  # a config.json alone may be the user's own (a project folder)
             raise ConfigError(f"output_dir: {out} already holds files and no saved model ({', '.join(names[:5])}"
                               f"{', ...' if len(names) > 5 else ''}); saving there could overwrite or delete some. "
                               "Choose a new or empty directory")

@@ -1,0 +1,109 @@
+"""More inputs that must fail cleanly with nothing lost: an ``output_dir`` that is a training
+checkpoint (another run's, or the one named by ``checkpoint.resume``) or a folder whose only
+model-like file is a ``config.json`` (a project folder's own), a model folder whose
+safetensors lack some of the model's weights (Transformers would start them from random
+values), a data line holding an integer longer than Python converts, checkpoint RNG or
+optimizer states that pass their manifest but cannot be restored, and
+``output_loading_info=True`` through the drop-in ``from_pretrained``."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from polyaccel.moe import AutoModelForCausalLM, train
+from polyaccel.moe import checkpoint as ckpt
+from polyaccel.moe.cli import main
+from polyaccel.moe.data import build_dataset
+from polyaccel.moe.train import resolve_model_config
+from polyaccel.moe.train_config import ConfigError, DataConfig, preset
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "packages/moe/examples/tiny_synthetic_cpu.yaml"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE saved by ``save_pretrained`` (the example config's shape)."""
+    path = tmp_path_factory.mktemp("saved") / "model"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(resolve_model_config(preset("qwen3-moe-tiny").model)).save_pretrained(path)
+    return path
+
+
+def _finetune(tmp_path: Path, *sets: str) -> int:
+    return main(["finetune", str(TINY), *[a for s in ("log.progress_bar=false", "train.max_steps=1",
+                                                          f"checkpoint.dir={tmp_path / 'ck'}", *sets)
+                                          for a in ("--set", s)]])
+
+
+def test_an_output_dir_that_is_a_checkpoint_is_refused(saved, tmp_path, capsys, monkeypatch):
+    """Saving the final model over a checkpoint's files would leave its manifest wrong: the
+    checkpoint (another run's, or the one being resumed) could never be resumed from again."""
+    step = ckpt.step_dir(tmp_path / "other", 4)
+    shutil.copytree(saved, step)
+    torch.save({"step": 4, "optimizer": None}, step / ckpt.TRAINER_STATE)
+    ckpt.write_manifest(step, 4)
+    monkeypatch.setattr(train, "_load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert _finetune(tmp_path, f"output_dir={step}") == 2
+    assert "is a training checkpoint" in capsys.readouterr().err
+    assert ckpt.verify_checkpoint(step) is None and not (tmp_path / "ck").exists()
+
+
+def test_an_output_dir_holding_a_config_json_but_no_model_is_refused(tmp_path, capsys, monkeypatch):
+    """A project folder's own config.json is not a saved model: it would be overwritten."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"mine": true}')
+    (folder / "README.md").write_text("mine")
+    monkeypatch.setattr(train, "_load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert _finetune(tmp_path, f"output_dir={folder}") == 2
+    assert "already holds files and no saved model (README.md, config.json)" in capsys.readouterr().err
+    assert (folder / "config.json").read_text() == '{"mine": true}' and len(list(folder.iterdir())) == 2
+
+
+def test_a_model_folder_lacking_weights_is_refused_not_trained_from_random_values(saved, tmp_path, capsys):
+    model = shutil.copytree(saved, tmp_path / "model")
+    weights = load_file(model / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    assert _finetune(tmp_path, f"model.path={model}", f"output_dir={tmp_path / 'out'}") == 2
+    err = capsys.readouterr().err
+    assert "lacks 1 weights of the model (model.norm.weight)" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ck").exists()
+
+
+def test_a_data_line_with_an_integer_too_long_to_convert_is_a_config_error(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [' + "1" * 5000 + "]}\n")
+    with pytest.raises(ConfigError, match=rf"{data.name}:2: not valid JSON"):
+        build_dataset(DataConfig(jsonl=str(data)), seq_len=4, vocab_size=128)
+
+
+def test_from_pretrained_with_output_loading_info_returns_the_model_and_the_info(saved):
+    model, info = AutoModelForCausalLM.from_pretrained(saved, output_loading_info=True)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.backend_config is not None
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+@pytest.mark.parametrize("damage", ["rng", "optimizer"])
+def test_a_checkpoint_state_that_passes_its_manifest_but_cannot_be_restored_is_a_checkpoint_error(saved, tmp_path,
+                                                                                                  damage):
+    """Rewritten files with a matching manifest (tampered, or not written by polyaccel): the
+    resume names the file (exit 2), no raw KeyError/RuntimeError traceback."""
+    model = AutoModelForCausalLM.from_pretrained(saved)
+    optimizer = torch.optim.AdamW(model.parameters())
+    step = ckpt.save_checkpoint(tmp_path / "ck", 1, model, optimizer, {})
+    if damage == "rng":
+        name = "rng_rank0.pt"
+        torch.save({}, step / name)
+    else:
+        name = ckpt.TRAINER_STATE
+        torch.save({"step": 1, "optimizer": {"state": "x", "param_groups": 5}}, step / name)
+    ckpt.write_manifest(step, 1)
+    with pytest.raises(ckpt.CheckpointError, match=f"{name}: its .* cannot be restored"):
+        ckpt.load_trainer_state(step, model, optimizer)
