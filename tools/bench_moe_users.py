@@ -11,8 +11,8 @@ counter) trains ``--warmup + --steps`` optimizer steps of ``--accum`` micro-batc
 - ``hf-compile``: the same after ``model = torch.compile(model)`` (the strongest free peer);
 - ``hf-trainer-compile``: Transformers' model under ``transformers.Trainer(torch_compile=True)``;
 - ``loop-adamw``: our model with its default ``BackendConfig``, the same plain loop unchanged;
-- ``loop``: the same plain loop with the documented change: ``FlatAdamW`` in place of
-  ``torch.optim.AdamW`` and ``loss = step(input_ids=ids, labels=ids)`` (a
+- ``loop``: the same plain loop with the documented change: ``FlatAdamW`` (told the
+  micro-step's ``overwritten_params``) in place of ``torch.optim.AdamW`` and ``loss = step(input_ids=ids, labels=ids)`` (a
   ``GraphedMicroStep(model, grad_accum=4, wgrad_window="auto")``) in place of
   ``loss = model(...).loss; loss.backward()``;
 - ``trainer``: our model under ``polyaccel.moe.Trainer`` (batch 1, ``--accum`` accumulation steps);
@@ -84,8 +84,8 @@ def plain_loop(entry: str, config, a) -> tuple[list[float], float]:
     if entry == "loop":  # the documented two-line change
         from polyaccel.moe import FlatAdamW, GraphedMicroStep
 
-        opt = FlatAdamW(model.parameters(), lr=1e-5)
         step = GraphedMicroStep(model, grad_accum=a.accum, wgrad_window="auto") if a.device == "cuda" else None
+        opt = FlatAdamW(model.parameters(), lr=1e-5, grads_overwritten=step.overwritten_params if step else ())
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=a.device == "cuda")
     if entry == "hf-compile":

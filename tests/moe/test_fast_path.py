@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from polyaccel.moe import AutoModelForCausalLM, BackendConfig, FlatAdamW, fast_path
 from polyaccel.moe.config import compiles_layers
+from polyaccel.moe.graphed_step import overwritten_params
 from polyaccel.moe.presets import mixtral_8x7b, olmoe_1b_7b, qwen3_30b_a3b, tiny
 from polyaccel.moe.train import finetune
 from polyaccel.moe.train_config import load_config
@@ -370,3 +371,40 @@ def test_graph_needs_cuda_and_nothing_else_when_all_fits():
                                           decoder_sparse_step=2)) == 2
     assert fast_path.moe_layer_count(tiny("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[3],
                                           decoder_sparse_step=2)) == 1
+
+
+def _graph_forced_on_cpu(monkeypatch, off_from_call: int | None = None) -> None:
+    """Let the Trainer take its graphed micro-step on the CPU (it runs the same arithmetic
+    eagerly there); with ``off_from_call``, the blockers turn up from that call on."""
+    calls = []
+
+    def blockers(**kwargs):  # noqa: ANN003, ANN202
+        calls.append(kwargs)
+        return ["off for this test"] if off_from_call is not None and len(calls) >= off_from_call else []
+
+    monkeypatch.setattr(fast_path, "graph_blockers", blockers)
+
+
+@pytest.mark.parametrize("graph_kept", [True, False])
+def test_trainer_leaves_overwritten_expert_grads_to_the_micro_step(tmp_path, monkeypatch, graph_kept):
+    """With the graphed micro-step planned when the optimizer is made, FlatAdamW does not zero
+    the expert gradients that micro-step writes over at each step's first micro-batch, and the
+    run trains like transformers.Trainer; when the micro-step then does not run (blockers found
+    at the first micro-batch), FlatAdamW zeroes them again."""
+    from polyaccel.moe import Trainer
+
+    _graph_forced_on_cpu(monkeypatch, off_from_call=None if graph_kept else 2)
+    start = _model().state_dict()
+    ours, w_ours = _train(Trainer, _args(tmp_path / "ours"))
+    opt = ours.flat_optimizer()
+    skipped = sum(f.param.numel() - f.zero_end for flats in opt._flats for f in flats)
+    expert_numel = sum(p.numel() for p in overwritten_params(ours.model))
+    assert expert_numel > 0
+    if graph_kept:
+        assert ours._micro_step is not None and skipped >= expert_numel
+    else:
+        assert ours._micro_step is None and skipped == 0
+    ref, w_ref = _train(transformers.Trainer, _args(tmp_path / "ref"))
+    hist = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]  # noqa: E731
+    torch.testing.assert_close(hist(ours), hist(ref), rtol=1e-5, atol=1e-5)
+    assert _relative_gap(w_ours, w_ref, start) < 1e-4

@@ -39,9 +39,10 @@ def test_documented_two_line_loop_runs_off_cuda_like_the_plain_loop(arch, window
         opt.step()
         opt.zero_grad()
     ours = model()
-    opt = FlatAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)
     with caplog.at_level("WARNING", logger="polyaccel.moe.fast_path"):
         step = GraphedMicroStep(ours, grad_accum=4, wgrad_window=window)
+    opt = FlatAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, grads_overwritten=step.overwritten_params)
+    assert step.overwritten_params  # the expert grads really are left to the micro-step
     for batch in batches:
         for ids in batch:
             step(input_ids=ids, labels=ids)

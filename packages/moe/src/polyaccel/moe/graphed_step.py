@@ -69,6 +69,19 @@ class _Captured:
         self.kept: dict = {}
 
 
+def expert_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The trainable expert weights of ``model`` whose gradients the weight-gradient GEMM writes."""
+    return [p for m in model.modules() if getattr(m, "fuse_wgrad", False)
+            for p in m.parameters(recurse=False) if p.requires_grad]
+
+
+def overwritten_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The expert weights whose gradients a :class:`GraphedMicroStep` of ``model`` writes over
+    at each step's first micro-batch (while they stay plain, hook-free leaves; one that stops
+    being one is zeroed by the micro-step itself), known before the micro-step is built."""
+    return [p for p in expert_weights(model) if fusable(p)]
+
+
 class GraphedMicroStep:
     """``loss = step(**batch)`` runs ``model(**batch, **forward_kwargs).loss.backward()`` (or
     ``loss_fn(**batch).backward()``) and returns the loss (detached); after ``warmup`` eager
@@ -111,8 +124,7 @@ class GraphedMicroStep:
         self._kept_by: _Captured | None = None  # the kind whose graph wrote what is deferred now
         self._pool: Any = None
         self._warned = False
-        self._experts = [p for m in model.modules() if getattr(m, "fuse_wgrad", False)
-                         for p in m.parameters(recurse=False) if p.requires_grad]
+        self._experts = expert_weights(model)
 
     def __call__(self, micro_batch: tuple[int, int] | None = None, **batch: torch.Tensor) -> torch.Tensor:
         """One micro-batch. ``micro_batch=(i, n)``: the ``i``-th of the ``n`` micro-batches of
@@ -148,7 +160,7 @@ class GraphedMicroStep:
     def overwritten_params(self) -> list[torch.Tensor]:
         """The weights whose gradients a call with ``micro_batch=(0, n)`` writes over (or
         zeroes): an optimizer need not zero them (``FlatAdamW(grads_overwritten=...)``)."""
-        return [p for p in self._experts if fusable(p)]
+        return overwritten_params(self.model)
 
     # ---- internals --------------------------------------------------------------------------
     def _auto_window(self, batch: dict[str, torch.Tensor]) -> int:

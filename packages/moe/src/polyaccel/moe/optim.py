@@ -217,6 +217,18 @@ class FlatAdamW(torch.optim.Optimizer):
             squares.append(torch.linalg.vector_norm(flat.grad, dtype=dtype).square().float())
         return torch.stack(squares).sum().sqrt()
 
+    def zero_every_grad(self) -> None:
+        """Zero every gradient from now on, ``grads_overwritten``'s too (now and at each
+        :meth:`step`): for a caller that planned to write over them and then does not."""
+        self._overwritten = frozenset()
+        for flats in self._flats:
+            for flat in flats:
+                known_zero = flat.zeroed_version == flat.grad._version
+                flat.grad[flat.zero_end:].zero_()
+                flat.zero_end = flat.param.numel()
+                if known_zero:
+                    flat.zeroed_version = flat.grad._version
+
     def scale_next_step(self, grad_scale: torch.Tensor | None) -> None:
         """Multiply the gradients by ``grad_scale`` in the next :meth:`step` (when that call is
         given none itself): for callers that cannot pass it, e.g. a Trainer that clips before

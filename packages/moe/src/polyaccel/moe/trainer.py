@@ -6,7 +6,8 @@ logged once where it does not:
 
 - the optimizer: for ``optim="adamw_torch"`` / ``"adamw_torch_fused"`` (Transformers'
   defaults), :class:`~polyaccel.moe.optim.FlatAdamW`, the same AdamW math over one flat
-  buffer per group, with Trainer's weight-decay groups and hyperparameters;
+  buffer per group, with Trainer's weight-decay groups and hyperparameters (leaving the expert
+  gradients that the graphed micro-step writes over unzeroed when that micro-step will run);
 - gradient clipping: the norm is measured on the device and the clipping factor is applied
   inside FlatAdamW's pass (no host sync, no extra pass over the gradients);
 - the micro-step: on one CUDA device with a polyaccel model, each micro-batch's forward and
@@ -33,6 +34,7 @@ import transformers
 from torch import nn
 
 from polyaccel.moe import fast_path
+from polyaccel.moe.graphed_step import overwritten_params
 from polyaccel.moe.optim import FlatAdamW, clip_coefficient, grad_norm
 
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
@@ -73,9 +75,12 @@ class FastPathMixin:
             elif not trainable or any(type(p.data) is not torch.Tensor for p in trainable):
                 fast_path.say_once("FlatAdamW off: parameters are sharded (DTensor) or none is trainable")
             else:
+                # Expert weights whose gradients the graphed micro-step will write over need no
+                # zeroing in the optimizer's pass (2 of the 16 bytes per parameter it moves).
+                overwritten = [] if self._graph_blockers(opt_model, flat_adamw=True) else overwritten_params(opt_model)
                 self.optimizer_cls_and_kwargs = (FlatAdamW, {
                     "lr": self.args.learning_rate, "betas": (self.args.adam_beta1, self.args.adam_beta2),
-                    "eps": self.args.adam_epsilon})
+                    "eps": self.args.adam_epsilon, "grads_overwritten": overwritten})
         return super().create_optimizer(model)
 
     def flat_optimizer(self) -> FlatAdamW | None:
@@ -190,23 +195,13 @@ class FastPathMixin:
         if self._graph_checked:
             return self._micro_step
         self._graph_checked = True
-        from polyaccel.moe.models.base import MoeForCausalLM
-
         device = next(model.parameters()).device
         config = getattr(model, "config", None)
-        why = fast_path.graph_blockers(
-            device=device, fsdp=False, optimizer="flat_adamw" if self.flat_optimizer() else "adamw",
-            activation_checkpointing=bool(self.args.gradient_checkpointing),
-            peft=not isinstance(model, MoeForCausalLM) and hasattr(model, "peft_config"),
-            param_dtype=next(model.parameters()).dtype)
-        for unmet, reason in ((not isinstance(model, MoeForCausalLM), "the model is not a polyaccel MoE model"),
-                              (self.accelerator.num_processes > 1 or self.args.n_gpu > 1,
-                               "several processes or GPUs (DDP/FSDP) run the step"),
-                              (self.label_smoother is not None or self.compute_loss_func is not None,
-                               "a custom loss (label smoothing or compute_loss_func) is set")):
-            if unmet:
-                why.append(reason)
+        opt = self.flat_optimizer()
+        why = self._graph_blockers(model, flat_adamw=opt is not None)
         if why:
+            if opt is not None:
+                opt.zero_every_grad()  # no micro-step writes over the expert gradients
             if device.type == "cuda":
                 fast_path.say_once("Trainer: CUDA graph per micro-step off: " + "; ".join(why))
             return None
@@ -221,6 +216,24 @@ class FastPathMixin:
         self._micro_step = GraphedMicroStep(model, warmup=2, wgrad_window=plan.wgrad_window,
                                             loss_fn=functools.partial(self._graph_loss, model))
         return self._micro_step
+
+    def _graph_blockers(self, model: nn.Module, flat_adamw: bool) -> list[str]:
+        """Why this run's micro-step cannot replay as a CUDA graph (empty: it can)."""
+        from polyaccel.moe.models.base import MoeForCausalLM
+
+        why = fast_path.graph_blockers(
+            device=next(model.parameters()).device, fsdp=False, optimizer="flat_adamw" if flat_adamw else "adamw",
+            activation_checkpointing=bool(self.args.gradient_checkpointing),
+            peft=not isinstance(model, MoeForCausalLM) and hasattr(model, "peft_config"),
+            param_dtype=next(model.parameters()).dtype)
+        for unmet, reason in ((not isinstance(model, MoeForCausalLM), "the model is not a polyaccel MoE model"),
+                              (self.accelerator.num_processes > 1 or self.args.n_gpu > 1,
+                               "several processes or GPUs (DDP/FSDP) run the step"),
+                              (self.label_smoother is not None or self.compute_loss_func is not None,
+                               "a custom loss (label smoothing or compute_loss_func) is set")):
+            if unmet:
+                why.append(reason)
+        return why
 
     def _graph_loss(self, model: nn.Module, **batch: torch.Tensor) -> torch.Tensor:
         """Trainer's loss of one micro-batch (what ``compute_loss`` + ``training_step`` back-propagate)."""
