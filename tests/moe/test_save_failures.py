@@ -5,7 +5,8 @@ run that would keep nothing is refused; a refused run creates no directory; the 
 is strict; a closed stdout ends ``presets`` quietly and never stops a training run, another
 broken pipe (a metrics log FIFO whose reader left) is one warning naming it while training
 goes on, not 141; a failure after a
-checkpoint's rename (pruning, the directory sync) is a warning, the checkpoint is written.
+checkpoint's rename (pruning, the directory sync) is a warning, the checkpoint is written; a
+kill between the final save's moves leaves a folder that does not load (never mixed weights).
 Also: the rescue folder holds the tokenizer as ``output_dir`` would, and the line says it is
 private and when a reboot deletes it (tmpfs); a checkpoint write that fails
 removes the directories it created (only those, when empty); JSON nested too deeply in the
@@ -477,3 +478,38 @@ def test_a_ray_summary_that_cannot_be_read_is_a_clean_error_naming_it(tmp_path, 
     assert code == 2 and out == "", err
     assert f"summary {handed_back / SUMMARY_FILE} cannot be read: {why}" in line
     assert f"output_dir {tmp_path / 'out'} and checkpoint.dir {tmp_path / 'ck'}" in line
+
+
+class _Killed(BaseException):
+    """A kill, as far as the code under test can tell (nothing catches it)."""
+
+
+def test_a_kill_between_the_final_moves_leaves_a_folder_that_does_not_load_and_a_rerun_writes_it(
+        tmp_path, capsys, monkeypatch):
+    """The final save moves its files into output_dir one by one: a kill after the first one
+    must not leave the new weights under the earlier save's config (a model that loads, mixed).
+    The earlier config goes first and the new one comes last, and a rerun writes there again."""
+    out = tmp_path / "final"
+    sets = [f"output_dir={out}", "checkpoint.dir=null"]
+    assert _cli(capsys, *sets)[0] == 0
+    first = load_file(out / "model.safetensors")
+    real_replace, moves = os.replace, []
+
+    def killed_on_the_second_move(src, dst, *args, **kwargs):
+        if train._STAGING in str(src):
+            moves.append(dst)
+            if len(moves) == 2:
+                raise _Killed
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", killed_on_the_second_move)
+    with pytest.raises(_Killed):
+        _cli(capsys, *sets, "train.seed=7")
+    monkeypatch.undo()
+    moved = load_file(out / "model.safetensors")
+    assert any(not torch.equal(moved[k], first[k]) for k in first)  # the new weights are in
+    assert not (out / "config.json").exists()  # ... and the folder does not load as a model
+    code, _, err = _cli(capsys, *sets, "train.seed=7")
+    assert code == 0, err
+    assert (out / "config.json").is_file() and not (out / train._STAGING).exists()
+    transformers.AutoConfig.from_pretrained(out)

@@ -841,6 +841,7 @@ def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
             raise ConfigError(f"output_dir: {out} is a training checkpoint; saving there would change its weights, "
                               "so it could no longer be resumed from. Choose another output_dir")
         saved = any(n in ("config.json", _ADAPTER_CONFIG) for n in names) and any(map(_WEIGHT_FILE.match, names))
+        saved = saved or (out / _STAGING).is_dir()  # our own save, cut off by a kill
         if names and not saved:  # a config.json alone may be the user's own (a project folder)
             raise ConfigError(f"output_dir: {out} already holds files and no saved model ({', '.join(names[:5])}"
                               f"{', ...' if len(names) > 5 else ''}); saving there could overwrite or delete some. "
@@ -1194,15 +1195,20 @@ def _print_metrics(line: str) -> None:
 
 
 _STAGING = ".polyaccel-partial"
+_MODEL_MARKERS = ("config.json", "adapter_config.json")
+"""The files that make a folder load as a model (Transformers) or as adapters (PEFT)."""
 _WEIGHT_FILE = re.compile(r"^(model|adapter_model|pytorch_model)([-.].*)?\.(safetensors|bin)(\.index\.json)?$")
 
 
 def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: Path | None = None) -> None:
     """Write the final model into ``out`` (default ``cfg.output_dir``): first whole into a
     staging folder inside it (a kill leaves the folder as it was), then each file moved in
-    with ``os.replace``, configs last; weight files of an earlier save there that this one
-    lacks are deleted, other files are left alone. A failed write removes the staging folder
-    and the directories it created, then raises."""
+    with ``os.replace``, the config that makes the folder load as a model last, after the
+    earlier save's config is removed (a kill between the moves leaves a folder that does not
+    load, never new weights beside old ones under the old config; a rerun may write there
+    again); weight files of an earlier save there that this one lacks are deleted, other
+    files are left alone. A failed write removes the staging folder and the directories it
+    created, then raises."""
     out = Path(cfg.output_dir) if out is None else Path(out)
     created = _missing_dirs(out)
     staging = out / _STAGING
@@ -1219,7 +1225,11 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
         shutil.rmtree(staging, ignore_errors=True)
         _remove_empty_dirs(created)
         raise
-    written = sorted((p.name for p in staging.iterdir()), key=lambda n: not _WEIGHT_FILE.match(n))
+    written = sorted((p.name for p in staging.iterdir()),
+                     key=lambda n: 2 if n in _MODEL_MARKERS else 0 if _WEIGHT_FILE.match(n) else 1)
+    for name in _MODEL_MARKERS:
+        with contextlib.suppress(FileNotFoundError):
+            (out / name).unlink()
     for name in written:
         os.replace(staging / name, out / name)
     for old in out.iterdir():
