@@ -3,8 +3,9 @@ checkpoint (another run's, or the one named by ``checkpoint.resume``) or a folde
 model-like file is a ``config.json`` (a project folder's own), a model folder whose
 safetensors lack some of the model's weights (Transformers would start them from random
 values), a data line holding an integer longer than Python converts, checkpoint RNG or
-optimizer states that pass their manifest but cannot be restored, and
-``output_loading_info=True`` through the drop-in ``from_pretrained``."""
+optimizer states that pass their manifest but cannot be restored,
+``output_loading_info=True`` through the drop-in ``from_pretrained``, and model configs that
+cannot be built (10^8 layers, top-0 routing), refused before building."""
 
 from __future__ import annotations
 
@@ -107,3 +108,24 @@ def test_a_checkpoint_state_that_passes_its_manifest_but_cannot_be_restored_is_a
     ckpt.write_manifest(step, 1)
     with pytest.raises(ckpt.CheckpointError, match=f"{name}: its .* cannot be restored"):
         ckpt.load_trainer_state(step, model, optimizer)
+
+
+@pytest.mark.parametrize("edit, why", [
+    ({"num_hidden_layers": 100_000_000}, "take at least"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok=0"),
+])
+def test_a_model_config_json_that_cannot_be_built_is_refused_before_building(saved, tmp_path, capsys, monkeypatch,
+                                                                             edit, why):
+    """A config.json of 10^8 layers would build modules until the host runs out of memory,
+    before the exact count on the meta device; top-0 routing fails only at the first forward.
+    Both are refused (exit 2) before any model is built or anything written."""
+    import json
+
+    model = shutil.copytree(saved, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **edit}))
+    monkeypatch.setattr(train, "_load_model", lambda *a, **k: pytest.fail("the model was built"))
+    assert _finetune(tmp_path, f"model.path={model}", f"output_dir={tmp_path / 'out'}") == 2
+    err = capsys.readouterr().err
+    assert why in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ck").exists()

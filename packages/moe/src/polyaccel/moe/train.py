@@ -194,8 +194,10 @@ def validate(cfg: FinetuneConfig, model_config: Any) -> None:
     experts = next((getattr(model_config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
                     if getattr(model_config, k, None)), None)
     top_k = getattr(model_config, "num_experts_per_tok", None)
-    if experts and top_k and top_k > experts:
-        raise ConfigError(f"the model config routes each token to num_experts_per_tok={top_k} experts of {experts}")
+    if experts and top_k is not None and not 1 <= top_k <= experts:
+        raise ConfigError(f"the model config routes each token to num_experts_per_tok={top_k} experts of {experts} "
+                          "(it must be 1 to the number of experts)")
+    _check_layers_fit(model_config)
     max_pos = getattr(model_config, "max_position_embeddings", None)
     if max_pos is not None and t.seq_len > max_pos:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds the model's max_position_embeddings={max_pos}")
@@ -292,6 +294,28 @@ def available_memory(device: torch.device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
+
+
+_LAYER_FLOOR_BYTES = 16 * 1024
+"""What a decoder layer takes in host memory at the least, weights aside: its modules and
+parameter objects (23-40 KiB per layer of the tiny presets of all four architectures, built on
+the meta device, by tracemalloc)."""
+
+
+def _check_layers_fit(model_config: Any) -> None:
+    """Refuse a config whose layers could not fit the host's memory even at their smallest
+    (each at least two ``hidden_size``-square bf16 attention matrices plus its module objects),
+    before anything is built: ``num_hidden_layers: 100000000`` in a config.json would
+    otherwise build modules one by one until the machine runs out of memory, before the exact
+    count on the meta device could run."""
+    layers, hidden = (getattr(model_config, k, 0) or 0 for k in ("num_hidden_layers", "hidden_size"))
+    if not (isinstance(layers, int) and isinstance(hidden, int)):  # (Transformers' configs check the types)
+        return
+    floor = layers * (2 * 2 * hidden * hidden + _LAYER_FLOOR_BYTES)
+    free = available_memory(torch.device("cpu"))
+    if free is not None and floor > free:
+        raise ConfigError(f"the model config's {layers} layers of hidden size {hidden} take at least "
+                          f"{floor / 2**30:.1f} GiB of host memory; {free / 2**30:.1f} GiB is available")
 
 
 def _check_weights_fit(cls: Any, model_config: Any, kwargs: dict[str, Any], device: torch.device) -> None:
