@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import struct
 
 import numpy as np
@@ -256,3 +258,9 @@ def test_convert_command_replaces_nothing_and_says_why(synthetic, tmp_path, caps
 
     assert convert_main([str(src), str(tmp_path / "new" / "hf")]) == 0
     assert json.loads((tmp_path / "new" / "hf" / "config.json").read_text())["suppress_tokens"] == [1, 2]
+    umask = os.umask(0o027)  # the new folder's mode is what the umask allows (not mkdtemp's 0700)
+    try:
+        assert convert_main([str(src), str(tmp_path / "grp")]) == 0
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "grp").stat().st_mode) == 0o750

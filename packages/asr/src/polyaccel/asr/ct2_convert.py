@@ -469,8 +469,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     OUT must be new (or an empty folder); it appears complete or not at all. Exit status 0, or
     2 with the reason (bad or missing source, an OUT that exists)."""
     import argparse
+    import secrets
     import sys
-    import tempfile
 
     p = argparse.ArgumentParser(prog="polyaccel-asr convert",
                                 description="Convert a CTranslate2 Whisper model to a new Hugging Face directory "
@@ -485,10 +485,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_new_dir(out)
         out.absolute().parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.absolute().name}.", dir=out.absolute().parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the model from other users
+        tmp = out.absolute().parent / f".{out.absolute().name}.{secrets.token_hex(6)}"
+        tmp.mkdir(0o777)  # the umask applies (mkdtemp's 0700 would hide the model from other users)
         convert_ct2_whisper(src, tmp, assets_dir=a.assets_dir)
         _check_new_dir(out)
         os.rename(tmp, out)
