@@ -124,8 +124,23 @@ def test_a_model_config_json_that_cannot_be_built_is_refused_before_building(sav
     model = shutil.copytree(saved, tmp_path / "model")
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, **edit}))
-    monkeypatch.setattr(train, "_load_model", lambda *a, **k: pytest.fail("the model was built"))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("the model was built"))
     assert _finetune(tmp_path, f"model.path={model}", f"output_dir={tmp_path / 'out'}") == 2
     err = capsys.readouterr().err
     assert why in err and "Traceback" not in err, err
     assert not (tmp_path / "out").exists() and not (tmp_path / "ck").exists()
+
+
+def test_the_layer_floor_is_checked_where_the_model_is_built_not_on_a_driver(monkeypatch):
+    """A Ray driver validates the run but builds nothing: a DeepSeek-V3-sized config passes
+    validate() on a driver with 1 GiB free, and is refused only where it would be built."""
+    from polyaccel.moe.train_config import load_config
+
+    monkeypatch.setattr(train, "available_memory", lambda device: 2**30)
+    cfg = load_config(TINY, [])
+    big = resolve_model_config(preset("qwen3-moe-tiny").model)
+    big.num_hidden_layers, big.hidden_size = 61, 7168
+    train.validate(cfg, big)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(ConfigError, match="take at least"):
+        train.build_model(cfg.model, big, dtype=torch.bfloat16, device=torch.device("cpu"))

@@ -197,7 +197,6 @@ def validate(cfg: FinetuneConfig, model_config: Any) -> None:
     if experts and top_k is not None and not 1 <= top_k <= experts:
         raise ConfigError(f"the model config routes each token to num_experts_per_tok={top_k} experts of {experts} "
                           "(it must be 1 to the number of experts)")
-    _check_layers_fit(model_config)
     max_pos = getattr(model_config, "max_position_embeddings", None)
     if max_pos is not None and t.seq_len > max_pos:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds the model's max_position_embeddings={max_pos}")
@@ -249,6 +248,7 @@ def build_model(cfg: ModelConfig, model_config: Any, *, dtype: torch.dtype, devi
                 weights: str | Path | None = None) -> nn.Module:
     """Instantiate the model in ``dtype`` on ``device``: random init from ``model_config``, or
     the weights of ``weights`` (a checkpoint to resume) or ``cfg.path``."""
+    _check_layers_fit(model_config)  # here, where the model is built (not on a Ray driver)
     cls, _ = auto_model_class(cfg.implementation)
     kwargs: dict[str, Any] = {"dtype": dtype}
     backend = backend_config(cfg)
