@@ -399,3 +399,66 @@ def test_the_writer_appends_whole_lines_and_repairs_only_when_needed(tmp_path: P
     with ResultsWriter(out) as w:  # the failed line is dropped: rewritten
         assert w.done == {"a.wav"}
     assert out.stat().st_ino != inode and [r["path"] for r in load_results(out)] == ["a.wav"]
+
+
+# ---- -o -, hard-linked outputs, control characters in names ------------------------------------------
+
+
+def test_dash_as_output_is_refused_not_a_file_named_dash(loads: list[str], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    wav = _wav(tmp_path / "a.wav")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        _run(str(wav), "-o", "-")
+    assert e.value.code == 2 and "'-' (standard output) is not supported" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav"] and loads == []
+    assert "-o - is refused" in " ".join(cli.TRANSCRIBE_HELP.split())
+    assert _run(str(wav), "-o", "./-") == 0 and len(_results(tmp_path / "-")) == 1  # a file named '-' if spelt so
+
+
+def test_a_hard_linked_output_is_refused(loads: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Two names of one results file would take two locks (the lock goes by name): refused."""
+    wav = _wav(tmp_path / "a.wav")
+    out, other = tmp_path / "out.jsonl", tmp_path / "other.jsonl"
+    assert _run(str(tmp_path / "gone.wav"), str(wav), "-o", str(out)) == 1  # something left to retry
+    before = out.read_bytes()
+    os.link(out, other)
+    with OutputLock(out):  # a run on out.jsonl is under way; the other name must not slip past it
+        for name in (other, out):
+            assert _run(str(wav), "-o", str(name)) == 2
+            assert f"-o {name}: has 2 hard links; a results file must have one name" in capsys.readouterr().err
+    assert out.read_bytes() == before and os.path.samefile(out, other) and loads == [loads[0]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav", "other.jsonl", "out.jsonl"]
+    other.unlink()
+    assert _run(str(wav), "-o", str(out)) == 0
+
+
+def test_control_characters_in_names_are_escaped_on_stderr(loads: list[str], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A newline or ESC in a file name cannot start a fake line or reach the terminal; the
+    results keep the exact name."""
+    bad = tmp_path / "x\n2 ok, 0 failed\x1b[2J.wav"
+    bad.write_bytes(b"not audio")
+    good = _wav(tmp_path / "ok\x07.wav")
+    out = tmp_path / "out\n.jsonl"
+    assert cli.main(["transcribe", str(bad), str(good), "-o", str(out)]) == 1  # not -q: failures listed
+    err = capsys.readouterr().err
+    assert "\x1b" not in err + caplog.text and "\x07" not in err
+    assert f"{tmp_path}/x\\n2 ok, 0 failed\\x1b[2J.wav: not an audio file" in caplog.text  # the log warning
+    assert f"  failed: {tmp_path}/x\\n2 ok, 0 failed\\x1b[2J.wav: " in err
+    assert not any(ln.startswith("2 ok") for ln in err.splitlines()), "no fake summary line"
+    assert [r["path"] for r in _results(out)] == [str(bad), str(good)]
+    assert _run(str(tmp_path / "no\nsuch.wav"), "-o", str(out)) == 2  # usage errors too
+    assert f"no such file or directory: {tmp_path}/no\\nsuch.wav\n" in capsys.readouterr().err
+
+    # export and wer say names the same way
+    assert cli.main(["export", str(out), "-f", "txt", "-d", str(tmp_path / "t\x1bd")]) == 1
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and f"  skipped {tmp_path}/x\\n2 ok, 0 failed\\x1b[2J.wav: it failed" in err
+    assert f"1 written to {tmp_path}/t\\x1bd, 1 not\n" in err and (tmp_path / "t\x1bd" / "ok\x07.txt").exists()
+    refs = tmp_path / "refs.jsonl"
+    refs.write_text(json.dumps({"path": str(good), "text": "x"}) + "\n")
+    assert cli.main(["wer", "--refs", str(refs), "--hyps", str(tmp_path / "h\x1b[31m.jsonl")]) == 2
+    assert f"results file not found: {tmp_path}/h\\x1b[31m.jsonl\n" in capsys.readouterr().err

@@ -553,10 +553,12 @@ def _has_av() -> bool:
 def _warn_mp3_whole(path: Path) -> None:
     import logging
 
+    from polyaccel.asr.results_file import printable
+
     if not _mp3_warned:
         logging.getLogger(__name__).warning(
             "%s: long MP3 read whole (libsndfile garbles MP3 read in blocks); for bounded memory "
-            "pip install '%s'", path, AV_REQUIREMENT)
+            "pip install '%s'", printable(path), AV_REQUIREMENT)
     _mp3_warned.add(str(path))
 
 

@@ -47,7 +47,8 @@ Lines are written in input order as results arrive. Rerunning with the same -o r
 already transcribed without error are skipped, failed ones are retried, a torn last line is
 repaired. Audio longer than the model's window (30 s for Whisper) is cut into overlapping
 windows and stitched back. Nothing is written before the model has loaded; an existing -o that
-is not a results file, or that is one of the inputs, is refused. One run at a time per -o.
+is not a results file, or that is one of the inputs, is refused. One run at a time per -o (a
+results file with other hard links is refused). -o - is refused: results go to a file, not stdout.
 
 exit status: 0 every input transcribed (now or by an earlier run), 1 some files failed (or the
 run stopped early), 2 usage error (nothing written), 3 nothing transcribed (every file failed),
@@ -63,11 +64,14 @@ class UsageError(Exception):
 
 
 def _output_name(text: str) -> str:
-    """An argparse type: a non-empty output file name that is not named like audio."""
+    """An argparse type: a non-empty output file name that is not ``-`` or named like audio."""
     from polyaccel.asr.audio import AUDIO_EXTENSIONS
 
     if not text or text.endswith(os.sep):
         raise argparse.ArgumentTypeError(f"expected a file name, got {text!r}")
+    if text == "-":  # not stdout: a resumable run needs a file to read back (./- names a file)
+        raise argparse.ArgumentTypeError("'-' (standard output) is not supported: results are resumed from a "
+                                         "file, so give a file name (./- for a file named '-')")
     if os.path.splitext(text)[1].lower() in AUDIO_EXTENSIONS:
         raise argparse.ArgumentTypeError(f"{text!r} is named like an audio file; results are JSONL")
     return text
@@ -102,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("inputs", nargs="+", metavar="INPUT", help="audio files, directories or manifest .jsonl files")
     t.add_argument("-o", "--output", required=True, type=_output_name,
-                   help="results JSONL (appended to when resuming; any other existing file is refused)")
+                   help="results JSONL (appended to when resuming; any other existing file is refused, "
+                        "and so is one with other hard links; '-' is refused: no results on stdout)")
     model_args(t)
     t.add_argument("--refs", help="reference texts: JSONL {path|id, text} or Sphinx '<s> text </s> (id)' lines")
     t.add_argument("--overwrite", action="store_true",
@@ -163,7 +168,9 @@ def _main(argv: list[str]) -> int:
         return {"transcribe": cmd_transcribe, "wer": cmd_wer, "bench": cmd_bench,
                 "compile": cmd_compile}[args.command](args)
     except UsageError as e:
-        print(f"polyaccel-asr {args.command}: error: {e}", file=sys.stderr)
+        from polyaccel.asr.results_file import printable
+
+        print(f"polyaccel-asr {args.command}: error: {printable(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; rerun the same command to resume", file=sys.stderr)
@@ -177,7 +184,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     """Transcribe inputs into args.output, resuming if it exists; print a summary; return the
     exit status (see the module docstring)."""
     from polyaccel.asr.manifest import attach_refs, read_refs
-    from polyaccel.asr.results_file import completed, path_key, record_path
+    from polyaccel.asr.results_file import completed, path_key, printable, record_path
 
     items = _gather(args.inputs)
     if args.refs:
@@ -190,7 +197,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         todo = [it for it in items if path_key(it.path) not in done]
         skipped = len(items) - len(todo)
         if skipped and not args.quiet:
-            print(f"resuming {args.output}: {skipped} of {len(items)} already done", file=sys.stderr)
+            print(f"resuming {printable(args.output)}: {skipped} of {len(items)} already done", file=sys.stderr)
         start = time.perf_counter()
         counts = _run(todo, args, out, kept)
     return _report(args, counts, skipped, time.perf_counter() - start)
@@ -378,7 +385,7 @@ def _finish(rec: dict[str, Any], item: Any) -> dict[str, Any]:
 
 def _report(args: argparse.Namespace, c: _Counts, skipped: int, wall: float) -> int:
     """Print the summary (and failed files, and WER with references); return the exit status."""
-    from polyaccel.asr.results_file import load_results
+    from polyaccel.asr.results_file import load_results, printable
 
     print(f"{c.ok} ok, {c.failed} failed, {skipped} skipped; {c.audio_s:.1f} s of audio in {wall:.1f} s: "
           f"RTFx {c.audio_s / wall if wall > 0 else 0:.1f} (end to end, feature extraction included)",
@@ -386,7 +393,7 @@ def _report(args: argparse.Namespace, c: _Counts, skipped: int, wall: float) -> 
     records = load_results(args.output)
     for rec in records if c.failed and not args.quiet else []:
         if rec.get("error"):
-            print(f"  failed: {rec['path']}: {rec['error']}", file=sys.stderr)
+            print(printable(f"  failed: {rec['path']}: {rec['error']}"), file=sys.stderr)
     with_refs = [r for r in records if r.get("ref") is not None and not r.get("error")]
     if with_refs:
         from polyaccel.asr.wer import wer_counts
@@ -395,7 +402,7 @@ def _report(args: argparse.Namespace, c: _Counts, skipped: int, wall: float) -> 
         print(f"WER {100 * wc.wer:.2f}% over {len(with_refs)} files ({wc.ref_words} reference words)",
               file=sys.stderr)
     if c.stopped:
-        print(f"stopped early: {c.stopped}; rerun the same command to resume", file=sys.stderr)
+        print(f"stopped early: {printable(c.stopped)}; rerun the same command to resume", file=sys.stderr)
         return EXIT_SOME_FAILED
     if c.failed and not c.ok and not skipped:
         print(f"nothing was transcribed: {_files(c.failed)} failed, none done before", file=sys.stderr)
@@ -404,7 +411,7 @@ def _report(args: argparse.Namespace, c: _Counts, skipped: int, wall: float) -> 
         print(f"{_files(c.failed)} failed; rerun the same command to retry them", file=sys.stderr)
         return EXIT_SOME_FAILED
     if not c.ok and not args.quiet:
-        print(f"nothing to do: all {_files(skipped)} are already in {args.output}", file=sys.stderr)
+        print(f"nothing to do: all {_files(skipped)} are already in {printable(args.output)}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -573,6 +580,7 @@ def _read_hyps(path: str) -> list[dict[str, Any]]:
 def cmd_bench(args: argparse.Namespace) -> int:
     """RTFx of the whole pipeline (audio already in memory) at each batch size; JSON lines."""
     from polyaccel.asr.audio import AudioError, load_audio
+    from polyaccel.asr.results_file import printable
 
     try:
         sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
@@ -585,7 +593,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         try:
             audio.append(load_audio(it.path))
         except AudioError as e:
-            print(f"skipping {it.path}: {e}", file=sys.stderr)
+            print(printable(f"skipping {it.path}: {e}"), file=sys.stderr)
     if not audio:
         raise UsageError("no readable audio")
     audio = audio * max(1, args.repeat)

@@ -492,7 +492,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.rename(tmp, out)
     except (OSError, ValueError, KeyError, TypeError) as e:
         reason = f"{e.args[0]!r} missing from the model or its tokenizer.json" if isinstance(e, KeyError) else e
-        print(f"polyaccel-asr convert: error: {reason}", file=sys.stderr)
+        from polyaccel.asr.results_file import printable
+
+        print(f"polyaccel-asr convert: error: {printable(reason)}", file=sys.stderr)
         return 2
     finally:
         if tmp is not None and tmp.exists():

@@ -116,7 +116,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise ExportUsageError(f"cannot read {args.results}: {e.strerror or e}") from None
         out_dir = _out_dir(args.dir)
     except ExportUsageError as e:
-        print(f"polyaccel-asr export: error: {e}", file=sys.stderr)
+        _say(f"polyaccel-asr export: error: {e}")
         return EXIT_USAGE
 
     # one line per input: a resumed file's good line over its failed one; a failure said once
@@ -128,42 +128,48 @@ def cmd_export(args: argparse.Namespace) -> int:
         shown = rec.get("path", path)
         if rec.get("error"):
             problems += 1
-            print(f"  skipped {shown}: it failed ({rec['error']})", file=sys.stderr)
+            _say(f"  skipped {shown}: it failed ({rec['error']})")
             continue
         try:
             body = render(rec, args.format)
         except ValueError as e:
             problems += 1
-            print(f"  skipped {shown}: {e}", file=sys.stderr)
+            _say(f"  skipped {shown}: {e}")
             continue
         target = _target(out_dir, path, args.format, taken)
         if _same_file(target, args.results):
             problems += 1
-            print(f"  skipped {shown}: {_show(target)} is the results file itself", file=sys.stderr)
+            _say(f"  skipped {shown}: {_show(target)} is the results file itself")
             continue
         if inputs and _file_id(target) in inputs:
             problems += 1
-            print(f"  skipped {shown}: {_show(target)} is an input that was transcribed; never replaced",
-                  file=sys.stderr)
+            _say(f"  skipped {shown}: {_show(target)} is an input that was transcribed; never replaced")
             continue
         try:
             _write(target, body, args.overwrite)
         except FileExistsError:
             problems += 1
-            print(f"  skipped {shown}: {_show(target)} exists (--overwrite replaces it)", file=sys.stderr)
+            _say(f"  skipped {shown}: {_show(target)} exists (--overwrite replaces it)")
             continue
         except OSError as e:
             problems += 1
-            print(f"  failed {shown}: cannot write {_show(target)}: {e.strerror or e}", file=sys.stderr)
+            _say(f"  failed {shown}: cannot write {_show(target)}: {e.strerror or e}")
             continue
         written += 1
         if not args.quiet and os.path.basename(target) != _name(path, args.format):
-            print(f"  {shown} -> {_show(target)} (name taken by another input)", file=sys.stderr)
+            _say(f"  {shown} -> {_show(target)} (name taken by another input)")
     if not args.quiet or problems:
-        print(f"{written} written to {args.dir}, {problems} not", file=sys.stderr)
+        _say(f"{written} written to {args.dir}, {problems} not")
     if problems and not written:
         return EXIT_NOTHING_DONE
     return EXIT_SOME_FAILED if problems else EXIT_OK
+
+
+def _say(message: str) -> None:
+    """One line on stderr, the paths it quotes escaped (a newline in a name cannot start a line)."""
+    from polyaccel.asr.results_file import printable
+
+    print(printable(message), file=sys.stderr)
 
 
 def _show(name: bytes) -> str:

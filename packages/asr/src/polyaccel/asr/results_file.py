@@ -48,6 +48,22 @@ def path_key(path: str) -> str:
     return os.path.join(os.path.realpath(head), tail)
 
 
+def printable(text: object) -> str:
+    """``text`` (a path, or a message quoting one) safe on one line of a terminal: undecodable
+    bytes as ``\\xNN`` (as in a record's ``path``), control and other unprintable characters
+    escaped the way Python writes them (``\\n``, ``\\x1b``, ``\\u202e``). For messages only:
+    records keep the exact path."""
+    if not isinstance(text, bytes):
+        text = str(text)
+        try:
+            text = text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate that is no file name's byte: escaped below
+            pass
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def encode_path(record: dict[str, Any]) -> dict[str, Any]:
     """``record`` as written: a path that is not valid UTF-8 gets a readable ``path`` and an
     exact ``path_bytes``."""
@@ -258,7 +274,9 @@ class ResultsWriter:
 
 def output_problem(path: str, protected: Iterable[str]) -> str | None:
     """Why ``path`` must not be written (None if it may): a directory, a device, FIFO or
-    socket, or the same file as one of ``protected`` (the inputs, manifests, references)."""
+    socket, the same file as one of ``protected`` (the inputs, manifests, references), or a
+    file with other hard links (their runs would take other locks, and a resume's repair,
+    which renames a new file over this name, would part them)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -273,6 +291,9 @@ def output_problem(path: str, protected: Iterable[str]) -> str | None:
     for p in protected:
         if os.path.realpath(p) == real or (st is not None and _same_inode(p, st)):
             return f"is an input ({p}); refusing to overwrite it, even with --overwrite"
+    if st is not None and st.st_nlink > 1:
+        return (f"has {st.st_nlink} hard links; a results file must have one name (runs under two names "
+                "would not lock each other out): copy it, or remove the other links")
     return None
 
 

@@ -44,6 +44,7 @@ from polyaccel.asr.audio import (
     window_bounds,
 )
 from polyaccel.asr.manifest import InputItem
+from polyaccel.asr.results_file import printable
 from polyaccel.asr.timestamps import (
     TimedText,
     decode_tail,
@@ -462,7 +463,7 @@ class Transcriber:
         note = (f"window {win.win} ({a:.1f}-{b:.1f} s): {words} words in {out.speech_s:.1f} s of speech "
                 f"({rate:.2f} words/s{', after re-decoding' if out.redecoded else ''}); {what}")
         p.result.warnings.append(note)
-        log.warning("%s: %s", p.result.path, note)
+        log.warning("%s: %s", printable(p.result.path), note)
 
     def _finish(self, p: _Pending, m: TranscribeMetrics, start: float) -> TranscriptResult:
         r = p.result
@@ -600,7 +601,7 @@ class Transcriber:
     def _read_failed(result: TranscriptResult, reason: str) -> TranscriptResult:
         """Mark ``result`` as a read error (no audio time counted) and log it with its path."""
         result.error, result.duration_s, result.windows = reason, 0.0, 0
-        log.warning("%s: %s", result.path, reason)
+        log.warning("%s", printable(f"{result.path}: {reason}"))
         return result
 
     # ---- the pool ---------------------------------------------------------------------------
