@@ -484,32 +484,86 @@ class _Killed(BaseException):
     """A kill, as far as the code under test can tell (nothing catches it)."""
 
 
+@pytest.mark.parametrize("kill_at", ["second move", "config.json"])
+@pytest.mark.parametrize("checkpoints", [False, True])
 def test_a_kill_between_the_final_moves_leaves_a_folder_that_does_not_load_and_a_rerun_writes_it(
-        tmp_path, capsys, monkeypatch):
-    """The final save moves its files into output_dir one by one: a kill after the first one
-    must not leave the new weights under the earlier save's config (a model that loads, mixed).
-    The earlier config goes first and the new one comes last, and a rerun writes there again."""
+        tmp_path, capsys, monkeypatch, kill_at, checkpoints):
+    """The final save moves its files into output_dir one by one: a kill between them must
+    not leave the new weights under the earlier save's config (a model that loads, mixed).
+    The earlier config goes first and the new one comes last, and the same command run again
+    writes a whole model there (with checkpoints: from the final one, without training)."""
     out = tmp_path / "final"
-    sets = [f"output_dir={out}", "checkpoint.dir=null"]
-    assert _cli(capsys, *sets)[0] == 0
+    ck = [f"checkpoint.dir={tmp_path / 'ck2'}", "checkpoint.every_steps=2"] if checkpoints else ["checkpoint.dir=null"]
+    assert _cli(capsys, f"output_dir={out}", "checkpoint.dir=null")[0] == 0
     first = load_file(out / "model.safetensors")
+    sets = [f"output_dir={out}", "train.seed=7", *ck]
     real_replace, moves = os.replace, []
 
-    def killed_on_the_second_move(src, dst, *args, **kwargs):
+    def killed(src, dst, *args, **kwargs):
         if train._STAGING in str(src):
             moves.append(dst)
-            if len(moves) == 2:
+            if (len(moves) == 2) if kill_at == "second move" else Path(dst).name == "config.json":
                 raise _Killed
         return real_replace(src, dst, *args, **kwargs)
 
-    monkeypatch.setattr(os, "replace", killed_on_the_second_move)
+    monkeypatch.setattr(os, "replace", killed)
     with pytest.raises(_Killed):
-        _cli(capsys, *sets, "train.seed=7")
+        _cli(capsys, *sets)
     monkeypatch.undo()
     moved = load_file(out / "model.safetensors")
     assert any(not torch.equal(moved[k], first[k]) for k in first)  # the new weights are in
     assert not (out / "config.json").exists()  # ... and the folder does not load as a model
-    code, _, err = _cli(capsys, *sets, "train.seed=7")
+    code, _, err = _cli(capsys, *sets)
     assert code == 0, err
     assert (out / "config.json").is_file() and not (out / train._STAGING).exists()
     transformers.AutoConfig.from_pretrained(out)
+    if checkpoints:
+        final = load_file(tmp_path / "ck2/step_00000002/model.safetensors")
+        assert all(torch.equal(load_file(out / "model.safetensors")[k], final[k]) for k in final)
+
+
+def _save_into(out: Path, files: dict[str, bytes], kill_at: str | None = None, monkeypatch=None) -> None:
+    """``train._write_output`` of a save made of ``files``; with ``kill_at``, killed as it moves
+    that file into place."""
+    from polyaccel.moe.train_config import load_config
+
+    cfg = load_config(TINY, [f"output_dir={out}", "checkpoint.dir=null"])
+    if kill_at is not None:
+        real = os.replace
+
+        def killed(src, dst, *args, **kwargs):
+            if Path(dst).name == kill_at:
+                raise _Killed
+            return real(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, "replace", killed)
+
+    def write(staging: Path) -> None:
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+
+    train._write_output(cfg, write)
+
+
+def test_a_save_cut_before_its_config_never_leaves_the_old_weights_beside_the_new_config(tmp_path, monkeypatch):
+    """A single-file save replaced by a sharded one (Transformers prefers model.safetensors):
+    the old file is gone before the new config lands, so no kill loads old weights."""
+    out = tmp_path / "out"
+    _save_into(out, {"config.json": b"{}", "model.safetensors": b"old"})
+    shards = {"model-00001-of-00002.safetensors": b"a", "model-00002-of-00002.safetensors": b"b",
+              "model.safetensors.index.json": b"{}", "config.json": b'{"new": 1}'}
+    with pytest.raises(_Killed):
+        _save_into(out, shards, kill_at="config.json", monkeypatch=monkeypatch)
+    assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+    monkeypatch.undo()
+    _save_into(out, shards)
+    assert sorted(p.name for p in out.iterdir()) == sorted(shards)
+
+
+def test_an_adapter_save_leaves_a_config_json_it_does_not_write(tmp_path):
+    """PEFT writes no config.json: a user's own beside earlier adapters stays."""
+    out = tmp_path / "out"
+    _save_into(out, {"adapter_config.json": b"{}", "adapter_model.safetensors": b"old"})
+    (out / "config.json").write_text("mine")
+    _save_into(out, {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"new"})
+    assert (out / "config.json").read_text() == "mine" and (out / "adapter_model.safetensors").read_bytes() == b"new"

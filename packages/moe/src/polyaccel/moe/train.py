@@ -1228,10 +1228,10 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     """Write the final model into ``out`` (default ``cfg.output_dir``): first whole into a
     staging folder inside it (a kill leaves the folder as it was), then each file moved in
     with ``os.replace``, the config that makes the folder load as a model last, after the
-    earlier save's config is removed (a kill between the moves leaves a folder that does not
-    load, never new weights beside old ones under the old config; a rerun may write there
-    again); weight files of an earlier save there that this one lacks are deleted, other
-    files are left alone. A failed write removes the staging folder and the directories it
+    earlier save's config is removed and its weight files that this save lacks are deleted
+    (a kill between the moves leaves a folder that does not load, never new weights beside old
+    ones under the old config or old weights under the new one; a rerun may write there
+    again); other files are left alone. A failed write removes the staging folder and the directories it
     created, then raises."""
     out = Path(cfg.output_dir) if out is None else Path(out)
     created = _missing_dirs(out)
@@ -1249,16 +1249,19 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
         shutil.rmtree(staging, ignore_errors=True)
         _remove_empty_dirs(created)
         raise
-    written = sorted((p.name for p in staging.iterdir()),
-                     key=lambda n: 2 if n in _MODEL_MARKERS else 0 if _WEIGHT_FILE.match(n) else 1)
-    for name in _MODEL_MARKERS:
+    written = sorted(p.name for p in staging.iterdir())
+    markers = [n for n in _MODEL_MARKERS if n in written]
+    weights = [n for n in written if _WEIGHT_FILE.match(n)]
+    for name in markers:
         with contextlib.suppress(FileNotFoundError):
             (out / name).unlink()
-    for name in written:
+    for name in weights:
         os.replace(staging / name, out / name)
-    for old in out.iterdir():
+    for old in out.iterdir():  # before the new config: never the old weights under it
         if old.name not in written and _WEIGHT_FILE.match(old.name) and old.is_file():
             old.unlink()
+    for name in [n for n in written if n not in markers and n not in weights] + markers:
+        os.replace(staging / name, out / name)
     staging.rmdir()
 
 
@@ -1284,8 +1287,12 @@ def _final_files(checkpoint: Path) -> dict[str, tuple[int, str]]:
 
 
 def _output_matches(out: Path, checkpoint: Path) -> bool:
-    """Whether ``out`` holds the weight files of ``checkpoint``, byte for byte."""
-    weights = {n: v for n, v in _final_files(checkpoint).items() if _WEIGHT_FILE.match(n)}
+    """Whether ``out`` holds the weight files of ``checkpoint``, byte for byte, and its config
+    (a save a kill cut between its moves has the weights but not yet the config)."""
+    files = _final_files(checkpoint)
+    weights = {n: v for n, v in files.items() if _WEIGHT_FILE.match(n)}
+    if (out / _STAGING).exists() or any(n in files and not (out / n).is_file() for n in _MODEL_MARKERS):
+        return False
     if not weights or any(not (out / n).is_file() or (out / n).stat().st_size != size
                           for n, (size, _) in weights.items()):
         return False
