@@ -125,6 +125,7 @@ class GraphedMicroStep:
         self._pool: Any = None
         self._warned = False
         self._experts = expert_weights(model)
+        self._promised = False  # overwritten_params was read: calls must say where steps start
 
     def __call__(self, micro_batch: tuple[int, int] | None = None, **batch: torch.Tensor) -> torch.Tensor:
         """One micro-batch. ``micro_batch=(i, n)``: the ``i``-th of the ``n`` micro-batches of
@@ -134,6 +135,12 @@ class GraphedMicroStep:
             self.wgrad_window = self._auto_window(batch)
         if micro_batch is None and self.grad_accum is not None:
             micro_batch = (self._next, self.grad_accum)
+        if micro_batch is None and self._promised:
+            raise ValueError("GraphedMicroStep: an optimizer was told it writes the expert gradients over "
+                             "(overwritten_params), which needs to know where each step starts: pass "
+                             "micro_batch=(i, n) to every call or build it with grad_accum=n")
+        if micro_batch is not None and micro_batch[0] == 0:
+            self._zero_unfusable_experts()
         kind_key = self._kind_key(micro_batch)
         kind = self.kinds.setdefault(kind_key, _Captured())
         kind.calls += 1
@@ -160,6 +167,7 @@ class GraphedMicroStep:
     def overwritten_params(self) -> list[torch.Tensor]:
         """The weights whose gradients a call with ``micro_batch=(0, n)`` writes over (or
         zeroes): an optimizer need not zero them (``FlatAdamW(grads_overwritten=...)``)."""
+        self._promised = True
         return overwritten_params(self.model)
 
     # ---- internals --------------------------------------------------------------------------
@@ -191,11 +199,7 @@ class GraphedMicroStep:
 
     def _forward_backward(self, batch: dict[str, torch.Tensor], key: tuple[int, bool, bool]) -> torch.Tensor:
         _, defer, overwrite = key
-        targets = self.overwritten_params if overwrite else []
-        if overwrite:  # an expert weight that cannot be written over (hooked since): from zero
-            for p in set(self._experts) - set(targets):
-                if p.grad is not None:
-                    p.grad.zero_()
+        targets = overwritten_params(self.model) if overwrite else []
         with wgrad_window(defer, targets) as written:
             loss = self.loss_fn(**batch)
             loss.backward()
@@ -205,6 +209,13 @@ class GraphedMicroStep:
         if not defer:
             flush_wgrad()
         return loss.detach()
+
+    def _zero_unfusable_experts(self) -> None:
+        """At a step's first micro-batch, zero the expert weights that stopped being plain leaves
+        (hooked since the optimizer was told they are written over): autograd adds into them."""
+        for p in self._experts:
+            if p.grad is not None and not fusable(p):
+                p.grad.zero_()
 
     def _eager(self, batch: dict[str, torch.Tensor], key: tuple[int, bool, bool]) -> torch.Tensor:
         self._kept_by = None
