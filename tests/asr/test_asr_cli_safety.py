@@ -462,3 +462,18 @@ def test_control_characters_in_names_are_escaped_on_stderr(loads: list[str], tmp
     refs.write_text(json.dumps({"path": str(good), "text": "x"}) + "\n")
     assert cli.main(["wer", "--refs", str(refs), "--hyps", str(tmp_path / "h\x1b[31m.jsonl")]) == 2
     assert f"results file not found: {tmp_path}/h\\x1b[31m.jsonl\n" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["flag", "env"])
+def test_ray_address_auto_is_a_usage_error_before_any_model_loads(tmp_path, capsys, monkeypatch, loads, where):
+    """'auto' would join whatever cluster another local user advertises: refused with exit 2
+    and a message naming --address, not a traceback, and nothing written."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    extra = ["--address", "auto"] if where == "flag" else []
+    if where == "env":
+        monkeypatch.setenv("RAY_ADDRESS", "auto")
+    out = tmp_path / "out.jsonl"
+    assert _run(str(_wav(tmp_path / "a.wav")), "-o", str(out), "--ray", *extra) == 2
+    err = capsys.readouterr().err
+    assert "--address" in err and "'auto'" in err and "Traceback" not in err
+    assert not out.exists() and loads == []

@@ -232,3 +232,18 @@ def test_bench_reports_throughput(capsys):
     assert row["preset"] == "qwen3-moe-tiny" and row["steps"] == 2
     assert row["tokens_per_s_per_device"] > 0 and 0 < row["mfu"] < 1
     assert row["flops_per_token"] == pytest.approx(112128.0)
+
+
+@pytest.mark.parametrize("where", ["flag", "env"])
+def test_ray_address_auto_is_a_config_error_before_training(tmp_path, capsys, monkeypatch, where):
+    """'auto' (the flag, or RAY_ADDRESS) would join whatever cluster a local user advertises:
+    exit 2 naming --address, before any cluster is joined or model built."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    extra = ["--address", "auto"] if where == "flag" else []
+    if where == "env":
+        monkeypatch.setenv("RAY_ADDRESS", "auto")
+    cfg = _write(tmp_path / "c.yaml", {"model": {"preset": "qwen3-moe-tiny"}, "output_dir": str(tmp_path / "out")})
+    assert main(["finetune", str(cfg), "--ray", "--workers", "1", *extra]) == 2
+    err = capsys.readouterr().err
+    assert "--address" in err and "'auto'" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

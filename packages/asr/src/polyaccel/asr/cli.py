@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ray", action="store_true", help="run as a Ray Data job (an actor per device)")
     t.add_argument("--address", default=None,
                    help="Ray cluster address (default: RAY_ADDRESS, the job's cluster under `ray job submit`, "
-                        "else, or with 'local', a private in-process cluster on loopback)")
+                        "else, or with 'local', a private in-process cluster on loopback; 'auto' is refused: "
+                        "it joins whatever cluster a local user advertises)")
     t.add_argument("--num-actors", type=integer(1), default=None, help="Ray actors (default: one per device/node)")
 
     w = sub.add_parser("wer", help="word error rate of a results file against references")
@@ -427,15 +428,18 @@ def _results(todo: list[Any], args: argparse.Namespace) -> Iterator[dict[str, An
     if args.ray:
         from polyaccel.asr.ray_job import RayJobOptions, import_ray, transcribe_with_ray
         from polyaccel.core import backends
+        from polyaccel.core.ray_local import check_address, starts_private_cluster
 
         for flag in ("fp8_encoder", "batch_invariant"):
             if getattr(args, flag, False):
                 raise UsageError(f"--{flag.replace('_', '-')} does not run with --ray yet: run without --ray")
 
         try:
+            if not starts_private_cluster(args.address):
+                check_address(args.address)
             import_ray()
-        except ImportError as e:
-            raise UsageError(str(e)) from None
+        except (ImportError, ValueError) as e:
+            raise UsageError(f"--address: {e}" if isinstance(e, ValueError) else str(e)) from None
         if args.backend != "auto" and args.backend not in backends():
             raise UsageError(f"unknown backend {args.backend!r}; known: {', '.join(backends())}")
         opts = RayJobOptions(model=args.model, backend=args.backend, replicas=args.replicas,

@@ -190,6 +190,18 @@ def starts_private_cluster(address: str | None) -> bool:
     return not target or target == "local"
 
 
+def check_address(address: str | None) -> str:
+    """The cluster address a job given ``address`` joins (``RAY_ADDRESS`` where ``address`` is
+    None or ``"auto"``, Ray's precedence); raise ValueError for none or ``"auto"``, which
+    :func:`connect` refuses. Callers check before any work starts."""
+    env_address = os.environ.get("RAY_ADDRESS")
+    target = env_address if env_address and address in (None, "auto") else address
+    if target in (None, "", "auto"):
+        raise ValueError("give the Ray cluster's address (host:port, or RAY_ADDRESS; 'local' for a private "
+                         "cluster): 'auto' would join whatever cluster another local user advertises")
+    return target
+
+
 def connect(address: str | None = None, **kwargs: Any) -> Any:
     """Join an existing cluster (``address``, or ``RAY_ADDRESS``) with our token; return ``ray``.
     A cluster on loopback is joined from loopback (Ray would otherwise look for this node
@@ -200,13 +212,9 @@ def connect(address: str | None = None, **kwargs: Any) -> Any:
     in ``/tmp/ray/ray_current_cluster`` (a folder any local user can write) or of any
     ``gcs_server`` process here, whoever runs it; joining another user's cluster hands them
     our token and lets their workers send this driver pickles."""
-    env_address = os.environ.get("RAY_ADDRESS")
-    target = env_address if env_address and address in (None, "auto") else address  # Ray's precedence
+    target = check_address(address)
     if target == "local":
         return init_local(**kwargs)
-    if target in (None, "", "auto"):
-        raise ValueError("give the Ray cluster's address (host:port, or RAY_ADDRESS; 'local' for a private "
-                         "cluster): 'auto' would join whatever cluster another local user advertises")
     env = auth_env(force=False)
     if is_loopback_address(target):
         env.update(LOOPBACK_ENV)

@@ -54,8 +54,14 @@ def _finetune(args: argparse.Namespace) -> int:
                           "away; set output_dir (where the final model is saved), e.g. --set output_dir=runs/my-run, "
                           "or checkpoint.dir (to only time a workload: polyaccel-moe bench)")
     if args.ray:
+        from polyaccel.core.ray_local import check_address, starts_private_cluster
         from polyaccel.moe.ray_train import run_with_ray
 
+        if not starts_private_cluster(args.address):
+            try:
+                check_address(args.address)
+            except ValueError as e:
+                raise ConfigError(f"--address: {e}") from None
         summary = run_with_ray(cfg, workers=args.workers, address=args.address,
                                storage_path=args.storage_path)
         print(dumps(summary))
@@ -123,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override one config key, e.g. --set train.lr=2e-5 (repeatable)")
     f.add_argument("--ray", action="store_true", help="run on Ray Train workers")
     f.add_argument("--workers", type=integer(1), default=1, help="Ray Train workers (one GPU each when GPUs exist)")
-    f.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
+    f.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a private local cluster on "
+                   "loopback; 'auto' is refused: it joins whatever cluster a local user advertises)")
     f.add_argument("--storage-path", help="Ray Train run storage (shared storage on several nodes)")
     f.add_argument("--peak-tflops", type=number(0, strict=True), help="peak bf16 TFLOP/s per device for MFU (default: datasheet)")
     f.set_defaults(fn=_finetune)
