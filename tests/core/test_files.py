@@ -23,6 +23,18 @@ def test_replace_keeps_the_mode_and_leaves_nothing_beside_it(tmp_path: Path) -> 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh.srt", "out.jsonl"]
 
 
+@pytest.mark.parametrize("name", ["a" * 255, "é" * 127 + "a", os.fsencode("é" * 120) + b"\xff" * 15])
+def test_names_up_to_the_longest_a_file_system_takes_are_written(tmp_path: Path, name: str | bytes) -> None:
+    """A 255-byte name (the limit) with ASCII, two-byte characters, or bytes that are not
+    UTF-8: its temporary name is cut to fit, never cutting a character in two."""
+    target = os.path.join(os.fsencode(tmp_path) if isinstance(name, bytes) else str(tmp_path), name)
+    files.create_file(target, b"one")
+    replace_file(target, b"two")
+    with open(target, "rb") as f:
+        assert f.read() == b"two"
+    assert os.listdir(tmp_path) == [os.fsdecode(name) if isinstance(name, bytes) else name]
+
+
 @pytest.mark.parametrize("name", ["out.jsonl.tmp", "out.jsonl.tmp-1", "out.jsonl.1234.tmp"])
 def test_a_link_named_like_a_temporary_is_never_written_through(tmp_path: Path, name: str) -> None:
     mine = tmp_path / "notes.txt"

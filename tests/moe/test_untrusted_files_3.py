@@ -110,6 +110,23 @@ def test_a_checkpoint_state_that_passes_its_manifest_but_cannot_be_restored_is_a
         ckpt.load_trainer_state(step, model, optimizer)
 
 
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"), MemoryError(),
+                                   torch.distributed.DistBackendError("NCCL error")])
+def test_running_out_of_memory_while_restoring_is_not_blamed_on_the_checkpoint(saved, tmp_path, monkeypatch, error):
+    """A restore that runs out of memory (or loses a peer) says so; calling the checkpoint one
+    that "cannot be restored" would send the user to delete a good checkpoint."""
+    model = AutoModelForCausalLM.from_pretrained(saved)
+    optimizer = torch.optim.AdamW(model.parameters())
+    step = ckpt.save_checkpoint(tmp_path / "ck", 1, model, optimizer, {})
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(optimizer, "load_state_dict", fail)
+    with pytest.raises(type(error)):
+        ckpt.load_trainer_state(step, model, optimizer)
+
+
 @pytest.mark.parametrize("edit, why", [
     ({"num_hidden_layers": 100_000_000}, "take at least"),
     ({"num_experts_per_tok": 0}, "num_experts_per_tok=0"),

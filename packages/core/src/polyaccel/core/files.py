@@ -83,16 +83,29 @@ def _put_file(path: str | bytes, data: bytes, put) -> None:  # noqa: ANN001
     fsync_dir(folder or ".")
 
 
+_NAME_MAX = 255  # bytes in one file name on Linux file systems (ext4, xfs, btrfs, tmpfs)
+
+
+def _fit_name(name: str | bytes, limit: int) -> str | bytes:
+    """``name`` cut to at most ``limit`` bytes as the file system sees it (whole characters)."""
+    if isinstance(name, bytes):
+        return name[:limit]
+    while len(os.fsencode(name)) > limit:
+        name = name[:-1]
+    return name
+
+
 def _new_beside(folder: str | bytes, name: str | bytes, mode: int | None) -> tuple[int, str | bytes]:
-    """A new file ``folder/name.<random>.tmp`` (``O_EXCL``: never an existing file or link),
+    """A new file ``folder/name.<random>.tmp`` (``name`` cut to fit a file name; ``O_EXCL``: never an existing file or link),
     open for writing; its mode is ``mode``, or 0666 less the umask (the kernel applies it: no
     ``os.umask`` call, which would open a window where other threads create files with no
     umask at all)."""
     dot, suffix = (b".", b".tmp") if isinstance(name, bytes) else (".", ".tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    stem = _fit_name(name, _NAME_MAX - len(".000000000000.tmp"))
     for _ in range(tempfile.TMP_MAX):
         token = secrets.token_hex(6)
-        tmp = os.path.join(folder, name + dot + (token.encode() if isinstance(name, bytes) else token) + suffix)
+        tmp = os.path.join(folder, stem + dot + (token.encode() if isinstance(name, bytes) else token) + suffix)
         try:
             fd = os.open(tmp, flags, 0o600 if mode is not None else 0o666)
         except FileExistsError:

@@ -464,10 +464,11 @@ def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.opti
 def _restore(file: Path, what: str, load: Any) -> None:
     """Call ``load`` (restoring ``what`` from ``file``); a state it cannot take (a file that
     passed its manifest but is not what polyaccel wrote) is a :class:`CheckpointError` naming
-    the file, not a traceback."""
+    the file, not a traceback. Running out of memory, or a distributed failure, is this run's
+    problem, not the file's: raised as it is."""
     try:
         load()
-    except CheckpointError:
+    except (CheckpointError, MemoryError, torch.OutOfMemoryError, dist.DistError):
         raise
     except Exception as e:
         raise CheckpointError(f"{file}: its {what} cannot be restored into this run ({describe(e)}); resume "
