@@ -143,6 +143,28 @@ def test_export_overwrite_never_replaces_a_transcribed_input(tmp_path: Path, mon
     assert (tmp_path / "subs" / "talk.txt").read_text() == "1600 samples\n"
 
 
+def test_export_overwrite_from_another_directory_still_never_replaces_the_audio(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """The record holds the relative path ``talk.txt``; export run from another folder finds no
+    such input there, yet the WAV in -d is not text, so --overwrite leaves it. An earlier
+    export's text file there is replaced."""
+    _fake(monkeypatch, "fake", None)
+    data, elsewhere = tmp_path / "data", tmp_path / "home"
+    data.mkdir()
+    elsewhere.mkdir()
+    talk = _wav(data / "talk.txt")
+    audio = talk.read_bytes()
+    (data / "other.wav").write_bytes(audio)
+    monkeypatch.chdir(data)
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["transcribe", "talk.txt", "other.wav", "-o", str(out), "-q"]) == 0
+    (data / "other.txt").write_text("an earlier export\n")
+    monkeypatch.chdir(elsewhere)
+    assert cli.main(["export", str(out), "-f", "txt", "-d", str(data), "--overwrite", "-q"]) == 1
+    assert "does not hold text (audio?); never replaced" in capsys.readouterr().err
+    assert talk.read_bytes() == audio and (data / "other.txt").read_text() == "1600 samples\n"
+
+
 def test_srt_cue_text_never_holds_a_time_arrow() -> None:
     """SRT has no escapes, and readers that find a cue's times by its ``-->`` would take a text
     line holding one for the next cue's times; VTT escapes ``>`` already."""

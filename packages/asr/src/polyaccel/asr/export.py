@@ -6,7 +6,9 @@ not valid UTF-8 is rebuilt from the record's ``path_bytes`` so the subtitle sits
 right name byte for byte. Two inputs with one stem, in any letter case (``A.wav``, ``a.wav``),
 get ``A.srt`` and ``a-2.srt`` on every file system (in record order, each said on stderr). An
 existing file is never replaced unless ``--overwrite``, and never when it is one of the
-transcribed inputs (audio named ``talk.txt``) or the results file; a new one is created exclusively
+transcribed inputs (audio named ``talk.txt``), the results file, or a file that does not hold
+text (audio or other binary data: a relative input path read from another directory finds no
+input, but the audio is still not text); a new one is created exclusively
 (``O_EXCL``), a replaced one written next to it and renamed over it.
 
 Exit status: 0 every transcribed input has its file; 1 some could not be written (the record
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import stat
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -145,6 +148,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             problems += 1
             _say(f"  skipped {shown}: {_show(target)} is an input that was transcribed; never replaced")
             continue
+        if args.overwrite and not _holds_text(target):
+            problems += 1
+            _say(f"  skipped {shown}: {_show(target)} does not hold text (audio?); never replaced")
+            continue
         try:
             _write(target, body, args.overwrite)
         except FileExistsError:
@@ -226,6 +233,30 @@ def _file_id(path: bytes) -> tuple[int, int] | None:
     except (OSError, ValueError):
         return None
     return st.st_dev, st.st_ino
+
+
+def _holds_text(path: bytes, probe: int = 1 << 16) -> bool:
+    """Whether ``path`` is missing or a regular file whose first bytes are UTF-8 text with no NUL
+    (what export writes), so that ``--overwrite`` may replace it."""
+    import codecs
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return os.path.islink(path)  # a link is replaced, never written through; else: not ours
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.read(fd, probe)
+    finally:
+        os.close(fd)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return b"\0" not in head
 
 
 def _write(target: bytes, body: str, overwrite: bool) -> None:
