@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from pathlib import Path
 from typing import Any
 
@@ -262,9 +261,13 @@ def tensorize_numpy_rng(path: Path) -> None:
     if not (isinstance(numpy_state, tuple) and len(numpy_state) > 1 and isinstance(numpy_state[1], np.ndarray)):
         return
     state["numpy"] = (numpy_state[0], torch.from_numpy(numpy_state[1].astype(np.int64)), *numpy_state[2:])
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    import io
+
+    from polyaccel.core.files import replace_file
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    replace_file(path, buffer.getvalue())  # a new file beside it (never through a link), synced, renamed
 
 
 class Trainer(FastPathMixin, transformers.Trainer):
