@@ -18,6 +18,11 @@ counter) trains ``--warmup + --steps`` optimizer steps of ``--accum`` micro-batc
 - ``trainer``: our model under ``polyaccel.moe.Trainer`` (batch 1, ``--accum`` accumulation steps);
 - ``cli``: ``polyaccel-moe bench --preset SHAPE`` with no speed flags.
 
+``--profile`` also runs one more optimizer step of each plain-loop entry under torch.profiler
+and adds its kernel time by category (``profile_ms``: GEMMs, grouped GEMMs, attention, routing,
+norms, loss, optimizer, copies, the rest) to the row; the full kernel table goes to
+``profile_<shape>_<entry>.txt`` in ``$OUT`` (else ``--out-dir``).
+
 One JSON line per row on stdout (and ``--out``), then a table with tokens/s, peak GiB, MFU
 against the measured dense bf16 rate (790 TFLOP/s) and the H200 spec (989), and the ratio to
 ``hf-compile``.
@@ -91,10 +96,8 @@ def plain_loop(entry: str, config, a) -> tuple[list[float], float]:
     if entry == "hf-compile":
         model = torch.compile(model)
     ids = torch.randint(0, config.vocab_size, (1, a.seq), device=a.device)
-    times, loss = [], None
-    for _ in range(a.warmup + a.steps):
-        _sync(a.device)
-        t0 = time.perf_counter()
+
+    def one_step() -> torch.Tensor:
         for _ in range(a.accum):
             if step is not None:
                 loss = step(input_ids=ids, labels=ids)
@@ -103,9 +106,59 @@ def plain_loop(entry: str, config, a) -> tuple[list[float], float]:
                 loss.backward()
         opt.step()
         opt.zero_grad()
+        return loss
+
+    times, loss = [], None
+    for _ in range(a.warmup + a.steps):
+        _sync(a.device)
+        t0 = time.perf_counter()
+        loss = one_step()
         _sync(a.device)
         times.append(time.perf_counter() - t0)
+    if a.profile:
+        a.profile_ms = profile_categories(one_step, a, f"profile_{a.one[0]}_{entry}.txt")
     return times[a.warmup:], float(loss)
+
+
+CATEGORIES = (  # first match wins: grouped GEMMs before GEMMs, the fused loss before linear
+    ("grouped_gemm", r"grouped|wgrad|lowrank"),
+    ("attention", r"flash|fmha|attention|sdpa|cudnn"),
+    ("loss", r"cross_entropy|log_softmax|nll|logsumexp"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|matmul|addmm|\bmm\b|::mm|bmm|linear"),
+    ("optimizer", r"adam|foreach|multi_tensor"),
+    ("norm", r"norm"),
+    ("routing", r"sort|permute|scatter|gather|index|topk|histc|bincount|cumsum|route|segment"),
+    ("copy", r"memcpy|memset|copy|fill|zero"),
+)
+
+
+def category(name: str) -> str:
+    """The :data:`CATEGORIES` entry a kernel (or CPU op) name falls in; "other" if none."""
+    import re
+
+    low = name.lower()
+    return next((cat for cat, pattern in CATEGORIES if re.search(pattern, low)), "other")
+
+
+def profile_categories(run, a, name: str) -> dict[str, float]:  # noqa: ANN001
+    """``run()`` once under torch.profiler: milliseconds of kernel time per :func:`category`
+    (on CPU: the ops' own CPU time), largest first; the profiler's table goes to file ``name``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run()
+        _sync(a.device)
+    key = "self_device_time_total" if a.device == "cuda" else "self_cpu_time_total"
+    totals: dict[str, float] = {}
+    averages = prof.key_averages()
+    for avg in averages:
+        us = getattr(avg, key, 0) or 0
+        if us > 0:
+            totals[category(avg.key)] = totals.get(category(avg.key), 0.0) + us / 1e3
+    with open(os.path.join(os.environ.get("OUT") or a.out_dir, name), "w") as f:
+        f.write(averages.table(sort_by=key, row_limit=80, max_name_column_width=100))
+    return {k: round(v, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
 def trainer_run(entry: str, config, a) -> tuple[list[float], float]:
@@ -189,6 +242,7 @@ def run_one(shape: str, entry: str, a) -> dict:
         rec = cli_run(shape, a)
         step_s, loss, peak, fast = rec["step_time_s"], rec["final_loss"], rec["peak_memory_gib"], rec.get("fast_path")
     else:
+        a.profile_ms = None
         times, loss = (trainer_run if "trainer" in entry else plain_loop)(entry, config, a)
         step_s = statistics.median(times)
         peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
@@ -200,6 +254,7 @@ def run_one(shape: str, entry: str, a) -> dict:
             "mfu_dense": round(tok_s * fpt / (DENSE_TFLOPS * 1e12), 4),
             "mfu_spec": round(tok_s * fpt / (SPEC_TFLOPS * 1e12), 4),
             "loss": None if loss is None else round(loss, 4), "fast_path": fast,
+            **({"profile_ms": a.profile_ms} if getattr(a, "profile_ms", None) else {}),
             "wall_s": round(time.perf_counter() - t_start, 1), "torch": torch.__version__}
 
 
@@ -235,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--timeout", type=float, default=900, help="seconds per row")
     p.add_argument("--out", help="also append the JSON lines here")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one extra step of each plain-loop entry: kernel time by category in the row")
     p.add_argument("--out-dir", default=None, help="Trainer output folders (default: a new private temporary folder)")
     p.add_argument("--one", nargs=2, metavar=("SHAPE", "ENTRY"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -250,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     passthrough = [f"--seq={a.seq}", f"--accum={a.accum}", f"--steps={a.steps}", f"--warmup={a.warmup}",
                    f"--device={a.device}", f"--out-dir={a.out_dir}"] + ([f"--layers={a.layers}"] if a.layers else [])
+    passthrough += ["--profile"] if a.profile else []
     for shape in a.shapes.split(","):
         for entry in entries:
             cmd = [sys.executable, __file__, "--one", shape, entry, *passthrough]

@@ -1,0 +1,55 @@
+"""``tools/bench_moe_users.py --profile``: kernel names fall in the right categories, and a
+profiled step reports its time by category and writes the profiler's table."""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_moe_users.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_moe_users", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name, want", [
+    ("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("aten::addmm", "gemm"),
+    ("_grouped_mm_kernel_persistent", "grouped_gemm"),
+    ("_grouped_wgrad_kernel", "grouped_gemm"),
+    ("pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention"),
+    ("_linear_cross_entropy_fwd", "loss"),
+    ("_adamw_flat_kernel", "optimizer"),
+    ("_rms_norm_bwd_dx_fused", "norm"),
+    ("_moe_permute_kernel", "routing"),
+    ("void at::native::(anonymous namespace)::radixSortKVInPlace", "routing"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("triton_poi_fused_add_mul_silu_0", "other"),
+])
+def test_kernel_names_fall_in_their_category(bench, name, want):
+    assert bench.category(name) == want
+
+
+def test_a_profiled_step_reports_time_by_category_and_writes_the_table(bench, tmp_path, monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+    a = types.SimpleNamespace(device="cpu", out_dir=str(tmp_path))
+    x, w = torch.randn(256, 256), torch.randn(256, 256)
+
+    def step() -> None:
+        for _ in range(5):
+            torch.nn.functional.layer_norm(x @ w, (256,))
+
+    got = bench.profile_categories(step, a, "profile.txt")
+    assert got["gemm"] > 0 and got["norm"] > 0 and list(got.values()) == sorted(got.values(), reverse=True)
+    assert "aten::mm" in (tmp_path / "profile.txt").read_text()
