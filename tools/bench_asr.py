@@ -8,7 +8,8 @@ then, as the anchor's ``min_new_tokens``), random weights, bf16, greedy.
 
 Sections (``--sections``):
   ours     our ASRRunner per model and batch (CUDA graphs on cuda; ``--eager`` adds eager rows,
-           ``--invariant`` rows with Whisper's batch-invariant kernels)
+           ``--invariant`` rows with Whisper's batch-invariant kernels, ``--fused-decode`` rows
+           with Whisper's fused decoder step)
   anchor   the peer baseline script anchor_asr_hf.py from ``--anchor-dir`` (not in this repository)
   runtime  ReplicaPool vs a threaded shared-queue loop vs a process pool, same model/graphs
   exact    greedy tokens of graphs == eager at several batch sizes (must print "exact": true)
@@ -126,9 +127,13 @@ def section_ours(args, device, dtype):
                 modes.append(("graphs_1tok", True, 1))
             if args.invariant:  # what batch invariance costs
                 modes.append(("graphs_invariant", True, args.new_tokens))
+            if args.fused_decode and hasattr(model, "fused_decode"):  # Whisper's fused decoder step
+                modes.append(("graphs_fused", True, args.new_tokens))
             for mode, graphs, new_tokens in modes:
                 try:
                     model.batch_invariant = mode == "graphs_invariant"
+                    if hasattr(model, "fused_decode"):
+                        model.fused_decode = mode == "graphs_fused"
                     runner = make_runner(model, args.backend, b, new_tokens, graphs)
                     hyps = []
                     dt = time_it(lambda r=runner, a=audio, h=hyps: h.append(r.recognize(a)), args.repeats)
@@ -140,6 +145,8 @@ def section_ours(args, device, dtype):
                 finally:
                     runner = None
                     model.batch_invariant = False
+                    if hasattr(model, "fused_decode"):
+                        model.fused_decode = False
                     torch.cuda.empty_cache() if torch.cuda.is_available() else None
         del model
 
@@ -699,6 +706,8 @@ def main(argv=None) -> int:
     p.add_argument("--breakdown", action="store_true", help="also time 1-token decoding (encoder share)")
     p.add_argument("--invariant", action="store_true",
                    help="also time Whisper with batch-invariant kernels (polyaccel.asr.batch_invariant)")
+    p.add_argument("--fused-decode", action="store_true",
+                   help="also time Whisper with its fused decoder step (WhisperASR.fused_decode)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--anchor-dir", default=".anchors")

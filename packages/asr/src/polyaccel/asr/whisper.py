@@ -247,6 +247,27 @@ class WhisperAttention(nn.Module):
         B, _, T, _ = o_BHTd.shape
         return _proj(self.out_proj, o_BHTd.transpose(1, 2).reshape(B, T, -1), invariant)
 
+    def fused_self_attention(self, ln: nn.LayerNorm, x_B1D: torch.Tensor, position_B: torch.Tensor,
+                             cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+        """``x + self_attention(ln(x))`` for one token per row in three fused ops: norm and
+        q/k/v projections with this token's k, v written into the cache at ``position_B``;
+        attention to cache positions ``<= position_B``; output projection with the residual."""
+        q_BH1d = ops.ln_qkv_into_cache_(x_B1D, ln.weight, ln.bias, ln.eps,
+                                        (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight),
+                                        (self.q_proj.bias, self.k_proj.bias, self.v_proj.bias),
+                                        cache_k, cache_v, position_B)
+        return self._output_residual(ops.cached_decode_attention(q_BH1d, cache_k, cache_v, position_B), x_B1D)
+
+    def fused_cross_attention(self, ln: nn.LayerNorm, x_B1D: torch.Tensor, cross_k: torch.Tensor,
+                              cross_v: torch.Tensor) -> torch.Tensor:
+        """``x + cross_attention(ln(x))`` for one token per row in fused ops."""
+        q_B1D = ops.ln_linear(x_B1D, ln.weight, ln.bias, ln.eps, self.q_proj.weight, self.q_proj.bias)
+        return self._output_residual(ops.decode_attention(self._heads(q_B1D), cross_k, cross_v), x_B1D)
+
+    def _output_residual(self, o_BH1d: torch.Tensor, x_B1D: torch.Tensor) -> torch.Tensor:
+        o_B1D = o_BH1d.transpose(1, 2).reshape(x_B1D.shape)
+        return ops.linear_residual(o_B1D, self.out_proj.weight, self.out_proj.bias, x_B1D)
+
 
 def _proj(linear: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tensor:
     """``linear(x)``; ``invariant``: on fixed row blocks (the same bits at every batch size)."""
@@ -255,6 +276,12 @@ def _proj(linear: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tensor:
 
 def _layer_norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     return ops.layer_norm(x, ln.weight, ln.bias, ln.eps)
+
+
+def _fused_mlp(ln: nn.LayerNorm, fc1: nn.Linear, fc2: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``x + fc2(gelu(fc1(ln(x))))`` in two fused ops."""
+    h = ops.ln_linear(x, ln.weight, ln.bias, ln.eps, fc1.weight, fc1.bias, activation="gelu")
+    return ops.linear_residual(h, fc2.weight, fc2.bias, x)
 
 
 def _mlp(fc1: nn.Module, fc2: nn.Module, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
@@ -322,6 +349,13 @@ class WhisperDecoderLayer(nn.Module):
                                               mask=visible_B11C, invariant=invariant)
         return self._cross_and_mlp(x_B1D, cross_k, cross_v, invariant)
 
+    def fused_step(self, x_B1D: torch.Tensor, position_B: torch.Tensor, cache_k: torch.Tensor,
+                   cache_v: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor) -> torch.Tensor:
+        """:meth:`step` through core's fused decoder ops (``WhisperASR.fused_decode``)."""
+        x_B1D = self.self_attn.fused_self_attention(self.self_attn_layer_norm, x_B1D, position_B, cache_k, cache_v)
+        x_B1D = self.encoder_attn.fused_cross_attention(self.encoder_attn_layer_norm, x_B1D, cross_k, cross_v)
+        return _fused_mlp(self.final_layer_norm, self.fc1, self.fc2, x_B1D)
+
 
 # ---- encoder and decoder -------------------------------------------------------------------
 
@@ -366,6 +400,11 @@ class WhisperDecoder(nn.Module):
         h, w = _layer_norm(self.layer_norm, x), self.embed_tokens.weight
         return (fixed_rows_linear(h, w) if invariant else F.linear(h, w)).float()
 
+    def fused_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`logits` as one fused op (norm, projection, fp32 out)."""
+        ln = self.layer_norm
+        return ops.ln_linear(x, ln.weight, ln.bias, ln.eps, self.embed_tokens.weight, out_dtype=torch.float32)
+
 
 # ---- the model ---------------------------------------------------------------------------------
 
@@ -390,6 +429,10 @@ class WhisperASR(ASRModel):
         """bf16/fp16 on CUDA: the same tokens at every batch size, through kernels that do not
         change with the batch (:mod:`polyaccel.asr.batch_invariant`; slower, measured in
         docs/asr_whisper.md). fp32 and the CPU need no help. Set before graphs are captured."""
+        self.fused_decode = False
+        """Decode through core's fused decoder-step ops (:meth:`WhisperDecoderLayer.fused_step`):
+        ~9 kernels per layer on CUDA instead of ~23 (docs/asr.md). Opt-in until measured on a
+        GPU; not combined with ``batch_invariant``. Set before graphs are captured."""
         self.encoder = WhisperEncoder(config)
         self.decoder = WhisperDecoder(config)
         self.log_mel = LogMel(config.num_mel_bins, config.n_fft, config.hop_length, config.sample_rate)
@@ -508,6 +551,14 @@ class WhisperASR(ASRModel):
         """tokens [B] at position [B] -> logits [B, V] fp32; K/V written into ``state``."""
         dec = self.decoder
         x_B1D = (dec.embed_tokens(tokens) + dec.embed_positions(position)).unsqueeze(1)
+        if self.fused_decode:
+            if self.batch_invariant:
+                raise ValueError("fused_decode and batch_invariant together are not supported: the fused ops "
+                                 "take cuBLAS above 16 rows")
+            for i, layer in enumerate(dec.layers):
+                x_B1D = layer.fused_step(x_B1D, position, state.self_k[i], state.self_v[i],
+                                         state.cross_k[i], state.cross_v[i])
+            return dec.fused_logits(x_B1D[:, 0])
         C = state.self_k.shape[3]
         visible_B11C = (torch.arange(C, device=position.device) <= position[:, None])[:, None, None, :]
         for i, layer in enumerate(dec.layers):

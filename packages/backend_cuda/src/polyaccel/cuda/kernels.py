@@ -12,6 +12,9 @@
 | ``add_scaled_`` | one Triton pass, the scale read from device memory (:mod:`.add_scaled`) |
 | ``attention`` | ``F.scaled_dot_product_attention`` (flash / cuDNN / mem-efficient) (:mod:`.attention`) |
 | ``decode_attention`` | Triton, one query token, a fixed key split: the same bits at every batch size (:mod:`.decode_attention`) |
+| ``cached_decode_attention`` | Triton, one kernel: each (row, head) reads its self-attention cache up to its position, read on the device (:mod:`.fused_decode`) |
+| ``ln_linear`` / ``linear_residual`` | Triton GEMM for up to 16 rows: LayerNorm in the prologue; bias, exact GELU, residual add in the epilogue; cuBLAS (core's reference) above 16 rows (:mod:`.fused_decode`) |
+| ``ln_qkv_into_cache_`` | Triton, one kernel for LayerNorm + q, k, v projections of up to 16 rows, k and v stored into the cache at each row's position; core's reference above 16 rows (:mod:`.fused_decode`) |
 | ``adamw_step_`` | one Triton pass over a flat buffer, fp32 math, optional grad zeroing (:mod:`.adamw`) |
 
 The kernel modules import Triton only when a kernel first runs.
@@ -28,6 +31,12 @@ from polyaccel.cuda.add_scaled import add_scaled_
 from polyaccel.cuda.attention import attention
 from polyaccel.cuda.cross_entropy import linear_cross_entropy, linear_cross_entropy_grads
 from polyaccel.cuda.decode_attention import decode_attention
+from polyaccel.cuda.fused_decode import (
+    cached_decode_attention,
+    linear_residual,
+    ln_linear,
+    ln_qkv_into_cache_,
+)
 from polyaccel.cuda.grouped_lowrank import grouped_lowrank_add_
 from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
 from polyaccel.cuda.moe_permute import moe_permute, moe_unpermute
@@ -52,6 +61,10 @@ def register_all(registry) -> None:
         registry.register("grouped_mm_wgrad", "cuda", grouped_mm_wgrad, impl="triton", backend=BACKEND)
         registry.register("grouped_lowrank_add_", "cuda", grouped_lowrank_add_, impl="triton", backend=BACKEND)
         registry.register("decode_attention", "cuda", decode_attention, impl="triton-fixed-split", backend=BACKEND)
+        registry.register("cached_decode_attention", "cuda", cached_decode_attention, impl="triton", backend=BACKEND)
+        registry.register("ln_linear", "cuda", ln_linear, impl="triton<=16 rows", backend=BACKEND)
+        registry.register("linear_residual", "cuda", linear_residual, impl="triton<=16 rows", backend=BACKEND)
+        registry.register("ln_qkv_into_cache_", "cuda", ln_qkv_into_cache_, impl="triton<=16 rows", backend=BACKEND)
     registry.register("moe_permute", "cuda", moe_permute, impl="device-sort", backend=BACKEND)
     registry.register("attention", "cuda", attention, impl="sdpa", backend=BACKEND)
     if hasattr(torch, "_grouped_mm"):

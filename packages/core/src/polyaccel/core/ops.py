@@ -125,6 +125,55 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @registry.define
+def cached_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                            position: torch.Tensor) -> torch.Tensor:
+    """One query token per row against a self-attention cache: q [B, H, 1, D], cache_k/v
+    [B, H, C, D], position [B] (read on the device) -> [B, H, 1, D]. Row b attends to cache
+    positions ``0..position[b]``; later positions are never read."""
+    visible = torch.arange(cache_k.shape[2], device=position.device) <= position[:, None]
+    return decode_attention(q, cache_k, cache_v, visible[:, None, None, :])
+
+
+@registry.define
+def ln_linear(x: torch.Tensor, ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, eps: float,
+              weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """LayerNorm, a linear layer and an activation: ``act(layer_norm(x) @ weight.T + bias)``.
+
+    x [..., K], weight [N, K] -> [..., N] in ``x.dtype``, then cast to ``out_dtype`` if given.
+    A decoder step's pre-LN projections; backends fuse the norm into the GEMM's prologue.
+    """
+    y = F.linear(layer_norm(x, ln_weight, ln_bias, eps), weight, bias)
+    if activation is not None:
+        y = activation_fn(activation)(y)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+@registry.define
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    residual: torch.Tensor) -> torch.Tensor:
+    """``residual + x @ weight.T + bias``: x [..., K], weight [N, K], residual [..., N]."""
+    return residual + F.linear(x, weight, bias)
+
+
+@registry.define
+def ln_qkv_into_cache_(x: torch.Tensor, ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, eps: float,
+                       weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
+                       cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """A decoder step's self-attention input: LayerNorm, then the q, k and v projections
+    (``weights`` and ``biases`` in that order, each [H * D, K]; a bias may be None). k and v
+    are written into ``cache_k``/``cache_v`` [B, H, C, D] at ``position`` [B] (read on the
+    device); q is returned as [B, H, 1, D]. x [B, K] or [B, 1, K]."""
+    B, H, _, D = cache_k.shape
+    h = layer_norm(x.reshape(B, -1), ln_weight, ln_bias, eps)
+    q, k, v = (F.linear(h, w, b).view(B, H, 1, D) for w, b in zip(weights, biases, strict=True))
+    where = position.view(B, 1, 1, 1).expand_as(k)
+    cache_k.scatter_(2, where, k)
+    cache_v.scatter_(2, where, v)
+    return q
+
+
+@registry.define
 def depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      padding: int | None = None) -> torch.Tensor:
     """Depthwise 1-D convolution over time. x [B, C, T], weight [C, 1, K] or [C, K].

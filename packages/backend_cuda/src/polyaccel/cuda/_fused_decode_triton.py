@@ -1,0 +1,135 @@
+"""The Triton kernels of :mod:`polyaccel.cuda.fused_decode`, at module level so that kernels
+can call the shared helpers (the interpreter does not see helpers in a closure). Imported only
+when a fused kernel first runs: importing it imports Triton."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def ln_stats(X, rm, row_mask, K, sxm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # mean and 1 / std of rows rm over K in fp32: two passes in a fixed order
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rm[:, None] * sxm + rk[None, :], mask=row_mask[:, None] & (rk < K)[None, :], other=0.0)
+        total += tl.sum(x.to(tl.float32), axis=1)
+    mean = total / K
+    squares = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        xmask = row_mask[:, None] & (rk < K)[None, :]
+        x = tl.load(X + rm[:, None] * sxm + rk[None, :], mask=xmask, other=0.0)
+        diff = tl.where(xmask, x.to(tl.float32) - mean[:, None], 0.0)
+        squares += tl.sum(diff * diff, axis=1)
+    return mean, tl.rsqrt(squares / K + eps)
+
+
+@triton.jit
+def ln_gemm_tile(X, LNW, LNB, W, M, N, K, eps, sxm, swn, pid_m, pid_n, HAS_LN: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_N] fp32 = layer_norm(X)[rm] @ W[rn].T, LayerNorm rounded to X's dtype
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rm < M
+    col_mask = rn < N
+    if HAS_LN:
+        mean, rstd = ln_stats(X, rm, row_mask, K, sxm, eps, BLOCK_M, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = rk < K
+        xmask = row_mask[:, None] & k_mask[None, :]
+        x = tl.load(X + rm[:, None] * sxm + rk[None, :], mask=xmask, other=0.0)
+        if HAS_LN:
+            gamma = tl.load(LNW + rk, mask=k_mask, other=0.0).to(tl.float32)
+            beta = tl.load(LNB + rk, mask=k_mask, other=0.0).to(tl.float32)
+            h = (x.to(tl.float32) - mean[:, None]) * rstd[:, None] * gamma[None, :] + beta[None, :]
+            x = tl.where(xmask, h, 0.0).to(X.dtype.element_ty)
+        w = tl.load(W + rn[:, None] * swn + rk[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    return acc, rm, rn, row_mask, col_mask
+
+
+@triton.jit
+def linear(X, LNW, LNB, W, BIAS, RES, OUT, M, N, K, eps, sxm, swn, srm, som,
+           HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GELU: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    acc, rm, rn, row_mask, col_mask = ln_gemm_tile(X, LNW, LNB, W, M, N, K, eps, sxm, swn,
+                                                   tl.program_id(1), tl.program_id(0), HAS_LN,
+                                                   BLOCK_M, BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + rn, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(X.dtype.element_ty).to(tl.float32)  # where F.linear rounds
+    if GELU:
+        y = (0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))).to(X.dtype.element_ty).to(tl.float32)
+    mask = row_mask[:, None] & col_mask[None, :]
+    if HAS_RES:
+        y += tl.load(RES + rm[:, None] * srm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = y.to(X.dtype.element_ty)
+    tl.store(OUT + rm[:, None] * som + rn[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def qkv_into_cache(X, LNW, LNB, WQ, WK, WV, BQ, BK, BV, Q, CK, CV, POS, M, N, K, C, HEAD_D, eps,
+                   sxm, sqm, sckb, sckh, sckc, scvb, scvh, scvc,
+                   HAS_BQ: tl.constexpr, HAS_BK: tl.constexpr, HAS_BV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    part = tl.program_id(1)  # 0: q, 1: k, 2: v
+    W = WQ
+    if part == 1:
+        W = WK
+    elif part == 2:
+        W = WV
+    acc, rm, rn, row_mask, col_mask = ln_gemm_tile(X, LNW, LNB, W, M, N, K, eps, sxm, K,
+                                                   tl.program_id(2), tl.program_id(0), True,
+                                                   BLOCK_M, BLOCK_N, BLOCK_K)
+    head = rn // HEAD_D
+    d = rn % HEAD_D
+    pos = tl.load(POS + rm, mask=row_mask, other=0)
+    mask = row_mask[:, None] & col_mask[None, :]
+    cache_mask = mask & ((pos >= 0) & (pos < C))[:, None]  # a position past the cache writes nothing
+    if part == 0:
+        if HAS_BQ:
+            acc += tl.load(BQ + rn, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Q + rm[:, None] * sqm + rn[None, :], acc.to(Q.dtype.element_ty), mask=mask)
+    elif part == 1:
+        if HAS_BK:
+            acc += tl.load(BK + rn, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        where = CK + rm[:, None] * sckb + head[None, :] * sckh + pos[:, None] * sckc + d[None, :]
+        tl.store(where, acc.to(CK.dtype.element_ty), mask=cache_mask)
+    else:
+        if HAS_BV:
+            acc += tl.load(BV + rn, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        where = CV + rm[:, None] * scvb + head[None, :] * scvh + pos[:, None] * scvc + d[None, :]
+        tl.store(where, acc.to(CV.dtype.element_ty), mask=cache_mask)
+
+
+@triton.jit
+def cached_attention(Q, K, V, POS, OUT, H, C, scale, sqb, sqh, skb, skh, sks, svb, svh, svs, sob, soh,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)  # b * H + h
+    b = row // H
+    h = row % H
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(Q + b * sqb + h * sqh + d, mask=dmask, other=0.0).to(tl.float32) * scale
+    end = tl.minimum(tl.load(POS + b) + 1, C)
+    m = tl.full((), float("-inf"), tl.float32)
+    l_sum = tl.zeros((), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for start in range(0, end, BLOCK_S):
+        s = start + tl.arange(0, BLOCK_S)
+        smask = s < end
+        kv_mask = smask[:, None] & dmask[None, :]
+        k = tl.load(K + b * skb + h * skh + s[:, None] * sks + d[None, :], mask=kv_mask, other=0.0)
+        scores = tl.where(smask, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new)
+        v = tl.load(V + b * svb + h * svh + s[:, None] * svs + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        l_sum = l_sum * alpha + tl.sum(p, axis=0)
+        m = m_new
+    o = acc / tl.where(l_sum == 0.0, 1.0, l_sum)
+    tl.store(OUT + b * sob + h * soh + d, o.to(OUT.dtype.element_ty), mask=dmask)

@@ -1,0 +1,176 @@
+"""A decoder step in few kernels: core's ``ln_linear``, ``linear_residual``,
+``ln_qkv_into_cache_`` and ``cached_decode_attention`` on CUDA.
+
+At batch 1 a decoder step is bound by kernel launches, not by reading the weights: Whisper
+large-v3-turbo's ~95 kernels per token each read a few MB at most. These kernels fold the
+small ops into the GEMMs around them: the LayerNorm into the GEMM's prologue (each program
+recomputes its rows' statistics, which costs a read of a few KB of activations), the bias,
+exact GELU and residual add into its epilogue, and the self-attention cache write into the
+q|k|v projection's epilogue (at each row's position, read on the device).
+
+Each GEMM program computes a tile of :data:`BLOCK_M` rows by a block of output columns,
+reducing K in one fixed order with ``tl.dot``; the tile shape depends only on the weight's
+shape, so a row's result is the same bits whatever other rows run with it (padded rows are
+masked). Up to :data:`TRITON_MAX_ROWS` rows run here; more take core's references (cuBLAS),
+whose GEMMs are efficient there. Results are rounded to the input dtype where the unfused
+ops round theirs, so the fused step follows the plain one closely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from polyaccel.cuda._triton import cdiv, triton_kernels, use_triton
+
+TRITON_MAX_ROWS = 16
+"""Rows (tokens) up to which the Triton GEMMs run; more take cuBLAS through core's references."""
+BLOCK_M = 16
+"""Rows per GEMM tile, at every row count (the smallest ``tl.dot`` tile)."""
+BLOCK_S = 64
+"""Cache positions per step of the self-attention loop."""
+WIDE = 8192
+"""Weights with more rows than this (a vocabulary projection) take 64-column blocks, others 16."""
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton_kernels
+def _kernels():
+    from polyaccel.cuda import _fused_decode_triton as k  # imports Triton
+
+    return k.linear, k.qkv_into_cache, k.cached_attention
+
+
+def _blocks(N: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) for a weight of N rows: a function of the weight alone (never of
+    the row count), narrow enough that a 1,280-wide layer still spreads over 80 programs, with
+    long K steps so each program keeps many weight bytes in flight. Not yet tuned on a GPU."""
+    return (16 if N <= WIDE else 64), (64 if dtype == torch.float32 else 256)
+
+
+def _launch_options(device: torch.device) -> dict:
+    return {"num_warps": 4, "num_stages": 4} if device.type == "cuda" else {}
+
+
+def _rows(x: torch.Tensor, K: int) -> torch.Tensor | None:
+    """``x`` [..., K] as [M, K] rows with unit column stride, or None (not a view)."""
+    if x.shape[-1] != K or x.stride(-1) != 1:
+        return None
+    x_MK = x.reshape(-1, K)
+    return x_MK if x_MK.data_ptr() == x.data_ptr() and x_MK.stride(1) == 1 else None
+
+
+def _vector(t: torch.Tensor | None, n: int) -> bool:
+    return t is None or (t.dim() == 1 and t.shape[0] == n and t.is_contiguous())
+
+
+def _gemm_ok(x: torch.Tensor, x_MK: torch.Tensor | None, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether the Triton GEMMs take these operands: few rows, one float dtype, row-major weights."""
+    return (use_triton(x) and x_MK is not None and 0 < x_MK.shape[0] <= TRITON_MAX_ROWS and x.dtype in _FLOATS
+            and all(w.dtype == x.dtype and w.dim() == 2 and w.is_contiguous() for w in weights))
+
+
+def ln_linear(x: torch.Tensor, ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, eps: float,
+              weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Core ``ln_linear`` on CUDA: one kernel (LayerNorm in the prologue; bias and exact GELU
+    in the epilogue) for up to :data:`TRITON_MAX_ROWS` rows; otherwise core's reference."""
+    N, K = weight.shape
+    x_MK = _rows(x, K)
+    if not (_gemm_ok(x, x_MK, [weight]) and ln_weight is not None and ln_bias is not None
+            and _vector(ln_weight, K) and _vector(ln_bias, K) and _vector(bias, N)
+            and activation in (None, "gelu") and (out_dtype is None or out_dtype in _FLOATS)):
+        from polyaccel.core.ops import ln_linear as core_op
+
+        return core_op.reference(x, ln_weight, ln_bias, eps, weight, bias, activation, out_dtype)
+    out = _linear(x_MK, weight, bias, ln=(ln_weight, ln_bias, eps), gelu=activation == "gelu",
+                  out_dtype=out_dtype or x.dtype)
+    return out.view(*x.shape[:-1], N)
+
+
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    residual: torch.Tensor) -> torch.Tensor:
+    """Core ``linear_residual`` on CUDA: one kernel (bias and residual add in the epilogue)
+    for up to :data:`TRITON_MAX_ROWS` rows; otherwise core's reference."""
+    N, K = weight.shape
+    x_MK = _rows(x, K)
+    res_MN = _rows(residual, N)
+    if not (_gemm_ok(x, x_MK, [weight]) and _vector(bias, N) and res_MN is not None
+            and residual.dtype == x.dtype and res_MN.shape[0] == x_MK.shape[0]
+            and residual.shape[:-1] == x.shape[:-1]):
+        from polyaccel.core.ops import linear_residual as core_op
+
+        return core_op.reference(x, weight, bias, residual)
+    return _linear(x_MK, weight, bias, residual=res_MN, out_dtype=x.dtype).view(*x.shape[:-1], N)
+
+
+def _linear(x_MK: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+            ln: tuple | None = None, gelu: bool = False, residual: torch.Tensor | None = None,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    linear, _, _ = _kernels()
+    (M, K), N = x_MK.shape, weight.shape[0]
+    out = torch.empty(M, N, device=x_MK.device, dtype=out_dtype)
+    ln_w, ln_b, eps = ln if ln is not None else (x_MK, x_MK, 0.0)  # never read without HAS_LN
+    block_n, block_k = _blocks(N, x_MK.dtype)
+    linear[(cdiv(N, block_n), cdiv(M, BLOCK_M))](
+        x_MK, ln_w, ln_b, weight, bias if bias is not None else weight, residual if residual is not None else out,
+        out, M, N, K, float(eps), x_MK.stride(0), weight.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0),
+        HAS_LN=ln is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, GELU=gelu,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, **_launch_options(x_MK.device))
+    return out
+
+
+def ln_qkv_into_cache_(x: torch.Tensor, ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None, eps: float,
+                       weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
+                       cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Core ``ln_qkv_into_cache_`` on CUDA: one kernel for q, k and v of up to
+    :data:`TRITON_MAX_ROWS` rows (programs over (column block, q/k/v, row block)), k and v
+    stored straight into the caches at ``position``; otherwise core's reference."""
+    B, H, C, D = cache_k.shape
+    wq, wk, wv = weights
+    bq, bk, bv = biases
+    N, K = wq.shape
+    x_MK = _rows(x, K)
+    if not (_gemm_ok(x, x_MK, [wq, wk, wv]) and x_MK.shape[0] == B and N == H * D
+            and wk.shape == wv.shape == wq.shape and all(_vector(b, N) for b in biases)
+            and ln_weight is not None and ln_bias is not None and _vector(ln_weight, K) and _vector(ln_bias, K)
+            and cache_v.shape == cache_k.shape and cache_k.dtype == cache_v.dtype == x.dtype
+            and cache_k.stride(-1) == cache_v.stride(-1) == 1
+            and position.shape == (B,) and not position.is_floating_point()):
+        from polyaccel.core.ops import ln_qkv_into_cache_ as core_op
+
+        return core_op.reference(x, ln_weight, ln_bias, eps, weights, biases, cache_k, cache_v, position)
+    _, qkv_into_cache, _ = _kernels()
+    q = torch.empty(B, N, device=x.device, dtype=x.dtype)
+    block_n, block_k = _blocks(N, x.dtype)
+    qkv_into_cache[(cdiv(N, block_n), 3, cdiv(B, BLOCK_M))](
+        x_MK, ln_weight, ln_bias, wq, wk, wv, *(b if b is not None else wq for b in biases), q, cache_k, cache_v,
+        position, B, N, K, C, D, float(eps), x_MK.stride(0), q.stride(0),
+        cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), cache_v.stride(0), cache_v.stride(1), cache_v.stride(2),
+        HAS_BQ=bq is not None, HAS_BK=bk is not None, HAS_BV=bv is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, **_launch_options(x.device))
+    return q.view(B, H, 1, D)
+
+
+def cached_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                            position: torch.Tensor) -> torch.Tensor:
+    """Core ``cached_decode_attention`` on CUDA: one program per (row, head) reads cache
+    positions ``0..position[b]`` only (online softmax in fp32, one kernel); a row's result
+    never depends on the batch. Other inputs (D > 256, ...) take core's reference."""
+    B, H, T, D = q.shape
+    C = cache_k.shape[2]
+    if not (use_triton(q) and T == 1 and cache_k.shape == cache_v.shape == (B, H, C, D) and D <= 256
+            and q.stride(-1) == cache_k.stride(-1) == cache_v.stride(-1) == 1
+            and position.shape == (B,) and not position.is_floating_point()):
+        from polyaccel.core.ops import cached_decode_attention as core_op
+
+        return core_op.reference(q, cache_k, cache_v, position)
+    _, _, cached_attention = _kernels()
+    out = torch.empty(B, H, 1, D, device=q.device, dtype=q.dtype)
+    cached_attention[(B * H,)](q, cache_k, cache_v, position, out, H, C, D ** -0.5,
+                               q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+                               cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), out.stride(0), out.stride(1),
+                               D=D, BLOCK_D=max(16, 1 << (D - 1).bit_length()), BLOCK_S=BLOCK_S)
+    return out
