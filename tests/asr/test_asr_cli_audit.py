@@ -37,6 +37,9 @@ def _fake(monkeypatch: pytest.MonkeyPatch, name: str, sha: str | None) -> None:
         tr.weights_sha256 = sha
         return tr
     monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(from_pretrained))
+    from polyaccel.asr import weights  # what a rerun with nothing left to do checks the file against
+
+    monkeypatch.setattr(weights, "model_provenance", lambda path_or_name, **kw: {"model": name, "weights_sha256": sha})
 
 
 # ---- a resume never mixes two models (or settings) in one results file ------------------------------
@@ -69,6 +72,35 @@ def test_resume_refuses_results_of_another_model_or_with_other_timestamps(tmp_pa
     _fake(monkeypatch, "whisper-base", "bb" * 32)
     assert cli.main(["transcribe", str(clips), "-o", str(out), "-q", "--overwrite"]) == 0
     assert {json.loads(x)["model"] for x in out.read_text().splitlines()} == {"whisper-base"}
+
+
+def test_a_rerun_with_nothing_left_still_refuses_results_made_another_way(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture) -> None:
+    """Every input already in -o: a rerun with another model or with --timestamps must not say
+    "nothing to do" (exit 0) over records it would not make; it refuses (exit 2) without
+    loading a model, and the same command is still "nothing to do"."""
+    from polyaccel.asr import weights
+
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    _wav(clips / "a.wav")
+    out = tmp_path / "out.jsonl"
+    _fake(monkeypatch, "whisper-tiny.en", "aa" * 32)
+    assert cli.main(["transcribe", str(clips), "-o", str(out), "-q"]) == 0
+    before = out.read_bytes()
+    sha = {"whisper-tiny.en": "aa" * 32, "whisper-base": "bb" * 32}
+    monkeypatch.setattr(weights, "model_provenance", lambda name, **kw: {"model": name, "weights_sha256": sha[name]})
+    monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(lambda *a, **k: pytest.fail("a model loaded")))
+    for extra, said in ((["--model", "whisper-base"], "model whisper-tiny.en (weights aaaaaaaaaaaa), no timestamps; "
+                                                      "this run: model whisper-base"),
+                        (["--timestamps"], "this run: model whisper-tiny.en (weights aaaaaaaaaaaa), timestamps")):
+        assert cli.main(["transcribe", str(clips), "-o", str(out), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "holds results made another way" in err and said in err and "nothing to do" not in err, err
+    assert cli.main(["transcribe", str(clips), "-o", str(out)]) == 0
+    assert "nothing to do: all 1 file are already in" in capsys.readouterr().err
+    assert out.read_bytes() == before
 
 
 # ---- segment times lie within the audio -------------------------------------------------------------
@@ -173,3 +205,26 @@ def test_srt_cue_text_never_holds_a_time_arrow() -> None:
     lines = srt.splitlines()
     assert [x for x in lines if "-->" in x] == ["00:00:00,000 --> 00:00:01,000", "00:00:01,000 --> 00:00:02,000"]
     assert lines[2] == "a -> b 00:00:05,000 -> 00:00:09,000 c"
+
+
+def test_export_rerun_is_up_to_date_and_a_run_that_writes_nothing_leaves_no_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """``transcribe ... && export ...`` run twice: the second export finds its own files and
+    succeeds (exit 0); an export that writes nothing (no timestamps for srt) leaves no new
+    empty folder behind."""
+    _fake(monkeypatch, "fake", None)
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["transcribe", str(_wav(tmp_path / "a.wav")), str(_wav(tmp_path / "b.wav", 0.2)),
+                     "-o", str(out), "-q"]) == 0
+    subs = tmp_path / "subs"
+    assert cli.main(["export", str(out), "-f", "txt", "-d", str(subs)]) == 0
+    capsys.readouterr()
+    assert cli.main(["export", str(out), "-f", "txt", "-d", str(subs)]) == 0
+    assert f"0 written to {subs}, 2 already up to date, 0 not" in capsys.readouterr().err
+    (subs / "b.txt").write_text("edited by hand\n")
+    assert cli.main(["export", str(out), "-f", "txt", "-d", str(subs), "-q"]) == 1
+    assert "exists with other content" in capsys.readouterr().err
+    assert (subs / "b.txt").read_text() == "edited by hand\n"
+    deep = tmp_path / "new" / "srt"
+    assert cli.main(["export", str(out), "-f", "srt", "-d", str(deep), "-q"]) == 3  # no segments
+    assert not (tmp_path / "new").exists()

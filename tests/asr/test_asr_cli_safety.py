@@ -38,6 +38,9 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
                            model_name=name)
 
     monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(fake_from_pretrained))
+    from polyaccel.asr import weights  # what a rerun with nothing left to do checks the file against
+
+    monkeypatch.setattr(weights, "model_provenance", lambda name, **kw: {"model": name, "weights_sha256": None})
     return asked
 
 
@@ -309,14 +312,19 @@ def test_two_processes_on_one_output(tmp_path: Path) -> None:
         _wav(folder / f"{i}.wav")
     out = tmp_path / "out.jsonl"
     script = tmp_path / "slow.py"
+    release = tmp_path / "release"  # the first run holds its last files until the second is done
     script.write_text(textwrap.dedent(f"""
-        import sys, time
+        import os, sys, time
         from polyaccel.asr import cli
         from polyaccel.asr.transcriber import Transcriber
 
         def slow(name="fake", *, batch_size=None, replicas=None, **kw):
+            calls = []
             def recognize(batch):
-                time.sleep(0.5)
+                calls.append(1)
+                deadline = time.monotonic() + 60
+                while len(calls) > 1 and not os.path.exists({str(release)!r}) and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 return ["x" for _ in batch]
             return Transcriber(lambda i: recognize, sample_rate=16000, max_audio_seconds=30.0, replicas=1,
                                batch_size=batch_size or 8, model_name=name)
@@ -330,6 +338,7 @@ def test_two_processes_on_one_output(tmp_path: Path) -> None:
         second = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
         assert second.returncode == 2 and f"is writing {out}" in second.stderr
     finally:
+        release.touch()
         assert first.wait(timeout=60) == 0
     assert len(_results(out)) == 6
 

@@ -303,9 +303,9 @@ def test_export_files_names_overwrite_and_exit_codes(tmp_path, capsys):
     assert (out / "a-2.srt").read_text() == "1\n00:00:01,000 --> 00:00:02,000\nAgain.\n\n"
     # never overwritten unless asked
     (out / "a.srt").write_text("mine")
-    assert main(["export", str(res), "-f", "srt", "-d", str(out), "-q"]) == 3
+    assert main(["export", str(res), "-f", "srt", "-d", str(out), "-q"]) == 1  # the other two: up to date
     assert (out / "a.srt").read_text() == "mine"
-    assert "exists (--overwrite replaces it)" in capsys.readouterr().err
+    assert "exists with other content (--overwrite replaces it)" in capsys.readouterr().err
     assert main(["export", str(res), "-f", "srt", "-d", str(out), "--overwrite", "-q"]) == 0
     assert (out / "a.srt").read_text().startswith("1\n")
     assert main(["export", str(res), "-f", "txt", "-d", str(out), "-q"]) == 0
@@ -326,7 +326,7 @@ def test_export_failed_records_and_usage_errors(tmp_path, capsys):
     assert main(["export", str(res), "-f", "srt", "-d", str(out)]) == 1
     err = capsys.readouterr().err
     assert "skipped bad.wav: it failed (missing file)" in err
-    assert "skipped plain.wav: no segments in the record (transcribe with --timestamps)" in err
+    assert "skipped plain.wav: no segments in the record (transcribe with --timestamps, into a new -o" in err
     assert sorted(os.listdir(out)) == ["good.srt"]
     assert main(["export", str(res), "-f", "txt", "-d", str(tmp_path / "t"), "-q"]) == 1  # bad.wav only
     assert main(["export", str(tmp_path / "nope.jsonl"), "-d", str(out)]) == 2

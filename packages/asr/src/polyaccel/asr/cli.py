@@ -197,6 +197,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         done = {path_key(record_path(r)) for r in kept}
         todo = [it for it in items if path_key(it.path) not in done]
         skipped = len(items) - len(todo)
+        if kept and not todo:  # nothing to run, but not "done" if the file was made another way
+            _check_made_alike(kept, args)
         if skipped and not args.quiet:
             print(f"resuming {printable(args.output)}: {skipped} of {len(items)} already done", file=sys.stderr)
         start = time.perf_counter()
@@ -310,7 +312,10 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[st
     # the rows behind it still come back (ray_job.exactly_once_indexed), one place early.
     unwritten = {it.path: it for it in todo}
     try:
-        for rec in _results(todo, args):
+        records = _results(todo, args)  # the model loads here (its errors: nothing written, no bar)
+        bar = _progress(len(todo), args.quiet)  # from the first batch on, not from its result
+        start = time.perf_counter()
+        for rec in records:
             item = unwritten.pop(rec.get("path"), None)
             if item is None:
                 raise RowsLost(f"a result came back for {rec.get('path')!r}, which is not an input of this "
@@ -319,11 +324,8 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[st
             if writer is None:
                 clash = _made_differently(kept, rec, args.timestamps)
                 if clash:
-                    raise UsageError(f"-o {args.output} holds results made another way ({clash}); resuming "
-                                     "would mix them in one file: use --overwrite to start it afresh, or "
-                                     "another -o")
+                    raise UsageError(_made_differently_message(args.output, clash))
                 writer = ResultsWriter(out, resume=not args.overwrite)
-                bar = _progress(len(todo), args.quiet)
             writer.write(rec)
             if rec.get("error"):
                 c.failed += 1
@@ -343,6 +345,29 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[st
         if writer is not None:
             writer.close()
     return c
+
+
+def _check_made_alike(kept: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Raise the usage error a run would raise at its first record if ``kept`` was made another
+    way, for a run with nothing left to transcribe (its model is named, not loaded)."""
+    from polyaccel.asr.weights import model_provenance
+
+    try:
+        mine: dict[str, Any] = model_provenance(args.model)
+    except (KeyError, ValueError, FileNotFoundError) as e:
+        raise UsageError(e.args[0] if isinstance(e, KeyError) and e.args else str(e)) from None
+    if getattr(args, "fp8_encoder", False):
+        mine["encoder_gemms"] = "fp8"
+    if getattr(args, "batch_invariant", False):
+        mine["batch_invariant"] = True
+    clash = _made_differently(kept, mine, args.timestamps)
+    if clash:
+        raise UsageError(_made_differently_message(args.output, clash))
+
+
+def _made_differently_message(output: str, clash: str) -> str:
+    return (f"-o {output} holds results made another way ({clash}); resuming would mix them in one file, "
+            "and its records are not what this command makes: use --overwrite to start it afresh, or another -o")
 
 
 def _made_differently(kept: list[dict[str, Any]], first: dict[str, Any], timestamps: bool) -> str | None:

@@ -11,15 +11,19 @@ text (audio or other binary data: a relative input path read from another direct
 input, but the audio is still not text); a new one is created exclusively
 (``O_EXCL``), a replaced one written next to it and renamed over it.
 
+A file that already holds exactly what would be written counts as done (a rerun succeeds); a
+``-d`` folder the run created is removed again if nothing was written into it.
+
 Exit status: 0 every transcribed input has its file; 1 some could not be written (the record
-failed, has no segments for srt/vtt, the file exists, a write error), each said on stderr;
-2 usage error (no such results file, not a results file, ``-d`` is not a folder), nothing
-written; 3 nothing written at all.
+failed, has no segments for srt/vtt, the file exists with other content, a write error), each
+said on stderr; 2 usage error (no such results file, not a results file, ``-d`` is not a
+folder), nothing written; 3 nothing written at all and nothing up to date.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import stat
@@ -79,7 +83,7 @@ def render(record: dict[str, Any], fmt: str) -> str:
         return str(record.get("text", "")).strip() + "\n"
     segments = record.get("segments")
     if not isinstance(segments, list):
-        raise ValueError("no segments in the record (transcribe with --timestamps)")
+        raise ValueError("no segments in the record (transcribe with --timestamps, into a new -o or with --overwrite)")
     try:
         return to_srt(segments) if fmt == "srt" else to_vtt(segments)
     except (TypeError, KeyError, AttributeError, ValueError, OverflowError):
@@ -117,13 +121,14 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise ExportUsageError(f"{args.results} is not a polyaccel-asr results file ({e})") from None
         except OSError as e:
             raise ExportUsageError(f"cannot read {args.results}: {e.strerror or e}") from None
+        created = _missing_dirs(args.dir)
         out_dir = _out_dir(args.dir)
     except ExportUsageError as e:
         _say(f"polyaccel-asr export: error: {e}")
         return EXIT_USAGE
 
     # one line per input: a resumed file's good line over its failed one; a failure said once
-    written, problems, taken = 0, 0, set()
+    written, same, problems, taken = 0, 0, 0, set()
     # --overwrite never replaces a recording (audio named talk.txt exports to talk.txt)
     inputs = {_file_id(os.fsencode(record_path(r))) for r in records} - {None} if args.overwrite else set()
     for rec in one_per_input(records):
@@ -155,8 +160,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         try:
             _write(target, body, args.overwrite)
         except FileExistsError:
+            if _holds_exactly(target, body.encode("utf-8")):  # a rerun: this very file is there
+                same += 1
+                continue
             problems += 1
-            _say(f"  skipped {shown}: {_show(target)} exists (--overwrite replaces it)")
+            _say(f"  skipped {shown}: {_show(target)} exists with other content (--overwrite replaces it)")
             continue
         except OSError as e:
             problems += 1
@@ -165,9 +173,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         written += 1
         if not args.quiet and os.path.basename(target) != _name(path, args.format):
             _say(f"  {shown} -> {_show(target)} (name taken by another input)")
+    if not written:
+        for d in reversed(created):  # no empty folders left by a run that wrote nothing
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
     if not args.quiet or problems:
-        _say(f"{written} written to {args.dir}, {problems} not")
-    if problems and not written:
+        _say(f"{written} written to {args.dir}, " + (f"{same} already up to date, " if same else "") + f"{problems} not")
+    if problems and not written and not same:
         return EXIT_NOTHING_DONE
     return EXIT_SOME_FAILED if problems else EXIT_OK
 
@@ -233,6 +245,29 @@ def _file_id(path: bytes) -> tuple[int, int] | None:
     except (OSError, ValueError):
         return None
     return st.st_dev, st.st_ino
+
+
+def _missing_dirs(d: str) -> list[str]:
+    """The folders of ``d`` that do not exist yet, outermost first."""
+    missing = []
+    path = os.path.abspath(d)
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing[::-1]
+
+
+def _holds_exactly(path: bytes, data: bytes) -> bool:
+    """Whether ``path`` is a regular file (not a link) holding exactly ``data``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        return stat.S_ISREG(st.st_mode) and st.st_size == len(data) and os.read(fd, len(data) + 1) == data
+    finally:
+        os.close(fd)
 
 
 def _holds_text(path: bytes, probe: int = 1 << 16) -> bool:
