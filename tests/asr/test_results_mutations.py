@@ -1,0 +1,203 @@
+"""The results file of ``polyaccel-asr transcribe`` and the checks around ``-o``: behaviour the
+other tests left unpinned, found by mutation testing (each test fails when one check of
+``results_file.py`` or ``cli.py`` is dropped, loosened or moved). The model is a fake recognizer."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from polyaccel.asr import cli, results_file
+from polyaccel.asr.results_file import OutputBusy, OutputLock, ResultsWriter, scan_results
+from polyaccel.asr.transcriber import Transcriber
+
+SR = 16000
+
+
+@pytest.fixture
+def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A fake model (its text is the sample count); returns the names it was asked to load."""
+    asked: list[str] = []
+
+    def fake_from_pretrained(name: str = "fake", *, batch_size: int = 8, replicas: int | None = None, **kw):
+        asked.append(name)
+        return Transcriber(lambda i: (lambda batch: [f"{len(a)} samples" for a in batch]), sample_rate=SR,
+                           max_audio_seconds=30.0, replicas=replicas or 1, batch_size=batch_size or 8,
+                           model_name=name)
+
+    monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(fake_from_pretrained))
+    return asked
+
+
+def _wav(path: Path, seconds: float = 0.1) -> str:
+    sf.write(path, np.full(int(SR * seconds), 0.1, np.float32), SR, format="WAV")
+    return str(path)
+
+
+def _line(path: object, text: str = "hi", error: object = None) -> bytes:
+    return (json.dumps({"path": path, "text": text, "duration_s": 0.1, "error": error}) + "\n").encode()
+
+
+# ---- what counts as a results file ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [["a.wav"], 7, None, {"file": "a.wav"}])
+def test_a_record_whose_path_is_not_a_string_makes_a_file_not_ours(loads: list[str], tmp_path: Path, path: object,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """Lines with every results field but a path that is a list, number, null or object are no
+    run's records: ``wer --hyps`` on such a file is a usage error (it crashed with a TypeError
+    traceback when the path reached ``Path()`` in the reference lookup), and ``transcribe -o`` refuses the
+    file instead of appending results to somebody else's JSONL."""
+    refs = tmp_path / "refs.jsonl"
+    refs.write_text('{"path": "a.wav", "text": "hello"}\n')
+    other = tmp_path / "other.jsonl"
+    other.write_bytes(_line(path))
+    before = other.read_bytes()
+    assert cli.main(["wer", "--refs", str(refs), "--hyps", str(other)]) == 2
+    assert "is not a polyaccel-asr results file (line 1 is not a results record)" in capsys.readouterr().err
+    assert cli.main(["transcribe", _wav(tmp_path / "a.wav"), "-o", str(other), "-q"]) == 2
+    assert "exists and is not a polyaccel-asr results file" in capsys.readouterr().err
+    assert other.read_bytes() == before and loads == []
+
+
+def test_a_last_line_of_non_json_whitespace_is_repaired_before_appending(tmp_path: Path) -> None:
+    """A file ending in a form feed (no newline): the next record must not be glued after it
+    (``\\x0c{...}`` is not JSON, so that record would be lost and the next run would refuse the
+    whole file as not a results file); the writer rewrites the file first."""
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(_line("a.wav") + b"\x0c")
+    with ResultsWriter(out) as w:
+        w.write({"path": "b.wav", "text": "yo", "duration_s": 0.1, "error": None})
+    assert [r["path"] for r in scan_results(out).records] == ["a.wav", "b.wav"]
+
+
+# ---- the lock ------------------------------------------------------------------------------------------
+
+
+def test_a_long_file_of_digits_on_the_lock_path_is_not_taken_for_a_lock_file(tmp_path: Path) -> None:
+    """A lock file of ours holds one process id. A user's file at ``out.jsonl.lock`` that only
+    starts like one (a long number, a list of ids) is left alone, not truncated to our pid."""
+    lock = tmp_path / "out.jsonl.lock"
+    data = b"1234567890" * 10 + b"\n" + b"42\n"
+    lock.write_bytes(data)
+    with pytest.raises(OSError, match="not a lock file of ours"):
+        OutputLock(tmp_path / "out.jsonl").acquire()
+    assert lock.read_bytes() == data
+
+
+def test_a_lock_being_released_cannot_be_taken_before_its_file_is_gone(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Release removes the lock file while still holding the lock. The other order lets a
+    second run lock the file in between and then lose it to the removal, so that a third run
+    creates a new lock file and writes the same results file alongside the second."""
+    out = tmp_path / "out.jsonl"
+    first = OutputLock(out).acquire()
+    seen: list[str] = []
+    real_unlink = Path.unlink
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if self == first.path:
+            try:
+                OutputLock(out).acquire()
+                seen.append("second run got the lock")
+            except OutputBusy:
+                seen.append("busy")
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(type(first.path), "unlink", unlink)
+    first.release()
+    assert seen == ["busy"]
+    monkeypatch.undo()
+    with OutputLock(out):  # and the next run takes it
+        pass
+    assert not first.path.exists()
+
+
+# ---- transcribe -o: refused before the model loads, synced at the end -------------------------------------
+
+
+def test_an_existing_output_that_may_not_be_written_is_refused_before_the_model_loads(
+        loads: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """A write-protected results file (here one to repair: a failed record and a torn line) is
+    a usage error before any model loads. Without the check the run loaded the model and, to
+    repair the file, renamed a new one over it: the protection was silently bypassed."""
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(_line("x.wav", error="missing file") + b'{"path": "y.w')
+    before = out.read_bytes()
+    real_open = os.open
+
+    def read_only(path, flags, *a, **k):  # noqa: ANN001, ANN202  (as for a 0444 file and a user who is not root)
+        if os.path.realpath(path) == os.path.realpath(out) and flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(errno.EACCES, "Permission denied", str(out))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", read_only)
+    assert cli.main(["transcribe", _wav(tmp_path / "a.wav"), "-o", str(out), "-q"]) == 2
+    assert "Permission denied" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert out.read_bytes() == before and loads == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav", "out.jsonl"]
+
+
+def test_the_results_are_synced_and_closed_when_the_run_ends(loads: list[str], tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer fsyncs at most once a second while writing; the run's end must sync the last
+    records (a power loss right after exit 0 would lose them otherwise) and close the file."""
+    out = tmp_path / "out.jsonl"
+    wavs = [_wav(tmp_path / f"{i}.wav") for i in range(3)]
+    events: list[str] = []
+
+    def ours(fd: int) -> bool:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}") == os.path.realpath(out)
+        except OSError:
+            return False
+
+    real_write, real_fsync, real_close = os.write, os.fsync, os.close
+    monkeypatch.setattr(results_file.os, "write", lambda fd, data: (ours(fd) and events.append("write"))
+                        or real_write(fd, data))
+    monkeypatch.setattr(results_file.os, "fsync", lambda fd: (ours(fd) and events.append("fsync")) or real_fsync(fd))
+    monkeypatch.setattr(results_file.os, "close", lambda fd: (ours(fd) and events.append("close")) or real_close(fd))
+    monkeypatch.setattr(results_file, "FSYNC_INTERVAL_S", 3600.0)
+    assert cli.main(["transcribe", *wavs, "-o", str(out), "-q"]) == 0
+    assert events.count("write") == 3 and events[-2:] == ["fsync", "close"], events
+    assert len(scan_results(out).records) == 3
+
+
+def test_an_output_named_through_a_symlink_is_locked_and_written_as_the_file_it_names(
+        loads: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``-o link.jsonl`` (a symlink to ``real.jsonl``): the lock is the real file's, so a run
+    writing ``real.jsonl`` keeps this one out; the repair of a torn line replaces the real file,
+    never the link (which would part the two: the real file stale, the link a new file)."""
+    wav = _wav(tmp_path / "a.wav")
+    real = tmp_path / "real.jsonl"
+    real.write_bytes(_line("x.wav", error="missing file") + b'{"path": "y.w')
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    with OutputLock(real):
+        assert cli.main(["transcribe", wav, "-o", str(link), "-q"]) == 2
+    assert f"is writing {link}" in capsys.readouterr().err and loads == []
+    assert cli.main(["transcribe", wav, "-o", str(link), "-q"]) == 0
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert [r["path"] for r in scan_results(real).records] == [wav]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav", "link.jsonl", "real.jsonl"]
+
+
+def test_a_symlink_to_an_input_is_an_input_of_its_own_on_resume(loads: list[str], tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """Resume compares paths with their folders resolved but keeps the file's own name: an
+    utterance that is a symlink to shared audio gets its own record (references match it by
+    its name), not skipped as already done because its target was."""
+    wav = _wav(tmp_path / "a.wav")
+    (tmp_path / "utt2.wav").symlink_to(tmp_path / "a.wav")
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["transcribe", wav, "-o", str(out), "-q"]) == 0
+    assert cli.main(["transcribe", wav, str(tmp_path / "utt2.wav"), "-o", str(out), "-q"]) == 0
+    assert "1 ok, 0 failed, 1 skipped" in capsys.readouterr().err
+    assert [r["path"] for r in scan_results(out).records] == [wav, str(tmp_path / "utt2.wav")]
