@@ -232,7 +232,9 @@ def test_records_carry_model_and_hash_and_resume_keeps_old_records(tmp_path: Pat
     assert [r["path"] for r in recs] == [str(p) for p in paths]
     for r in recs[1:]:
         assert r["model"] == "whisper-tiny.en" and r["weights_sha256"] == "ab" * 32
-    # rerun: everything done, nothing rewritten
+    # rerun: everything done, nothing rewritten (the rerun names the same weights: no clash)
+    monkeypatch.setattr(weights, "model_provenance",
+                        lambda name, **kw: {"model": "whisper-tiny.en", "weights_sha256": "ab" * 32})
     before = out.read_bytes()
     assert cli.main(["transcribe", str(clips), "-o", str(out), "-q", "--model", "tiny.en"]) == 0
     assert out.read_bytes() == before
@@ -245,3 +247,11 @@ def test_from_pretrained_sets_resolved_name_and_hash(cache: Path, monkeypatch: p
     with Transcriber.from_pretrained("openai/whisper-tiny.en", backend="cpu", batch_size=1) as tr:
         assert tr.model_name == "whisper-tiny.en"
         assert tr.weights_sha256 == model_provenance("tiny.en", cache=cache)["weights_sha256"]
+
+
+def test_a_misspelt_name_gets_the_close_known_name(hf_cache: Path, cache: Path, offline: None) -> None:
+    with pytest.raises(ModelNotInstalled, match="did you mean 'whisper-tiny.en'"):
+        resolve("wisper-tiny.en", cache=cache)
+    with pytest.raises(ModelNotInstalled) as err:
+        resolve("openai/whisper-large-v3", cache=cache)
+    assert "did you mean" not in str(err.value)

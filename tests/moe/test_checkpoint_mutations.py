@@ -172,3 +172,9 @@ def test_resuming_under_the_other_optimizer_layout_says_so(saved: Path, tmp_path
     assert ckpt.verify_checkpoint(step) is None
     with pytest.raises(ckpt.LayoutMismatch, match="parallel.dense=replicate"):
         ckpt.load_trainer_state(step, model, optimizer, per_rank_optimizer=not written_per_rank)
+
+
+def test_an_explicit_resume_path_that_does_not_exist_says_so(tmp_path):
+    """A mistyped checkpoint.resume is named as missing, not as an incomplete checkpoint."""
+    with pytest.raises(ckpt.CheckpointError, match=r"step_00000999 does not exist"):
+        ckpt.find_resume(None, str(tmp_path / "step_00000999"))

@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true",
                    help="start the results file afresh instead of resuming (replaced when the first result "
                         "arrives)")
-    t.add_argument("--overlap", type=number(0), default=3.0, help="seconds of overlap between long-audio windows")
+    t.add_argument("--overlap", type=number(0), default=3.0, help="seconds of overlap between long-audio windows (default: 3)")
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     t.add_argument("--timestamps", action=argparse.BooleanOptionalAction, default=False,
                    help="decode with Whisper's timestamp tokens: each line gets \"segments\" "

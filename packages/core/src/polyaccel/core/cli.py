@@ -1,4 +1,4 @@
-"""``polyaccel`` command: what backends and kernels are installed, available, and why not."""
+"""polyaccel command: what backends and kernels are installed, available, and why not."""
 
 from __future__ import annotations
 

@@ -235,6 +235,8 @@ def _choose(root: str | Path | None, resume: str) -> str | None:
 
 def _explicit(path: Path) -> Path:
     """Checks of an explicitly named checkpoint: intact, or (no manifest) at least complete."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint.resume: {path} does not exist")
     if not (path / MANIFEST).is_file():
         if (path / TRAINER_STATE).is_file():
             logger.warning("polyaccel.moe: checkpoint %s has no %s (written before checksums?): resuming from it "
