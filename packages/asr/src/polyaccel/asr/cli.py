@@ -466,7 +466,9 @@ def _results(todo: list[Any], args: argparse.Namespace) -> Iterator[dict[str, An
         except (ImportError, ValueError) as e:
             raise UsageError(f"--address: {e}" if isinstance(e, ValueError) else str(e)) from None
         if args.backend != "auto" and args.backend not in backends():
-            raise UsageError(f"unknown backend {args.backend!r}; known: {', '.join(backends())}")
+            from polyaccel.core.plugins import unknown_backend_message
+
+            raise UsageError(unknown_backend_message(args.backend, backends()))
         opts = RayJobOptions(model=args.model, backend=args.backend, replicas=args.replicas,
                              batch_size=args.batch_size, dtype=args.dtype, overlap_s=args.overlap,
                              address=args.address, num_actors=args.num_actors, timestamps=args.timestamps)

@@ -108,7 +108,9 @@ def cluster_backend(ray: Any, requested: str) -> tuple[str, dict[str, Any]]:
     elif requested in known:
         be = known[requested]
     else:
-        raise KeyError(f"unknown backend {requested!r}; known: {', '.join(known)}")
+        from polyaccel.core.plugins import unknown_backend_message
+
+        raise KeyError(unknown_backend_message(requested, known))
     key = be.ray_resource or "CPU"
     units = getattr(be, "ray_units_per_actor", None) or (8 if key == "neuron_cores" else 1)
     if key == "GPU":

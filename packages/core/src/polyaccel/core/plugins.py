@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+from collections.abc import Iterable
 
 import pluggy
 
@@ -81,14 +82,44 @@ def select_backend(name: str | Backend = "auto") -> Backend:
         picked = plugin_manager().hook.polyaccel_pick_auto(candidates=candidates)
         return activate(picked or candidates[0])
     if name not in known:
-        raise KeyError(f"unknown backend {name!r}; known: {', '.join(known)}. "
-                       f"Backends come from installed packages (e.g. pip install polyaccel-backend-{name}).")
+        raise KeyError(unknown_backend_message(name, known))
     b = known[name]
     a = b.availability()
     if not a.ok:
         hint = f" To use it: {a.install_hint}" if a.install_hint else ""
         raise BackendUnavailable(f"backend {name!r} is not available here: {a.reason}.{hint}")
     return activate(b)
+
+
+BACKEND_ALIASES = {
+    "gpu": "cuda", "nvidia": "cuda", "cu": "cuda", "h100": "cuda", "h200": "cuda", "a100": "cuda",
+    "trainium": "neuron", "trainium2": "neuron", "trn": "neuron", "trn1": "neuron", "trn2": "neuron",
+    "inferentia": "neuron", "inf2": "neuron", "aws": "neuron", "nki": "neuron", "neuronx": "neuron",
+    "host": "cpu", "torch": "cpu",
+}
+"""Other names people use for a backend (``--backend gpu``): the did-you-mean of an unknown name."""
+
+
+def unknown_backend_message(name: str, known: Iterable[str]) -> str:
+    """The error for a backend ``name`` that no installed plugin supplies: the known names, a
+    did-you-mean (a common alias such as ``gpu`` -> ``cuda``, or a close spelling), and where
+    backends come from. It names no package to install: a guessed name could be anyone's on
+    PyPI."""
+    import difflib
+
+    known = list(known)
+    key = str(name).strip().lower()
+    guess = key if key in known else BACKEND_ALIASES.get(key)
+    if guess is None:
+        close = (difflib.get_close_matches(key, known, n=1, cutoff=0.7)  # cdua, nuron; not tpu -> cpu
+                 or difflib.get_close_matches(key, list(BACKEND_ALIASES), n=1, cutoff=0.8))  # gpus, trainum
+        guess = BACKEND_ALIASES.get(close[0], close[0]) if close else None
+    hint = ""
+    if guess is not None:
+        hint = f" (did you mean {guess!r}?" + ("" if guess in known else "; it is not installed here") + ")"
+    return (f"unknown backend {name!r}{hint}; known: {', '.join(known)} (or 'auto'). Backends come from "
+            "installed plugins of the polyaccel.backends entry-point group; `polyaccel backends` lists them "
+            "and says what each needs.")
 
 
 def activate(backend: Backend) -> Backend:

@@ -245,9 +245,14 @@ def backend_config(cfg: ModelConfig) -> Any:
 
 
 def build_model(cfg: ModelConfig, model_config: Any, *, dtype: torch.dtype, device: torch.device,
-                weights: str | Path | None = None) -> nn.Module:
+                weights: str | Path | None = None, train: TrainConfig | None = None, lora: Any = None,
+                world_size: int = 1) -> nn.Module:
     """Instantiate the model in ``dtype`` on ``device``: random init from ``model_config``, or
-    the weights of ``weights`` (a checkpoint to resume) or ``cfg.path``."""
+    the weights of ``weights`` (a checkpoint to resume) or ``cfg.path``.
+
+    ``train`` (with ``lora``, the config's LoRA section or None, and ``world_size``): the model
+    is built to be trained that way; the pre-flight memory check then counts its gradients
+    and AdamW moments too (:func:`_check_weights_fit`), else the weights alone."""
     _check_layers_fit(model_config)  # here, where the model is built (not on a Ray driver)
     cls, _ = auto_model_class(cfg.implementation)
     kwargs: dict[str, Any] = {"dtype": dtype}
@@ -259,6 +264,8 @@ def build_model(cfg: ModelConfig, model_config: Any, *, dtype: torch.dtype, devi
     source = weights or cfg.path
     if source is not None and (why := index_escape(source)) is not None:
         raise ConfigError(why)
+    if device.type != "meta" and (source is None or train is not None):
+        _check_weights_fit(cls, model_config, kwargs, device, train=train, lora=lora, world_size=world_size)
     if source is not None:
         # Loaded on the CPU, then moved: a device_map would need `accelerate`.
         model, info = cls.from_pretrained(str(source), config=model_config, local_files_only=True,
@@ -269,8 +276,6 @@ def build_model(cfg: ModelConfig, model_config: Any, *, dtype: torch.dtype, devi
                 f"{' ...' if len(missing) > 6 else ''}): training would start them from random values. Use a "
                 "complete checkpoint, or the model config it was written with (its config.json)")
     else:
-        if device.type != "meta":
-            _check_weights_fit(cls, model_config, kwargs, device)
         with device:  # random init straight on the device
             model = cls.from_config(model_config, **kwargs)
     return model.to(device)
@@ -318,16 +323,76 @@ def _check_layers_fit(model_config: Any) -> None:
                           f"{floor / 2**30:.1f} GiB of host memory; {free / 2**30:.1f} GiB is available")
 
 
-def _check_weights_fit(cls: Any, model_config: Any, kwargs: dict[str, Any], device: torch.device) -> None:
-    """Raise :class:`ConfigError` before a random init whose weights alone exceed what
-    ``device`` has free (counted exactly on the meta device), instead of dying out of memory."""
+def training_state_bytes(weights: int, *, model_config: Any = None, lora: Any = None,
+                         world_size: int = 1) -> dict[str, int]:
+    """Bytes of what training keeps besides activations, a lower bound of its peak: the
+    weights (``weights`` bytes, as built: in the param dtype), the gradients of the trained
+    params and AdamW's two moments, both in the trained params' dtype (``FlatAdamW`` and
+    ``torch.optim.AdamW`` keep them in the param dtype: bf16, or fp32 with ``fp32_master``).
+    Full fine-tuning trains every weight; LoRA (``lora``: the config's section) only the
+    adapters (fp32: PEFT's ``autocast_adapter_dtype``; counted by
+    :func:`~polyaccel.moe.lora.lora_param_count`, 0 where it does not know the architecture),
+    the frozen weights getting none. With several ranks each holds at least the whole model
+    while it is built (every rank loads it before sharding) and its share of the state
+    (FSDP2 shards it): ``max(weights, all / world_size)``. Keys: ``weights``, ``grads``,
+    ``moments``, ``total`` (what one rank needs)."""
+    if lora is None:
+        grads = weights
+    else:
+        adapters = 0
+        try:
+            from polyaccel.moe.lora import lora_param_count, settings_from
+
+            adapters = lora_param_count(model_config, settings_from(lora)) * 4
+        except (AttributeError, ImportError, TypeError, ValueError):  # unknown architecture: count none
+            pass
+        weights += adapters
+        grads = adapters
+    parts = {"weights": weights, "grads": grads, "moments": 2 * grads}
+    everything = sum(parts.values())
+    parts["total"] = max(weights, -(-everything // max(1, world_size)))
+    return parts
+
+
+def _check_weights_fit(cls: Any, model_config: Any, kwargs: dict[str, Any], device: torch.device, *,
+                       train: TrainConfig | None = None, lora: Any = None, world_size: int = 1) -> None:
+    """Raise :class:`ConfigError` before a model is built whose weights (with ``train``:
+    weights, gradients and AdamW moments, :func:`training_state_bytes`) exceed what ``device``
+    has free (:func:`available_memory`), instead of dying out of memory minutes later. The
+    weights are counted exactly on the meta device (a fraction of a second for the 5.6B
+    parameters of ``qwen3-30b-a3b-L8``); activations are not counted, so a refused run could
+    never have fitted."""
     with torch.device("meta"):
         shapes = cls.from_config(model_config, **kwargs)
-    need = sum(p.numel() * p.element_size() for p in shapes.parameters())
+    weights = sum(p.numel() * p.element_size() for p in shapes.parameters())
     free = available_memory(device)
-    if free is not None and need > free:
-        raise ConfigError(f"model.config: the model's weights alone take {need / 2**30:.1f} GiB; {device} has "
-                          f"{free / 2**30:.1f} GiB free. Choose a smaller config (hidden_size, layers, experts)")
+    if free is None:
+        return
+    gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+    if train is None:
+        if weights > free:
+            raise ConfigError(f"model.config: the model's weights alone take {gib(weights)}; {device} has "
+                              f"{gib(free)} free. Choose a smaller config (hidden_size, layers, experts)")
+        return
+    dtype = kwargs.get("dtype", torch.float32)
+    parts = training_state_bytes(weights, model_config=model_config, lora=lora, world_size=world_size)
+    if parts["total"] <= free:
+        return
+    if lora is not None:
+        state = (f"the model's weights alone take {gib(weights)} (frozen: no gradients), the LoRA adapters' gradients "
+                 f"{gib(parts['grads'])} and AdamW's two moments {gib(parts['moments'])} (fp32)")
+    else:
+        state = (f"the model's weights alone take {gib(weights)}, their gradients {gib(parts['grads'])} and AdamW's two "
+                 f"moments {gib(parts['moments'])} ({str(dtype).removeprefix('torch.')}, the param dtype)")
+    per_rank = f" per rank of {world_size}" if world_size > 1 else ""
+    smaller = ("e.g. --preset qwen3-moe-tiny on a CPU, or fewer layers: --set model.config.num_hidden_layers=2"
+               if device.type == "cpu" else "fewer layers: --set model.config.num_hidden_layers=2; or more GPUs: "
+               "under torchrun FSDP2 shards gradients and optimizer state")
+    raise ConfigError(
+        f"model.config: training this model needs at least {gib(parts['total'])}{per_rank} on {device} before any "
+        f"activations ({parts['total']:,} bytes): {state}; {device} has {gib(free)} free ({free:,} bytes). Choose "
+        f"a smaller preset or config ({smaller}), or LoRA (a lora section: only the adapters get gradients and "
+        "AdamW state)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -478,6 +543,8 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
 
     if resume_from is not None and (ckpt.checkpoint_step(resume_from) or 0) >= t.max_steps:
         return _already_finished(cfg, rt, model_config, resume_from)
+    # Told before the output is written over (docs allow it), found before this run prunes checkpoints.
+    replaced = _foreign_output(cfg, resume_from) if cfg.output_dir and rt.rank == 0 else None
     source = build_dataset(cfg.data, seq_len=t.seq_len, vocab_size=model_config.vocab_size, seed=t.seed,
                            tokenizer_path=cfg.model.path)
     batches = Batches(source, micro_batch=t.micro_batch, grad_accum=t.grad_accum, dp_rank=rt.rank,
@@ -487,7 +554,8 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
     param_dtype = torch.float32 if t.fp32_master else compute_dtype
     torch.manual_seed(t.seed)  # identical random init on every rank (FSDP2 does not broadcast)
     model = _load_model(cfg.model, model_config, dtype=param_dtype, device=rt.device,
-                        weights=resume_from if cfg.lora is None else None)
+                        weights=resume_from if cfg.lora is None else None, train=t, lora=cfg.lora,
+                        world_size=rt.world_size)
     model.train()
     if t.activation_checkpointing:
         model.config.use_cache = False
@@ -647,6 +715,12 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
             metrics_file.close()
 
     if cfg.output_dir and step == t.max_steps:
+        if replaced:
+            logger.warning("polyaccel.moe: output_dir %s holds a saved model (%s) that %s; this run's final model "
+                           "replaces it (its weight files and config; other files are kept). Use another "
+                           "output_dir to keep both", cfg.output_dir, replaced,
+                           f"no checkpoint in this run's checkpoint.dir {cfg.checkpoint.dir} matches (another run's?)"
+                           if cfg.checkpoint.dir else "this run did not write (it has no checkpoint.dir)")
         save_final(model, cfg, rt, step=step, final_checkpoint=last_saved)
     measured = times[1:] or times
     tok_s_dev = tokens_per_step / statistics.median(measured) / rt.world_size if measured else None
@@ -1024,13 +1098,15 @@ def _already_finished(cfg: FinetuneConfig, rt: Runtime, model_config: Any, check
 
 
 def _load_model(cfg: ModelConfig, model_config: Any, *, dtype: torch.dtype, device: torch.device,
-                weights: Path | None) -> nn.Module:
+                weights: Path | None, train: TrainConfig | None = None, lora: Any = None,
+                world_size: int = 1) -> nn.Module:
     """:func:`build_model`; a failed load of checkpoint weights becomes a
     :class:`~polyaccel.moe.checkpoint.CheckpointError` naming the damaged file or the tensors
     whose shapes differ."""
     source = weights or cfg.path
     try:
-        return build_model(cfg, model_config, dtype=dtype, device=device, weights=weights)
+        return build_model(cfg, model_config, dtype=dtype, device=device, weights=weights, train=train, lora=lora,
+                           world_size=world_size)
     except (ConfigError, MemoryError, torch.OutOfMemoryError):
         raise
     except Exception as e:
@@ -1297,6 +1373,38 @@ def _output_matches(out: Path, checkpoint: Path) -> bool:
                           for n, (size, _) in weights.items()):
         return False
     return [sha for _, sha in ckpt._digests([out / n for n in weights])] == [sha for _, sha in weights.values()]
+
+
+def _foreign_output(cfg: FinetuneConfig, resume_from: Path | None) -> str | None:
+    """The weight files of a saved model in ``output_dir`` that this run's checkpoints did not
+    write (their names, for a warning), or None: no saved model there, or one whose weight
+    files equal, byte for byte, those of a complete checkpoint in ``checkpoint.dir`` (or of
+    ``resume_from``): what an earlier run of the same command saved, which this run continues.
+    Sizes are compared first; the output's weights are hashed (once) only when some
+    checkpoint's sizes match."""
+    out = Path(cfg.output_dir)
+    try:
+        names = sorted(p.name for p in out.iterdir() if _WEIGHT_FILE.match(p.name) and p.is_file())
+    except OSError:  # not there yet
+        return None
+    if not names:
+        return None
+    candidates = ckpt.complete_checkpoints(cfg.checkpoint.dir)
+    if resume_from is not None and (resume_from / ckpt.MANIFEST).is_file() and resume_from not in candidates:
+        candidates.append(resume_from)
+    digests: list[str] | None = None
+    for checkpoint in reversed(candidates):  # the newest first: the likeliest
+        try:
+            weights = {n: v for n, v in _final_files(checkpoint).items() if _WEIGHT_FILE.match(n)}
+            if sorted(weights) != names or any((out / n).stat().st_size != weights[n][0] for n in names):
+                continue
+            if digests is None:
+                digests = [sha for _, sha in ckpt._digests([out / n for n in names])]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):  # a bad manifest: not it
+            continue
+        if digests == [weights[n][1] for n in names]:
+            return None
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def _progress_bar(cfg: FinetuneConfig, rt: Runtime, start: int):

@@ -1,0 +1,56 @@
+"""A final save that replaces a saved model another run wrote in ``output_dir`` (allowed) says
+so in a warning; the same command rerun to continue its own run does not."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from polyaccel.moe.train import finetune
+from polyaccel.moe.train_config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "packages/moe/examples/tiny_synthetic_cpu.yaml"
+WARNING = "holds a saved model (model.safetensors)"
+
+
+def _cfg(tmp_path: Path, *sets: str):
+    return load_config(TINY, [f"output_dir={tmp_path / 'out'}", "log.progress_bar=false", "train.max_steps=2",
+                              "checkpoint.every_steps=1", "checkpoint.keep_last=1", *sets])
+
+
+def _warnings(caplog, cfg) -> str:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+        finetune(cfg)
+    return caplog.text
+
+
+@pytest.fixture
+def earlier_run(tmp_path, caplog):
+    """A finished run that saved its final model in tmp_path/out."""
+    assert WARNING not in _warnings(caplog, _cfg(tmp_path, f"checkpoint.dir={tmp_path / 'ck_a'}"))
+    assert (tmp_path / "out/model.safetensors").is_file()
+    return tmp_path
+
+
+def test_another_run_replacing_the_saved_model_warns(earlier_run, caplog):
+    text = _warnings(caplog, _cfg(earlier_run, f"checkpoint.dir={earlier_run / 'ck_b'}", "train.seed=1"))
+    assert f"output_dir {earlier_run / 'out'} {WARNING} that no checkpoint in this run's checkpoint.dir" in text
+    assert "(another run's?); this run's final model replaces it" in text
+
+
+def test_a_run_without_checkpoint_dir_replacing_the_saved_model_warns(earlier_run, caplog):
+    text = _warnings(caplog, _cfg(earlier_run, "checkpoint.dir=null"))
+    assert f"{WARNING} that this run did not write (it has no checkpoint.dir)" in text
+
+
+def test_the_same_command_continuing_its_run_does_not_warn(earlier_run, caplog):
+    """Raising train.max_steps and rerunning resumes from the run's last checkpoint, whose
+    weights output_dir holds: no warning (also after keep_last=1 pruned that checkpoint)."""
+    before = (earlier_run / "out/model.safetensors").read_bytes()
+    text = _warnings(caplog, _cfg(earlier_run, f"checkpoint.dir={earlier_run / 'ck_a'}", "train.max_steps=4"))
+    assert WARNING not in text and "holds a saved model" not in text
+    assert (earlier_run / "out/model.safetensors").read_bytes() != before  # replaced by step 4's model
