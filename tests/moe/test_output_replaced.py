@@ -54,3 +54,19 @@ def test_the_same_command_continuing_its_run_does_not_warn(earlier_run, caplog):
     text = _warnings(caplog, _cfg(earlier_run, f"checkpoint.dir={earlier_run / 'ck_a'}", "train.max_steps=4"))
     assert WARNING not in text and "holds a saved model" not in text
     assert (earlier_run / "out/model.safetensors").read_bytes() != before  # replaced by step 4's model
+
+
+@pytest.mark.parametrize("bar", [False, True])
+def test_transformers_bars_follow_log_progress_bar_and_are_restored(tmp_path, monkeypatch, bar):
+    """log.progress_bar=false also silences Transformers' loading and saving bars (they are
+    on while the final model is written only when asked for); finetune() leaves the setting as
+    it found it."""
+    from transformers.utils import logging as hf_logging
+
+    from polyaccel.moe import train
+
+    seen, real = [], train.save_final
+    monkeypatch.setattr(train, "save_final",
+                        lambda *a, **k: seen.append(hf_logging.is_progress_bar_enabled()) or real(*a, **k))
+    finetune(_cfg(tmp_path, "checkpoint.dir=null", f"log.progress_bar={str(bar).lower()}"))
+    assert seen == [bar] and hf_logging.is_progress_bar_enabled()

@@ -454,10 +454,17 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device | None = None,
     :param stop_after: return after this optimizer step, as if pre-empted (the LR schedule
         still spans ``train.max_steps``; no final output is written). Tests resume with it.
     """
+    from transformers.utils import logging as hf_logging
+
     rt = init_runtime(device or cfg.train.device)
+    bars = hf_logging.is_progress_bar_enabled()
+    if not cfg.log.progress_bar or rt.rank != 0:  # nor Transformers' loading/saving bars
+        hf_logging.disable_progress_bar()
     try:
         return _finetune(cfg, rt, stop_after)
     finally:
+        if bars:
+            hf_logging.enable_progress_bar()
         if rt.owns_process_group:
             dist.destroy_process_group()
 
