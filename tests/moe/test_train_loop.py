@@ -105,7 +105,7 @@ def test_resume_none_starts_over_and_explicit_path_is_checked(tmp_path):
     again = finetune(cfg)
     assert again.start_step == 0 and again.losses == first.losses
     cfg.checkpoint.resume = str(tmp_path / "nowhere")
-    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+    with pytest.raises(ConfigError, match="nowhere does not exist"):
         finetune(cfg)
 
 
