@@ -45,15 +45,21 @@ def _fake(monkeypatch: pytest.MonkeyPatch, name: str, sha: str | None) -> None:
 # ---- a resume never mixes two models (or settings) in one results file ------------------------------
 
 
-def test_resume_refuses_results_of_another_model_or_with_other_timestamps(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch,
-                                                                          capsys: pytest.CaptureFixture) -> None:
+def _transcribed_by_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """clips/a.wav transcribed into out.jsonl by a fake whisper-tiny.en (weights "aa" * 32)."""
     clips = tmp_path / "clips"
     clips.mkdir()
     _wav(clips / "a.wav")
     out = tmp_path / "out.jsonl"
     _fake(monkeypatch, "whisper-tiny.en", "aa" * 32)
     assert cli.main(["transcribe", str(clips), "-o", str(out), "-q"]) == 0
+    return clips, out
+
+
+def test_resume_refuses_results_of_another_model_or_with_other_timestamps(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    clips, out = _transcribed_by_tiny(tmp_path, monkeypatch)
     _wav(clips / "b.wav")  # a new file: the rerun has something to do
     before = out.read_bytes()
     _fake(monkeypatch, "whisper-base", "bb" * 32)
@@ -82,12 +88,7 @@ def test_a_rerun_with_nothing_left_still_refuses_results_made_another_way(tmp_pa
     loading a model, and the same command is still "nothing to do"."""
     from polyaccel.asr import weights
 
-    clips = tmp_path / "clips"
-    clips.mkdir()
-    _wav(clips / "a.wav")
-    out = tmp_path / "out.jsonl"
-    _fake(monkeypatch, "whisper-tiny.en", "aa" * 32)
-    assert cli.main(["transcribe", str(clips), "-o", str(out), "-q"]) == 0
+    clips, out = _transcribed_by_tiny(tmp_path, monkeypatch)
     before = out.read_bytes()
     sha = {"whisper-tiny.en": "aa" * 32, "whisper-base": "bb" * 32}
     monkeypatch.setattr(weights, "model_provenance", lambda name, **kw: {"model": name, "weights_sha256": sha[name]})

@@ -347,6 +347,11 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[st
     return c
 
 
+def _usage_error(e: Exception) -> UsageError:
+    """A model or backend error as a usage error (a KeyError's message without its quotes)."""
+    return UsageError(e.args[0] if isinstance(e, KeyError) and e.args else str(e))
+
+
 def _check_made_alike(kept: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Raise the usage error a run would raise at its first record if ``kept`` was made another
     way, for a run with nothing left to transcribe (its model is named, not loaded)."""
@@ -355,7 +360,7 @@ def _check_made_alike(kept: list[dict[str, Any]], args: argparse.Namespace) -> N
     try:
         mine: dict[str, Any] = model_provenance(args.model)
     except (KeyError, ValueError, FileNotFoundError) as e:
-        raise UsageError(e.args[0] if isinstance(e, KeyError) and e.args else str(e)) from None
+        raise _usage_error(e) from None
     if getattr(args, "fp8_encoder", False):
         mine["encoder_gemms"] = "fp8"
     if getattr(args, "batch_invariant", False):
@@ -506,7 +511,7 @@ def _transcriber(args: argparse.Namespace, batch_size: int | None = None) -> Any
                                            fp8_encoder=getattr(args, "fp8_encoder", False),
                                            batch_invariant=getattr(args, "batch_invariant", False))
     except (BackendUnavailable, KeyError, ValueError, FileNotFoundError, ModuleNotFoundError) as e:
-        raise UsageError(e.args[0] if isinstance(e, KeyError) and e.args else str(e)) from None
+        raise _usage_error(e) from None
 
 
 def _gather(specs: Sequence[str]) -> list[Any]:

@@ -257,10 +257,15 @@ def _missing_dirs(d: str) -> list[str]:
     return missing[::-1]
 
 
+def _open_existing(path: bytes) -> int:
+    """``path`` opened for reading, never through a link nor blocking on a FIFO (OSError)."""
+    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
 def _holds_exactly(path: bytes, data: bytes) -> bool:
     """Whether ``path`` is a regular file (not a link) holding exactly ``data``."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = _open_existing(path)
     except OSError:
         return False
     try:
@@ -276,7 +281,7 @@ def _holds_text(path: bytes, probe: int = 1 << 16) -> bool:
     import codecs
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = _open_existing(path)
     except FileNotFoundError:
         return True
     except OSError:
