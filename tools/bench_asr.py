@@ -1,16 +1,17 @@
 """ASR throughput benchmark: our static-graph runner vs Hugging Face `generate()`, side by side.
 
 Prints one JSON line per (system, model, batch). RTFx = seconds of audio / wall seconds.
-Our rows start from raw 30 s waveforms in host memory (feature extraction INCLUDED); the HF
-anchor rows start from log-mel features already on the GPU (feature extraction excluded).
+Our rows start from raw 30 s waveforms in host memory (feature extraction INCLUDED); the
+Transformers rows start from log-mel features already on the GPU (feature extraction excluded).
 Every system decodes exactly ``--new-tokens`` tokens per utterance (EOS suppressed until
-then, as the anchor's ``min_new_tokens``), random weights, bf16, greedy.
+then, as ``min_new_tokens``), random weights, bf16, greedy.
 
 Sections (``--sections``):
   ours     our ASRRunner per model and batch (CUDA graphs on cuda; ``--eager`` adds eager rows,
            ``--invariant`` rows with Whisper's batch-invariant kernels, ``--fused-decode`` rows
            with Whisper's fused decoder step)
-  anchor   the peer baseline script anchor_asr_hf.py from ``--anchor-dir`` (not in this repository)
+  hf       the free peer from the project itself: Transformers' Whisper ``generate()`` on the same
+           shapes (``--hf-modes generate,compile``: as called, and with static cache + torch.compile)
   runtime  ReplicaPool vs a threaded shared-queue loop vs a process pool, same model/graphs
   exact    greedy tokens of graphs == eager at several batch sizes (must print "exact": true)
   lengths  ConformerAED shapes (``--models``) on real-length clips (``--lengths-corpus``, a
@@ -22,13 +23,12 @@ Sections (``--sections``):
 
 Run on a GPU machine (packages on PYTHONPATH, not installed):
   PYTHONPATH=packages/core/src:packages/backend_cuda/src:packages/asr/src \
-  POLYACCEL_PLUGINS=polyaccel.cuda.plugin python tools/bench_asr.py --anchor-dir .anchors
+  POLYACCEL_PLUGINS=polyaccel.cuda.plugin python tools/bench_asr.py
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -46,6 +46,7 @@ WHISPER_SHAPES = {
     "whisper-large-v3": (1280, 32, 32, 20, 5120, 128, 51866),
     "whisper-small": (768, 12, 12, 12, 3072, 80, 51865),
     "whisper-base": (512, 6, 6, 8, 2048, 80, 51865),
+    "whisper-tiny": (384, 4, 4, 6, 1536, 80, 51865),
 }
 CONFORMER_SHAPES = ("canary-1b-flash-shape", "canary-180m-flash-shape")
 AUDIO_S = 30.0
@@ -360,17 +361,64 @@ def section_fp8(args, device):
              encoder_ms_fp8=None if fp8_s is None else round(fp8_s * 1e3, 3), device=_device_name())
 
 
-def section_anchor(args):
-    path = Path(args.anchor_dir) / "anchor_asr_hf.py"
-    if not path.is_file():
-        emit(system="hf_anchor", error=f"{path} not found (put the anchor script in --anchor-dir)")
-        return
-    spec = importlib.util.spec_from_file_location("anchor_asr_hf", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    sys.argv = [str(path), "--models", args.anchor_models, "--batches", args.batches,
-                "--new-tokens", str(args.new_tokens), "--modes", args.anchor_modes]
-    mod.main()
+def build_hf_whisper(name: str, device: str, dtype: torch.dtype):
+    """Transformers' own Whisper at a ``WHISPER_SHAPES`` shape, its own random init."""
+    from transformers import WhisperConfig as HFWhisperConfig
+    from transformers import WhisperForConditionalGeneration
+
+    d, el, dl, h, f, mels, vocab = WHISPER_SHAPES[name]
+    cfg = HFWhisperConfig(vocab_size=vocab, num_mel_bins=mels, d_model=d, encoder_layers=el, decoder_layers=dl,
+                          encoder_attention_heads=h, decoder_attention_heads=h, encoder_ffn_dim=f,
+                          decoder_ffn_dim=f, max_source_positions=1500, max_target_positions=448)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = WhisperForConditionalGeneration(cfg)
+    model = model.to(dtype=dtype).eval()
+    gen = model.generation_config
+    gen.decoder_start_token_id, gen.forced_decoder_ids, gen.suppress_tokens, gen.begin_suppress_tokens = (
+        50258, None, None, None)
+    gen.max_length = gen.min_length = None  # max_new_tokens / min_new_tokens rule
+    return model
+
+
+def hf_generate(model, features: torch.Tensor, new_tokens: int) -> int:
+    """Greedy ``generate()`` of exactly ``new_tokens`` tokens (EOS held off by ``min_new_tokens``)."""
+    start = torch.full((features.shape[0], 1), 50258, device=features.device)
+    with torch.inference_mode():
+        out = model.generate(features, decoder_input_ids=start, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, num_beams=1)
+    return int(out.shape[-1]) - int(bool((out[:, 0] == 50258).all()))  # Whisper may drop the start token
+
+
+def section_hf(args, device, dtype):
+    """The free peer, run from here: Transformers' Whisper ``generate()`` on the same shapes.
+
+    Modes (``--hf-modes``): ``generate`` as a user calls it; ``compile``, Transformers' documented
+    speed-up (static KV cache and ``torch.compile(forward, mode="reduce-overhead")``). Inputs are
+    log-mel features already on the device, so the peer's feature extraction is not counted.
+    """
+    for name in args.models.split(","):
+        if name not in WHISPER_SHAPES:
+            continue
+        for mode in args.hf_modes.split(","):
+            model = build_hf_whisper(name, device, dtype)
+            if mode == "compile":
+                model.generation_config.cache_implementation = "static"
+                model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            elif mode != "generate":
+                raise SystemExit(f"unknown --hf-modes entry {mode!r} (generate, compile)")
+            for b in [int(x) for x in args.batches.split(",")]:
+                feats = torch.randn(b, model.config.num_mel_bins, 3000, device=device, dtype=dtype)
+                try:
+                    counts = []
+                    dt = time_it(lambda m=model, f=feats, c=counts: c.append(hf_generate(m, f, args.new_tokens)),
+                                 args.repeats)
+                    emit(system=f"hf_{mode}", model=name, batch=b, new_tokens=counts[-1], wall_s=round(dt, 4),
+                         rtfx=round(AUDIO_S * b / dt, 1), features_included=False, device=_device_name())
+                except Exception as e:  # keep the sweep going; the error is the result
+                    emit(system=f"hf_{mode}", model=name, batch=b, error=repr(e)[:400])
+            del model
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
 # ---- end to end: the CLI's path over a real-length corpus, vs the Transformers pipeline -------
@@ -697,7 +745,7 @@ def _device_name() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="exact,ours,anchor,runtime")
+    p.add_argument("--sections", default="exact,ours,hf,runtime")
     p.add_argument("--models", default="whisper-large-v3-turbo,canary-1b-flash-shape")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--new-tokens", type=int, default=96)
@@ -710,9 +758,8 @@ def main(argv=None) -> int:
                    help="also time Whisper with its fused decoder step (WhisperASR.fused_decode)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--anchor-dir", default=".anchors")
-    p.add_argument("--anchor-models", default="whisper-large-v3-turbo")
-    p.add_argument("--anchor-modes", default="generate")
+    p.add_argument("--hf-modes", default="generate,compile",
+                   help="hf section: generate (as called), compile (static cache + torch.compile)")
     p.add_argument("--runtime-model", default="whisper-base")
     p.add_argument("--runtime-batches", default="1,8,64")
     p.add_argument("--runtime-tokens", type=int, default=32)
@@ -777,8 +824,8 @@ def main(argv=None) -> int:
         section_exact(args, device, dtype)
     if "ours" in sections:
         section_ours(args, device, dtype)
-    if "anchor" in sections and device == "cuda":
-        section_anchor(args)
+    if "hf" in sections:
+        section_hf(args, device, dtype)
     if "runtime" in sections:
         section_runtime(args, device, dtype)
     if "profile" in sections and device == "cuda":
