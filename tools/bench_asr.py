@@ -13,6 +13,8 @@ Sections (``--sections``):
   hf       the free peer from the project itself: Transformers' Whisper ``generate()`` on the same
            shapes (``--hf-modes generate,compile``: as called, and with static cache + torch.compile)
   runtime  ReplicaPool vs a threaded shared-queue loop vs a process pool, same model/graphs
+  profile  kernels of one call per batch (``--fused-decode``: the fused step too): a table per
+           call in $OUT, and kernel launches and kernel ms per decoded token
   exact    greedy tokens of graphs == eager at several batch sizes (must print "exact": true)
   lengths  ConformerAED shapes (``--models``) on real-length clips (``--lengths-corpus``, a
            tools/make_asr_corpus.py folder): length-bucketed batches against every clip padded to
@@ -253,23 +255,39 @@ def section_runtime(args, device, dtype):
 
 
 def section_profile(args, device, dtype):
-    """Top GPU kernels of one recognize() call at the largest batch (where the time goes)."""
+    """GPU kernels of one recognize() call per batch of ``--batches`` (where the time goes):
+    the plain step, and the fused decoder step too with ``--fused-decode``. Tables go to
+    stderr and ``$OUT/asr_profile_<mode>_b<batch>.txt``; a row per call gives kernel launches
+    and kernel milliseconds per decoded token (whole call, encoder included)."""
     from torch.profiler import ProfilerActivity, profile
 
-    name, b = args.models.split(",")[0], max(int(x) for x in args.batches.split(","))
+    name = args.models.split(",")[0]
     model = build_model(name, device, dtype)
-    runner = make_runner(model, args.backend, b, args.new_tokens, True)
-    audio = waveforms(b)
-    runner.recognize(audio)
-    sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        runner.recognize(audio)
-        sync()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
-    print(table, file=sys.stderr)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "asr_profile.txt").write_text(table)
+    modes = ["graphs"] + (["graphs_fused"] if args.fused_decode and hasattr(model, "fused_decode") else [])
+    for b in [int(x) for x in args.batches.split(",")]:
+        audio = waveforms(b)
+        for mode in modes:
+            if hasattr(model, "fused_decode"):
+                model.fused_decode = mode == "graphs_fused"
+            runner = make_runner(model, args.backend, b, args.new_tokens, True)
+            runner.recognize(audio)
+            sync()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                runner.recognize(audio)
+                sync()
+            kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=80)
+            print(table, file=sys.stderr)
+            out = os.environ.get("OUT")
+            if out:
+                Path(out, f"asr_profile_{mode}_b{b}.txt").write_text(table)
+            emit(system=f"profile_{mode}", model=name, batch=b, new_tokens=args.new_tokens,
+                 kernels_per_token=round(len(kernels) / args.new_tokens, 1),
+                 kernel_ms_per_token=round(sum(e.device_time for e in kernels) / 1e3 / args.new_tokens, 4))
+            runner = None
+            torch.cuda.empty_cache()
+    if hasattr(model, "fused_decode"):
+        model.fused_decode = False
 
 
 def _speech(args) -> tuple[list[np.ndarray], list[str | None]]:
@@ -758,7 +776,7 @@ def main(argv=None) -> int:
                    help="also time Whisper with its fused decoder step (WhisperASR.fused_decode)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--hf-modes", default="generate,compile",
+    p.add_argument("--hf-modes", default="generate",
                    help="hf section: generate (as called), compile (static cache + torch.compile)")
     p.add_argument("--runtime-model", default="whisper-base")
     p.add_argument("--runtime-batches", default="1,8,64")
