@@ -13,6 +13,8 @@ Sections (``--sections``):
   hf       the free peer from the project itself: Transformers' Whisper ``generate()`` on the same
            shapes (``--hf-modes generate,compile``: as called, and with static cache + torch.compile)
   runtime  ReplicaPool vs a threaded shared-queue loop vs a process pool, same model/graphs
+  kernels  launch shapes of the fused decoder step's kernels per decoder weight, at 1 and 16
+           rows, in CUDA graphs beside cuBLAS; greedy_pick beside the torch ops it replaces
   profile  kernels of one call per batch (``--fused-decode``: the fused step too): a table per
            call in $OUT, and kernel launches and kernel ms per decoded token
   exact    greedy tokens of graphs == eager at several batch sizes (must print "exact": true)
@@ -288,6 +290,134 @@ def section_profile(args, device, dtype):
             torch.cuda.empty_cache()
     if hasattr(model, "fused_decode"):
         model.fused_decode = False
+
+
+def graph_us(fn, calls: int = 20, rounds: int = 7) -> float:
+    """Median microseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls
+    (how a captured decoder step runs it: no launch overhead from Python)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(), fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def _gemm_candidates(N: int, K: int):
+    from polyaccel.cuda.fused_decode import GemmConfig
+
+    widths = (64, 128) if N > 8192 else (16, 32)
+    for split in (1, 2, 4, 8):
+        for block_n in widths:
+            for block_k in (128, 256, 512):
+                if split > 1 and (N > 8192 or -(-K // split) < block_k // 2):
+                    continue
+                yield GemmConfig(block_n, block_k, split, 4, 4)
+                if block_k == 512:
+                    yield GemmConfig(block_n, block_k, split, 8, 3)
+
+
+def section_kernels(args, device, dtype):
+    """Launch shapes for the fused decoder step's kernels (``polyaccel.cuda.fused_decode``),
+    each Whisper decoder weight of the first ``--models`` shape at 1 and 16 rows, per call in a
+    CUDA graph beside cuBLAS (core's references); and ``greedy_pick`` beside the torch ops it
+    replaces. Rows are checked against the references before they are timed."""
+    from polyaccel.core import ops
+    from polyaccel.cuda import fused_decode as fd
+
+    name = args.models.split(",")[0]
+    d, _, _, heads, ffn, _, vocab = WHISPER_SHAPES[name]
+
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g, device=device)).to(dtype)
+
+    cases = {"o_proj": (d, d, "res"), "cross_q": (d, d, "ln"), "fc1": (ffn, d, "ln_gelu"), "fc2": (d, ffn, "res"),
+             "lm_head": (vocab, d, "ln_fp32"), "qkv": (d, d, "qkv")}
+    budget = args.kernels_budget / len(cases)
+    for case, (N, K, kind) in cases.items():
+        w, b = rand(N, K, scale=K ** -0.5), (None if kind == "ln_fp32" else rand(N, scale=0.1))
+        ln = (1 + rand(K, scale=0.1), rand(K, scale=0.1), 1e-5)
+        ws = [w, rand(N, K, scale=K ** -0.5), rand(N, K, scale=K ** -0.5)]
+        inputs = {M: (1 + rand(M, K), rand(M, N), [rand(M, heads, 448, N // heads) for _ in range(2)],
+                      torch.full((M,), 7, device=device, dtype=torch.int64)) for M in (1, 16)}
+
+        def run(cfg, M, w=w, b=b, ln=ln, ws=ws, kind=kind, inputs=inputs):
+            x, res, cache, pos = inputs[M]
+            if kind == "qkv":
+                return fd.ln_qkv_into_cache_(x, *ln, ws, [b, None, b], cache[0], cache[1], pos)
+            if kind == "res":
+                return fd._linear(x, w, b, residual=res, out_dtype=dtype, config=cfg)
+            return fd._linear(x, w, b, ln=ln, gelu=kind == "ln_gelu",
+                              out_dtype=torch.float32 if kind == "ln_fp32" else dtype, config=cfg)
+
+        def reference(M, w=w, b=b, ln=ln, ws=ws, kind=kind, inputs=inputs):
+            x, res, cache, pos = inputs[M]
+            if kind == "qkv":
+                return ops.ln_qkv_into_cache_.reference(x, *ln, ws, [b, None, b], cache[0], cache[1], pos)
+            if kind == "res":
+                return ops.linear_residual.reference(x, w, b, res)
+            return ops.ln_linear.reference(x, *ln, w, b, "gelu" if kind == "ln_gelu" else None,
+                                           torch.float32 if kind == "ln_fp32" else None)
+
+        def timed(cfg, M, want, N=N, K=K, case=case, kind=kind, run=run) -> float | None:
+            shipped = fd._config
+            try:
+                if kind == "qkv":
+                    fd._config = lambda *_: cfg
+                got = run(cfg, M).float()
+                err = ((got - want).norm() / want.norm()).item()
+                us = graph_us(lambda: run(cfg, M)) if err < 2e-2 else None
+                emit(system="kernel_fused", case=case, rows=M, N=N, K=K, config=list(cfg), rel_err=round(err, 5),
+                     us=None if us is None else round(us, 2))
+                return us
+            except Exception as e:  # a launch shape Triton refuses: the error is the row
+                emit(system="kernel_fused", case=case, rows=M, config=list(cfg), error=repr(e)[:200])
+                return None
+            finally:
+                fd._config = shipped
+
+        wants = {M: reference(M).float() for M in (1, 16)}
+        for M in (1, 16):
+            emit(system="kernel_cublas", case=case, rows=M, N=N, K=K, us=round(graph_us(lambda M=M: reference(M)), 2))
+        shipped_cfg = fd._config(N, K, dtype)
+        deadline = time.monotonic() + budget
+        found = {}
+        for cfg in [shipped_cfg] + [c for c in _gemm_candidates(N, K) if c != shipped_cfg]:
+            if time.monotonic() > deadline:
+                break
+            if kind == "qkv" and cfg.split_k > 1:
+                continue
+            us = timed(cfg, 1, wants[1])
+            if us is not None:
+                found[cfg] = us
+        for cfg in sorted(found, key=found.get)[:4] + [shipped_cfg]:  # the best at one row, at 16 rows
+            timed(cfg, 16, wants[16])
+    for M in (1, 16):
+        logits = torch.randn(M, vocab, generator=g, device=device)
+        bias = torch.zeros(vocab, device=device)
+        emit(system="pick_torch", rows=M, us=round(graph_us(lambda lg=logits, bs=bias: ops.greedy_pick.reference(lg, bs)), 2))
+        shipped = fd.PICK_PART
+        for part in (1024, 2048, 4096, 8192):
+            fd.PICK_PART = part
+            same = torch.equal(fd.greedy_pick(logits, bias)[0], ops.greedy_pick.reference(logits, bias)[0])
+            emit(system="pick_fused", rows=M, part=part, same=same,
+                 us=round(graph_us(lambda lg=logits, bs=bias: fd.greedy_pick(lg, bs)), 2))
+        fd.PICK_PART = shipped
 
 
 def _speech(args) -> tuple[list[np.ndarray], list[str | None]]:
@@ -778,6 +908,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--hf-modes", default="generate",
                    help="hf section: generate (as called), compile (static cache + torch.compile)")
+    p.add_argument("--kernels-budget", type=float, default=300.0, help="kernels section: seconds of search")
     p.add_argument("--runtime-model", default="whisper-base")
     p.add_argument("--runtime-batches", default="1,8,64")
     p.add_argument("--runtime-tokens", type=int, default=32)
@@ -846,6 +977,8 @@ def main(argv=None) -> int:
         section_hf(args, device, dtype)
     if "runtime" in sections:
         section_runtime(args, device, dtype)
+    if "kernels" in sections and device == "cuda":
+        section_kernels(args, device, dtype)
     if "profile" in sections and device == "cuda":
         section_profile(args, device, dtype)
     if "fp8" in sections:

@@ -75,7 +75,7 @@ def check_ln_linear() -> None:
                 check(f"ln_linear M={M} K={K} N={N} act={act} bias={has_bias}", got,
                       want.to(out_dtype or dtype), dtype)
                 same_rows_alone(fused, M, "ln_linear")
-    assert fused_decode._blocks(200, torch.float16)[0] == 64
+    assert fused_decode._config(200, 40, torch.float16).block_n == 64
     fused_decode.WIDE = 8192
 
 
@@ -94,6 +94,40 @@ def check_linear_residual() -> None:
                                                      res.double())
                 check(f"linear_residual M={M} K={K} N={N} bias={has_bias}", fused(slice(None)), want.to(dtype), dtype)
                 same_rows_alone(fused, M, "linear_residual")
+
+
+def check_split_k() -> None:
+    """K split over 2 or 3 programs per column block (the last to finish sums the fp32 partials
+    in part order): the references' results, including a K part left empty; a row alone is the
+    same bits as in a batch; a second call gives the same bits (the tile counters were reset)."""
+    shipped = fused_decode._config
+    try:
+        for split, K in ((2, 150), (3, 150), (3, 40)):  # K=40 in 3 parts of 32: the third is empty
+            fused_decode._config = lambda N, K, dtype, split=split: fused_decode.GemmConfig(16, 32, split)
+            for dtype in (torch.float32, torch.float16):
+                N = 40
+                ln_w, ln_b = layer_norm_params(K, dtype)
+                w, b = (torch.randn(N, K) / K**0.5).to(dtype), torch.randn(N).to(dtype)
+                M = ROWS[dtype][-1]
+                x, res = (3 + 2 * torch.randn(M, 1, K)).to(dtype), (4 * torch.randn(M, 1, N)).to(dtype)
+
+                def ln_gelu(sl, x=x, ln_w=ln_w, ln_b=ln_b, w=w, b=b):
+                    return fused_decode.ln_linear(x[sl], ln_w, ln_b, 1e-5, w, b, "gelu")
+
+                def residual(sl, x=x, w=w, b=b, res=res):
+                    return fused_decode.linear_residual(x[sl], w, b, res[sl])
+
+                for name, fn, want in (
+                        ("ln_linear", ln_gelu, ops.ln_linear.reference(x.double(), ln_w.double(), ln_b.double(),
+                                                                        1e-5, w.double(), b.double(), "gelu")),
+                        ("linear_residual", residual, ops.linear_residual.reference(x.double(), w.double(),
+                                                                                    b.double(), res.double()))):
+                    got = fn(slice(None))
+                    check(f"{name} split_k={split} M={M} K={K}", got, want.to(dtype), dtype)
+                    assert torch.equal(fn(slice(None)), got), f"{name} split_k={split}: a second call differs"
+                    same_rows_alone(fn, M, f"{name} split_k={split}")
+    finally:
+        fused_decode._config = shipped
 
 
 def qkv_inputs(M: int, K: int, H: int, D: int, C: int, dtype: torch.dtype):
@@ -169,6 +203,40 @@ def check_cached_decode_attention() -> None:
                 same_rows_alone(fused, M, "cached_decode_attention")
 
 
+def check_greedy_pick() -> None:
+    """The first largest column of logits + bias and its log-probability, over a vocabulary of
+    three parts (the last partial): ties within a block, across blocks and across parts take
+    the first; suppressed (-inf) columns; a row whose only finite value is in the last part;
+    a row alone is the same bits as in a batch."""
+    V, B = 2 * fused_decode.PICK_PART + 777, 6
+    for dtype in (torch.float32, torch.float16):
+        logits = (3 * torch.randn(B, V)).to(dtype)
+        bias = torch.zeros(V)
+        bias[torch.randperm(V)[:300]] = float("-inf")
+        bias[17] = bias[2100] = bias[4500] = 0.0
+        logits[0, 17] = logits[0, 40] = 50  # a tie in one block
+        logits[1, 2100] = logits[1, 4500] = 50  # a tie across parts
+        logits[2, 700] = logits[2, 1800] = 50  # a tie across blocks of one part
+        logits[3, 100] = 50  # suppressed: not the answer
+        bias[100] = float("-inf")
+        row4 = torch.full((V,), float("-inf"))
+        row4[4500] = 0.0
+        logits[4] = row4.to(dtype)
+
+        def pick(sl, logits=logits, bias=bias):
+            best, lp = fused_decode.greedy_pick(logits[sl], bias)
+            return torch.stack([best.double(), lp.double()], 1)
+
+        best, lp = fused_decode.greedy_pick(logits, bias)
+        want_best, want_lp = ops.greedy_pick.reference(logits, bias)
+        assert best.dtype == torch.int64 and lp.dtype == torch.float32
+        assert torch.equal(best, want_best), (best, want_best)
+        assert best[:3].tolist() == [17, 2100, 700] and best[4].item() == 4500 and best[3].item() != 100
+        assert torch.allclose(lp, want_lp, atol=1e-5, rtol=1e-5), (lp, want_lp)
+        print(f"greedy_pick {dtype}: {best.tolist()}")
+        same_rows_alone(pick, B, "greedy_pick")
+
+
 def check_many_rows_take_the_reference() -> None:
     """Above TRITON_MAX_ROWS the GEMM ops are core's references (cuBLAS on a GPU)."""
     M, K, N = fused_decode.TRITON_MAX_ROWS + 1, 24, 40
@@ -236,8 +304,10 @@ def main() -> None:
     print(f"seed {seed}")
     check_ln_linear()
     check_linear_residual()
+    check_split_k()
     check_ln_qkv_into_cache()
     check_cached_decode_attention()
+    check_greedy_pick()
     check_many_rows_take_the_reference()
     check_whisper_fused_step()
 

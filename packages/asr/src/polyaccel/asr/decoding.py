@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from polyaccel.core import ops
+
 
 @dataclasses.dataclass(slots=True)
 class Hypothesis:
@@ -209,11 +211,12 @@ def greedy_update(logits_BV: torch.Tensor, bias_V: torch.Tensor, buf: GreedyBuff
     """One greedy step's bookkeeping, in place and graph-capturable (no host syncs): argmax of
     ``logits + bias`` (then the timestamp rules, if given), its log-probability, ``eos`` for
     finished rows, and the next input."""
-    logits_BV = logits_BV.float() + bias_V
-    if timestamps is not None:
-        logits_BV = timestamps.apply(logits_BV, buf.out, buf.step)
-    nxt = logits_BV.argmax(dim=-1)
-    lp = torch.log_softmax(logits_BV, dim=-1).gather(1, nxt[:, None])[:, 0]
+    if timestamps is None:
+        nxt, lp = ops.greedy_pick(logits_BV, bias_V)
+    else:
+        logits_BV = timestamps.apply(logits_BV.float() + bias_V, buf.out, buf.step)
+        nxt = logits_BV.argmax(dim=-1)
+        lp = torch.log_softmax(logits_BV, dim=-1).gather(1, nxt[:, None])[:, 0]
     live = (~buf.finished).float()
     buf.logprob_sum.add_(lp * live)
     buf.counted.add_(live)

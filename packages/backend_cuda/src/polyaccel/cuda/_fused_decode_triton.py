@@ -26,9 +26,10 @@ def ln_stats(X, rm, row_mask, K, sxm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
-def ln_gemm_tile(X, LNW, LNB, W, M, N, K, eps, sxm, swn, pid_m, pid_n, HAS_LN: tl.constexpr,
+def ln_gemm_tile(X, LNW, LNB, W, M, N, K, eps, sxm, swn, pid_m, pid_n, k_start, k_end, HAS_LN: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # acc [BLOCK_M, BLOCK_N] fp32 = layer_norm(X)[rm] @ W[rn].T, LayerNorm rounded to X's dtype
+    # acc [BLOCK_M, BLOCK_N] fp32 = layer_norm(X)[rm, k_start:k_end] @ W[rn, k_start:k_end].T,
+    # LayerNorm (statistics over all of K) rounded to X's dtype
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rm < M
@@ -36,9 +37,9 @@ def ln_gemm_tile(X, LNW, LNB, W, M, N, K, eps, sxm, swn, pid_m, pid_n, HAS_LN: t
     if HAS_LN:
         mean, rstd = ln_stats(X, rm, row_mask, K, sxm, eps, BLOCK_M, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
+        k_mask = rk < k_end
         xmask = row_mask[:, None] & k_mask[None, :]
         x = tl.load(X + rm[:, None] * sxm + rk[None, :], mask=xmask, other=0.0)
         if HAS_LN:
@@ -52,12 +53,8 @@ def ln_gemm_tile(X, LNW, LNB, W, M, N, K, eps, sxm, swn, pid_m, pid_n, HAS_LN: t
 
 
 @triton.jit
-def linear(X, LNW, LNB, W, BIAS, RES, OUT, M, N, K, eps, sxm, swn, srm, som,
-           HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GELU: tl.constexpr,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    acc, rm, rn, row_mask, col_mask = ln_gemm_tile(X, LNW, LNB, W, M, N, K, eps, sxm, swn,
-                                                   tl.program_id(1), tl.program_id(0), HAS_LN,
-                                                   BLOCK_M, BLOCK_N, BLOCK_K)
+def linear_epilogue(acc, rm, rn, row_mask, col_mask, X, BIAS, RES, OUT, srm, som, HAS_BIAS: tl.constexpr,
+                    HAS_RES: tl.constexpr, GELU: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     y = acc.to(X.dtype.element_ty).to(tl.float32)  # where F.linear rounds
@@ -68,6 +65,39 @@ def linear(X, LNW, LNB, W, BIAS, RES, OUT, M, N, K, eps, sxm, swn, srm, som,
         y += tl.load(RES + rm[:, None] * srm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     y = y.to(X.dtype.element_ty)
     tl.store(OUT + rm[:, None] * som + rn[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def linear(X, LNW, LNB, W, BIAS, RES, OUT, PARTS, COUNTS, M, N, K, eps, sxm, swn, srm, som,
+           HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GELU: tl.constexpr,
+           SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per
+    acc, rm, rn, row_mask, col_mask = ln_gemm_tile(X, LNW, LNB, W, M, N, K, eps, sxm, swn, pid_m, pid_n,
+                                                   k_start, tl.minimum(k_start + k_per, K), HAS_LN,
+                                                   BLOCK_M, BLOCK_N, BLOCK_K)
+    if SPLIT_K == 1:
+        linear_epilogue(acc, rm, rn, row_mask, col_mask, X, BIAS, RES, OUT, srm, som, HAS_BIAS, HAS_RES, GELU)
+    else:
+        # Each K part stores its fp32 partial [part, row, column]; the tile's last program to
+        # finish sums all parts in part order (so the bits never depend on which one is last),
+        # resets the tile's counter for the next call and writes the output.
+        rows = tl.num_programs(1) * BLOCK_M
+        col_all = col_mask[None, :] & (rm >= 0)[:, None]
+        tl.store(PARTS + (pid_k * rows + rm[:, None]) * N + rn[None, :], acc, mask=col_all)
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(COUNTS + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for part in tl.static_range(SPLIT_K):
+                total += tl.load(PARTS + (part * rows + rm[:, None]) * N + rn[None, :], mask=col_all, other=0.0,
+                                 cache_modifier=".cg")
+            tl.atomic_xchg(COUNTS + tile, 0)
+            linear_epilogue(total, rm, rn, row_mask, col_mask, X, BIAS, RES, OUT, srm, som,
+                            HAS_BIAS, HAS_RES, GELU)
 
 
 @triton.jit
@@ -82,7 +112,7 @@ def qkv_into_cache(X, LNW, LNB, WQ, WK, WV, BQ, BK, BV, Q, CK, CV, POS, M, N, K,
     elif part == 2:
         W = WV
     acc, rm, rn, row_mask, col_mask = ln_gemm_tile(X, LNW, LNB, W, M, N, K, eps, sxm, K,
-                                                   tl.program_id(2), tl.program_id(0), True,
+                                                   tl.program_id(2), tl.program_id(0), 0, K, True,
                                                    BLOCK_M, BLOCK_N, BLOCK_K)
     head = rn // HEAD_D
     d = rn % HEAD_D
@@ -133,3 +163,48 @@ def cached_attention(Q, K, V, POS, OUT, H, C, scale, sqb, sqh, skb, skh, sks, sv
         m = m_new
     o = acc / tl.where(l_sum == 0.0, 1.0, l_sum)
     tl.store(OUT + b * sob + h * soh + d, o.to(OUT.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def greedy_pick(LOGITS, BIAS, PARTS, COUNTS, BEST, LOGPROB, V, slb, PART_V: tl.constexpr, BLOCK_V: tl.constexpr):
+    # Program (row, part) scans columns [part * PART_V, +PART_V) of logits + bias: its largest
+    # value, that value's first column, and the sum of exp(value - largest). The row's last
+    # program to finish combines the parts in part order (bits independent of which is last).
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    best = tl.full((), float("-inf"), tl.float32)
+    where = tl.full((), 0, tl.int32)
+    total = tl.zeros((), tl.float32)
+    for start in tl.static_range(0, PART_V, BLOCK_V):
+        cols = part * PART_V + start + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        s = tl.load(LOGITS + row * slb + cols, mask=mask, other=0.0).to(tl.float32)
+        s = tl.where(mask, s + tl.load(BIAS + cols, mask=mask, other=0.0), float("-inf"))
+        block_best = tl.max(s, axis=0)
+        block_where = tl.argmax(s, axis=0, tie_break_left=True).to(tl.int32) + part * PART_V + start
+        top = tl.maximum(best, block_best)
+        total = total * tl.where(best == top, 1.0, tl.exp(best - top))
+        total += tl.sum(tl.where(s == float("-inf"), 0.0, tl.exp(s - top)), axis=0)
+        where = tl.where(block_best > best, block_where, where)
+        best = top
+    slot = (row * parts + part) * 3
+    tl.store(PARTS + slot, best)
+    tl.store(PARTS + slot + 1, where.to(tl.float32))  # exact: column indices < 2**24
+    tl.store(PARTS + slot + 2, total)
+    tl.debug_barrier()
+    if tl.atomic_add(COUNTS + row, 1, sem="acq_rel") == parts - 1:
+        best = tl.full((), float("-inf"), tl.float32)
+        where = tl.full((), 0, tl.int32)
+        total = tl.zeros((), tl.float32)
+        for p in range(0, parts):
+            b = tl.load(PARTS + (row * parts + p) * 3, cache_modifier=".cg")
+            w = tl.load(PARTS + (row * parts + p) * 3 + 1, cache_modifier=".cg").to(tl.int32)
+            t = tl.load(PARTS + (row * parts + p) * 3 + 2, cache_modifier=".cg")
+            top = tl.maximum(best, b)
+            total = (total * tl.where(best == top, 1.0, tl.exp(best - top))
+                     + t * tl.where(b == top, 1.0, tl.exp(b - top)))
+            where = tl.where(b > best, w, where)
+            best = top
+        tl.store(BEST + row, where.to(tl.int64))
+        tl.store(LOGPROB + row, -tl.log(total))

@@ -19,6 +19,7 @@ ops round theirs, so the fused step follows the plain one closely.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -39,18 +40,28 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 def _kernels():
     from polyaccel.cuda import _fused_decode_triton as k  # imports Triton
 
-    return k.linear, k.qkv_into_cache, k.cached_attention
+    return k.linear, k.qkv_into_cache, k.cached_attention, k.greedy_pick
 
 
-def _blocks(N: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) for a weight of N rows: a function of the weight alone (never of
-    the row count), narrow enough that a 1,280-wide layer still spreads over 80 programs, with
-    long K steps so each program keeps many weight bytes in flight. Not yet tuned on a GPU."""
-    return (16 if N <= WIDE else 64), (64 if dtype == torch.float32 else 256)
+class GemmConfig(NamedTuple):
+    """One GEMM launch's shape: columns and K per step of a program, K parts (programs per
+    column block whose fp32 partial sums the last of them adds in part order), warps, stages."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
 
 
-def _launch_options(device: torch.device) -> dict:
-    return {"num_warps": 4, "num_stages": 4} if device.type == "cuda" else {}
+def _config(N: int, K: int, dtype: torch.dtype) -> GemmConfig:
+    """The launch for a weight of N x K: a function of the weight alone (never of the row
+    count), so a row's bits do not depend on the batch. Not yet tuned on a GPU."""
+    return GemmConfig(16 if N <= WIDE else 64, 64 if dtype == torch.float32 else 256)
+
+
+def _launch_options(config: GemmConfig, device: torch.device) -> dict:
+    return {"num_warps": config.num_warps, "num_stages": config.num_stages} if device.type == "cuda" else {}
 
 
 def _rows(x: torch.Tensor, K: int) -> torch.Tensor | None:
@@ -107,18 +118,24 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def _linear(x_MK: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
             ln: tuple | None = None, gelu: bool = False, residual: torch.Tensor | None = None,
-            out_dtype: torch.dtype) -> torch.Tensor:
-    linear, _, _ = _kernels()
+            out_dtype: torch.dtype, config: GemmConfig | None = None) -> torch.Tensor:
+    linear = _kernels()[0]
     (M, K), N = x_MK.shape, weight.shape[0]
     out = torch.empty(M, N, device=x_MK.device, dtype=out_dtype)
     ln_w, ln_b, eps = ln if ln is not None else (x_MK, x_MK, 0.0)  # never read without HAS_LN
-    block_n, block_k = _blocks(N, x_MK.dtype)
-    linear[(cdiv(N, block_n), cdiv(M, BLOCK_M))](
+    config = config or _config(N, K, x_MK.dtype)
+    grid = (cdiv(N, config.block_n), cdiv(M, BLOCK_M), config.split_k)
+    parts = counts = out  # never read with one K part
+    if config.split_k > 1:
+        parts = torch.empty(config.split_k, grid[1] * BLOCK_M, N, device=x_MK.device, dtype=torch.float32)
+        counts = torch.zeros(grid[0] * grid[1], device=x_MK.device, dtype=torch.int32)
+    linear[grid](
         x_MK, ln_w, ln_b, weight, bias if bias is not None else weight, residual if residual is not None else out,
-        out, M, N, K, float(eps), x_MK.stride(0), weight.stride(0),
+        out, parts, counts, M, N, K, float(eps), x_MK.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
         HAS_LN=ln is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, GELU=gelu,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, **_launch_options(x_MK.device))
+        SPLIT_K=config.split_k, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        **_launch_options(config, x_MK.device))
     return out
 
 
@@ -142,15 +159,15 @@ def ln_qkv_into_cache_(x: torch.Tensor, ln_weight: torch.Tensor | None, ln_bias:
         from polyaccel.core.ops import ln_qkv_into_cache_ as core_op
 
         return core_op.reference(x, ln_weight, ln_bias, eps, weights, biases, cache_k, cache_v, position)
-    _, qkv_into_cache, _ = _kernels()
+    qkv_into_cache = _kernels()[1]
     q = torch.empty(B, N, device=x.device, dtype=x.dtype)
-    block_n, block_k = _blocks(N, x.dtype)
-    qkv_into_cache[(cdiv(N, block_n), 3, cdiv(B, BLOCK_M))](
+    config = _config(N, K, x.dtype)
+    qkv_into_cache[(cdiv(N, config.block_n), 3, cdiv(B, BLOCK_M))](
         x_MK, ln_weight, ln_bias, wq, wk, wv, *(b if b is not None else wq for b in biases), q, cache_k, cache_v,
         position, B, N, K, C, D, float(eps), x_MK.stride(0), q.stride(0),
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), cache_v.stride(0), cache_v.stride(1), cache_v.stride(2),
         HAS_BQ=bq is not None, HAS_BK=bk is not None, HAS_BV=bv is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, **_launch_options(x.device))
+        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, **_launch_options(config, x.device))
     return q.view(B, H, 1, D)
 
 
@@ -167,10 +184,36 @@ def cached_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: tor
         from polyaccel.core.ops import cached_decode_attention as core_op
 
         return core_op.reference(q, cache_k, cache_v, position)
-    _, _, cached_attention = _kernels()
+    cached_attention = _kernels()[2]
     out = torch.empty(B, H, 1, D, device=q.device, dtype=q.dtype)
     cached_attention[(B * H,)](q, cache_k, cache_v, position, out, H, C, D ** -0.5,
                                q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
                                cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), out.stride(0), out.stride(1),
                                D=D, BLOCK_D=max(16, 1 << (D - 1).bit_length()), BLOCK_S=BLOCK_S)
     return out
+
+
+PICK_PART = 2048
+"""Columns of a row that one program of :func:`greedy_pick` scans (a vocabulary of 51,866 is
+26 programs per row)."""
+
+
+def greedy_pick(logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Core ``greedy_pick`` on CUDA: one kernel instead of a cast, an add, an argmax, a
+    log-softmax and a gather. Programs over (row, part of the vocabulary); each row's last
+    program combines the parts in a fixed order, so a row's result never depends on the batch."""
+    B, V = logits.shape if logits.dim() == 2 else (0, 0)
+    if not (use_triton(logits) and logits.dim() == 2 and logits.stride(1) == 1 and logits.dtype in _FLOATS
+            and bias.shape == (V,) and bias.dtype == torch.float32 and bias.is_contiguous() and 0 < V < 2**24):
+        from polyaccel.core.ops import greedy_pick as core_op
+
+        return core_op.reference(logits, bias)
+    pick = _kernels()[3]
+    parts = cdiv(V, PICK_PART)
+    best = torch.empty(B, device=logits.device, dtype=torch.int64)
+    logprob = torch.empty(B, device=logits.device, dtype=torch.float32)
+    partial = torch.empty(B, parts, 3, device=logits.device, dtype=torch.float32)
+    counts = torch.zeros(B, device=logits.device, dtype=torch.int32)
+    pick[(B, parts)](logits, bias, partial, counts, best, logprob, V, logits.stride(0),
+                     PART_V=PICK_PART, BLOCK_V=min(PICK_PART, 1024))
+    return best, logprob

@@ -174,6 +174,16 @@ def ln_qkv_into_cache_(x: torch.Tensor, ln_weight: torch.Tensor | None, ln_bias:
 
 
 @registry.define
+def greedy_pick(logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A greedy decoding step's choice: for each row of ``logits + bias`` in fp32 (logits
+    [B, V], bias [V] fp32, ``-inf`` to suppress a token), the index of its first largest value
+    [B] int64 and that value's log-probability [B] fp32. Rows holding NaN: unspecified."""
+    scores = logits.float() + bias
+    best = scores.argmax(dim=-1)
+    return best, torch.log_softmax(scores, dim=-1).gather(1, best[:, None])[:, 0]
+
+
+@registry.define
 def depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      padding: int | None = None) -> torch.Tensor:
     """Depthwise 1-D convolution over time. x [B, C, T], weight [C, 1, K] or [C, K].
