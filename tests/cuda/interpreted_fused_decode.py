@@ -56,7 +56,6 @@ def check_ln_linear() -> None:
     """LayerNorm + GEMM + bias (+ exact GELU), narrow and wide (64-column blocks, as a
     vocabulary projection takes) weights, fp32 logits out, no bias; a row alone is the same
     bits as in a batch."""
-    fused_decode.WIDE = 128  # the wide blocks at a width the interpreter runs quickly
     for dtype in (torch.float32, torch.float16):
         for K, N, act, out_dtype, has_bias in ((72, 50, "gelu", None, True), (200, 37, None, None, True),
                                                (40, 200, None, torch.float32, False)):
@@ -75,8 +74,15 @@ def check_ln_linear() -> None:
                 check(f"ln_linear M={M} K={K} N={N} act={act} bias={has_bias}", got,
                       want.to(out_dtype or dtype), dtype)
                 same_rows_alone(fused, M, "ln_linear")
-    assert fused_decode._config(200, 40, torch.float16).block_n == 64
-    fused_decode.WIDE = 8192
+    for dtype in (torch.float32, torch.float16):  # 128-column blocks, as a vocabulary projection takes
+        K, N, M = 24, 12800, 16
+        assert fused_decode._config(N, K, dtype).block_n == 128
+        ln_w, ln_b = layer_norm_params(K, dtype)
+        w, x = (torch.randn(N, K) / K**0.5).to(dtype), (3 + 2 * torch.randn(M, 1, K)).to(dtype)
+        want = ops.ln_linear.reference(x.double(), ln_w.double(), ln_b.double(), 1e-5, w.double(), None)
+        check(f"ln_linear M={M} K={K} N={N} wide", fused_decode.ln_linear(x, ln_w, ln_b, 1e-5, w, None,
+                                                                            out_dtype=torch.float32),
+              want.float(), dtype)
 
 
 def check_linear_residual() -> None:
@@ -103,7 +109,7 @@ def check_split_k() -> None:
     shipped = fused_decode._config
     try:
         for split, K in ((2, 150), (3, 150), (3, 40)):  # K=40 in 3 parts of 32: the third is empty
-            fused_decode._config = lambda N, K, dtype, split=split: fused_decode.GemmConfig(16, 32, split)
+            fused_decode._config = lambda N, K, dtype, parts=1, split=split: fused_decode.GemmConfig(16, 32, split)
             for dtype in (torch.float32, torch.float16):
                 N = 40
                 ln_w, ln_b = layer_norm_params(K, dtype)
@@ -237,6 +243,32 @@ def check_greedy_pick() -> None:
         same_rows_alone(pick, B, "greedy_pick")
 
 
+def check_greedy_advance() -> None:
+    """The choice and the bookkeeping of core's reference: finished rows get eos and add no
+    log-probability; a row choosing eos becomes finished; the column is the step, clamped to
+    the last; tokens and positions move on; step itself is left alone."""
+    V, B, T, eos = fused_decode.PICK_PART + 500, 5, 4, 7
+    for step_value in (1, T + 2):
+        logits = 3 * torch.randn(B, V)
+        logits[2, eos] = 100  # row 2 chooses eos now
+        bias = torch.zeros(V)
+        bias[torch.randperm(V)[:50]] = float("-inf")
+        bias[eos] = 0.0
+        finished = torch.tensor([False, True, False, False, True])
+        buffers = [torch.randint(0, 9, (B,)), torch.randint(0, 40, (B,)), finished, torch.randn(B), torch.rand(B) * 5,
+                   torch.randint(0, V, (B, T)), torch.tensor([step_value])]
+        want = [t.clone() for t in buffers]
+        ops.greedy_advance_.reference(logits, bias, *want, eos)
+        got = [t.clone() for t in buffers]
+        assert fused_decode.greedy_advance_(logits, bias, *got, eos) is None
+        names = ("tokens", "position", "finished", "logprob_sum", "counted", "out", "step")
+        for name, g, w in zip(names, got, want, strict=True):
+            exact = name not in ("logprob_sum", "counted")
+            assert g.dtype == w.dtype and (torch.equal(g, w) if exact else torch.allclose(g, w, atol=1e-5)), (name, g, w)
+        assert got[2].tolist() == [False, True, True, False, True] and got[6].item() == step_value
+        print(f"greedy_advance_ step {step_value}: tokens {got[0].tolist()}")
+
+
 def check_many_rows_take_the_reference() -> None:
     """Above TRITON_MAX_ROWS the GEMM ops are core's references (cuBLAS on a GPU)."""
     M, K, N = fused_decode.TRITON_MAX_ROWS + 1, 24, 40
@@ -308,6 +340,7 @@ def main() -> None:
     check_ln_qkv_into_cache()
     check_cached_decode_attention()
     check_greedy_pick()
+    check_greedy_advance()
     check_many_rows_take_the_reference()
     check_whisper_fused_step()
 

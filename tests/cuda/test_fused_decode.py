@@ -65,7 +65,8 @@ def test_bf16_gemm_ops_match_and_rows_are_the_same_at_every_batch_size(monkeypat
     """The shipped launch shapes (None) and forced K splits (the last of a tile's programs sums
     the parts): close to the references, the same bits run to run and at every batch size."""
     if split_k is not None:
-        monkeypatch.setattr(fused_decode, "_config", lambda N, K, dtype: fused_decode.GemmConfig(16, 128, split_k))
+        monkeypatch.setattr(fused_decode, "_config",
+                            lambda N, K, dtype, parts=1: fused_decode.GemmConfig(16, 128, split_k))
     D, FFN, V = TURBO["D"], TURBO["FFN"], TURBO["V"]
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -159,3 +160,16 @@ def test_greedy_pick_matches_torch_and_rows_are_the_same_at_every_batch_size():
             return torch.stack([t.double() for t in fused_decode.greedy_pick(logits[sl], bias)], 1)
 
         _rows_alone_and_in_batches(pick, full, 16)
+
+
+def test_launch_shapes_depend_on_the_weights_alone():
+    """The rule behind every launch (never the row count): wide-enough column blocks, and a K
+    split only where K is long against N (Whisper's fc2)."""
+    D, FFN, V = TURBO["D"], TURBO["FFN"], TURBO["V"]
+    bf16 = torch.bfloat16
+    assert fused_decode._config(D, D, bf16) == fused_decode.GemmConfig(16, 256)  # o_proj: 80 blocks
+    assert fused_decode._config(D, D, bf16, parts=3) == fused_decode.GemmConfig(32, 256)  # q|k|v
+    assert fused_decode._config(FFN, D, bf16) == fused_decode.GemmConfig(32, 256)  # fc1
+    assert fused_decode._config(D, FFN, bf16) == fused_decode.GemmConfig(32, 128, 8)  # fc2: K in 8 parts
+    assert fused_decode._config(V, D, bf16) == fused_decode.GemmConfig(128, 128)  # the vocabulary
+    assert fused_decode._config(D, FFN, torch.float32).block_k == 64

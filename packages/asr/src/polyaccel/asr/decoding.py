@@ -211,22 +211,10 @@ def greedy_update(logits_BV: torch.Tensor, bias_V: torch.Tensor, buf: GreedyBuff
     """One greedy step's bookkeeping, in place and graph-capturable (no host syncs): argmax of
     ``logits + bias`` (then the timestamp rules, if given), its log-probability, ``eos`` for
     finished rows, and the next input."""
-    if timestamps is None:
-        nxt, lp = ops.greedy_pick(logits_BV, bias_V)
-    else:
-        logits_BV = timestamps.apply(logits_BV.float() + bias_V, buf.out, buf.step)
-        nxt = logits_BV.argmax(dim=-1)
-        lp = torch.log_softmax(logits_BV, dim=-1).gather(1, nxt[:, None])[:, 0]
-    live = (~buf.finished).float()
-    buf.logprob_sum.add_(lp * live)
-    buf.counted.add_(live)
-    nxt = nxt.masked_fill(buf.finished, eos_id)
-    # clamped: a graph capture's warm-up may run more steps than ``out`` has columns
-    column = buf.step.clamp(max=buf.out.shape[1] - 1).expand(nxt.shape[0], 1)
-    buf.out.scatter_(1, column, nxt[:, None])
-    buf.finished.logical_or_(nxt == eos_id)
-    buf.tokens.copy_(nxt)
-    buf.position.add_(1)
+    if timestamps is not None:  # the rules read the biased scores; nothing is added after them
+        logits_BV, bias_V = timestamps.apply(logits_BV.float() + bias_V, buf.out, buf.step), torch.zeros_like(bias_V)
+    ops.greedy_advance_(logits_BV, bias_V, buf.tokens, buf.position, buf.finished, buf.logprob_sum, buf.counted,
+                        buf.out, buf.step, eos_id)
     buf.step.add_(1)
 
 

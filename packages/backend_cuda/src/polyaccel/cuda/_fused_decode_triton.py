@@ -166,10 +166,13 @@ def cached_attention(Q, K, V, POS, OUT, H, C, scale, sqb, sqh, skb, skh, sks, sv
 
 
 @triton.jit
-def greedy_pick(LOGITS, BIAS, PARTS, COUNTS, BEST, LOGPROB, V, slb, PART_V: tl.constexpr, BLOCK_V: tl.constexpr):
+def greedy_pick(LOGITS, BIAS, PARTS, COUNTS, BEST, LOGPROB, TOKENS, POSITION, FINISHED, LOGPROB_SUM, COUNTED,
+                OUT, STEP, V, slb, sob, T, eos_id, ADVANCE: tl.constexpr, PART_V: tl.constexpr,
+                BLOCK_V: tl.constexpr):
     # Program (row, part) scans columns [part * PART_V, +PART_V) of logits + bias: its largest
     # value, that value's first column, and the sum of exp(value - largest). The row's last
-    # program to finish combines the parts in part order (bits independent of which is last).
+    # program to finish combines the parts in part order (bits independent of which is last)
+    # and, with ADVANCE, does the greedy step's bookkeeping for the row (core's greedy_advance_).
     row = tl.program_id(0)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
@@ -206,5 +209,18 @@ def greedy_pick(LOGITS, BIAS, PARTS, COUNTS, BEST, LOGPROB, V, slb, PART_V: tl.c
                      + t * tl.where(b == top, 1.0, tl.exp(b - top)))
             where = tl.where(b > best, w, where)
             best = top
-        tl.store(BEST + row, where.to(tl.int64))
-        tl.store(LOGPROB + row, -tl.log(total))
+        logprob = -tl.log(total)
+        chosen = where.to(tl.int64)
+        if ADVANCE:
+            done = tl.load(FINISHED + row) != 0
+            live = tl.where(done, 0.0, 1.0)
+            tl.store(LOGPROB_SUM + row, tl.load(LOGPROB_SUM + row) + logprob * live)
+            tl.store(COUNTED + row, tl.load(COUNTED + row) + live)
+            chosen = tl.where(done, eos_id, chosen)
+            tl.store(OUT + row * sob + tl.minimum(tl.load(STEP), T - 1), chosen)
+            tl.store(FINISHED + row, (done | (chosen == eos_id)).to(tl.int1))
+            tl.store(TOKENS + row, chosen)
+            tl.store(POSITION + row, tl.load(POSITION + row) + 1)
+        else:
+            tl.store(BEST + row, chosen)
+            tl.store(LOGPROB + row, logprob)

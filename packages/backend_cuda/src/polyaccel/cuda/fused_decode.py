@@ -31,8 +31,8 @@ BLOCK_M = 16
 """Rows per GEMM tile, at every row count (the smallest ``tl.dot`` tile)."""
 BLOCK_S = 64
 """Cache positions per step of the self-attention loop."""
-WIDE = 8192
-"""Weights with more rows than this (a vocabulary projection) take 64-column blocks, others 16."""
+SPLIT_ROWS = 640
+"""K per part when a weight's K is split (see :func:`_config`)."""
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -54,10 +54,23 @@ class GemmConfig(NamedTuple):
     num_stages: int = 4
 
 
-def _config(N: int, K: int, dtype: torch.dtype) -> GemmConfig:
-    """The launch for a weight of N x K: a function of the weight alone (never of the row
-    count), so a row's bits do not depend on the batch. Not yet tuned on a GPU."""
-    return GemmConfig(16 if N <= WIDE else 64, 64 if dtype == torch.float32 else 256)
+def _config(N: int, K: int, dtype: torch.dtype, parts: int = 1) -> GemmConfig:
+    """The launch for a weight of N x K (``parts`` such weights in one launch): a function of
+    the weights alone, never of the row count, so a row's bits do not depend on the batch.
+
+    Few rows read each weight once, so a launch wants enough programs to keep the memory
+    system busy: column blocks as wide as still give about 100 of them (16 to 128); a K more
+    than twice N is split into parts of about :data:`SPLIT_ROWS` (at most 8), as 1,280 output
+    columns alone give too few programs. Measured on one H200 for Whisper large-v3-turbo's
+    decoder (``tools/bench_asr.py --sections kernels``, docs/benchmarks.md)."""
+    step = 64 if dtype == torch.float32 else 256
+    if K > 2 * N and K >= 2 * SPLIT_ROWS:
+        return GemmConfig(32, min(step, 128), min(8, K // SPLIT_ROWS))
+    block_n = 16
+    for width in (32, 64, 128):
+        if cdiv(N * parts, width) >= 100:
+            block_n = width
+    return GemmConfig(block_n, min(step, 128) if block_n == 128 else step)
 
 
 def _launch_options(config: GemmConfig, device: torch.device) -> dict:
@@ -161,7 +174,7 @@ def ln_qkv_into_cache_(x: torch.Tensor, ln_weight: torch.Tensor | None, ln_bias:
         return core_op.reference(x, ln_weight, ln_bias, eps, weights, biases, cache_k, cache_v, position)
     qkv_into_cache = _kernels()[1]
     q = torch.empty(B, N, device=x.device, dtype=x.dtype)
-    config = _config(N, K, x.dtype)
+    config = _config(N, K, x.dtype, parts=3)
     qkv_into_cache[(cdiv(N, config.block_n), 3, cdiv(B, BLOCK_M))](
         x_MK, ln_weight, ln_bias, wq, wk, wv, *(b if b is not None else wq for b in biases), q, cache_k, cache_v,
         position, B, N, K, C, D, float(eps), x_MK.stride(0), q.stride(0),
@@ -198,22 +211,54 @@ PICK_PART = 2048
 26 programs per row)."""
 
 
+def _pick_ok(logits: torch.Tensor, bias: torch.Tensor) -> bool:
+    V = logits.shape[-1]
+    return (use_triton(logits) and logits.dim() == 2 and logits.stride(1) == 1 and logits.dtype in _FLOATS
+            and bias.shape == (V,) and bias.dtype == torch.float32 and bias.is_contiguous() and 0 < V < 2**24)
+
+
+def _pick(logits: torch.Tensor, bias: torch.Tensor, best: torch.Tensor, logprob: torch.Tensor,
+          advance: tuple | None = None, eos_id: int = 0) -> None:
+    pick = _kernels()[3]
+    (B, V), parts = logits.shape, cdiv(logits.shape[1], PICK_PART)
+    partial = torch.empty(B, parts, 3, device=logits.device, dtype=torch.float32)
+    counts = torch.zeros(B, device=logits.device, dtype=torch.int32)
+    tokens, position, finished, logprob_sum, counted, out, step = advance or (best, best, best, logprob, logprob,
+                                                                              best, best)
+    pick[(B, parts)](logits, bias, partial, counts, best, logprob, tokens, position, finished, logprob_sum, counted,
+                     out, step, V, logits.stride(0), out.stride(0), out.shape[-1], eos_id, ADVANCE=advance is not None,
+                     PART_V=PICK_PART, BLOCK_V=min(PICK_PART, 1024))
+
+
 def greedy_pick(logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Core ``greedy_pick`` on CUDA: one kernel instead of a cast, an add, an argmax, a
     log-softmax and a gather. Programs over (row, part of the vocabulary); each row's last
     program combines the parts in a fixed order, so a row's result never depends on the batch."""
-    B, V = logits.shape if logits.dim() == 2 else (0, 0)
-    if not (use_triton(logits) and logits.dim() == 2 and logits.stride(1) == 1 and logits.dtype in _FLOATS
-            and bias.shape == (V,) and bias.dtype == torch.float32 and bias.is_contiguous() and 0 < V < 2**24):
+    if not _pick_ok(logits, bias):
         from polyaccel.core.ops import greedy_pick as core_op
 
         return core_op.reference(logits, bias)
-    pick = _kernels()[3]
-    parts = cdiv(V, PICK_PART)
+    B = logits.shape[0]
     best = torch.empty(B, device=logits.device, dtype=torch.int64)
     logprob = torch.empty(B, device=logits.device, dtype=torch.float32)
-    partial = torch.empty(B, parts, 3, device=logits.device, dtype=torch.float32)
-    counts = torch.zeros(B, device=logits.device, dtype=torch.int32)
-    pick[(B, parts)](logits, bias, partial, counts, best, logprob, V, logits.stride(0),
-                     PART_V=PICK_PART, BLOCK_V=min(PICK_PART, 1024))
+    _pick(logits, bias, best, logprob)
     return best, logprob
+
+
+def greedy_advance_(logits: torch.Tensor, bias: torch.Tensor, tokens: torch.Tensor, position: torch.Tensor,
+                    finished: torch.Tensor, logprob_sum: torch.Tensor, counted: torch.Tensor, out: torch.Tensor,
+                    step: torch.Tensor, eos_id: int) -> None:
+    """Core ``greedy_advance_`` on CUDA: :func:`greedy_pick`'s kernel, whose last program per
+    row also does the row's bookkeeping (about ten small kernels fewer per decoded token)."""
+    B = logits.shape[0] if logits.dim() == 2 else -1
+    i64 = (tokens, position, out, step)
+    if not (_pick_ok(logits, bias) and all(t.dtype == torch.int64 and t.is_contiguous() for t in i64)
+            and tokens.shape == position.shape == finished.shape == logprob_sum.shape == counted.shape == (B,)
+            and out.dim() == 2 and out.shape[0] == B and out.shape[1] > 0 and step.shape == (1,)
+            and finished.dtype == torch.bool and logprob_sum.dtype == counted.dtype == torch.float32
+            and all(t.is_contiguous() for t in (finished, logprob_sum, counted))):
+        from polyaccel.core.ops import greedy_advance_ as core_op
+
+        return core_op.reference(logits, bias, tokens, position, finished, logprob_sum, counted, out, step, eos_id)
+    _pick(logits, bias, tokens, logprob_sum, (tokens, position, finished, logprob_sum, counted, out, step), eos_id)
+    return None

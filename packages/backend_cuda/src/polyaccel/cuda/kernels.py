@@ -15,7 +15,7 @@
 | ``cached_decode_attention`` | Triton, one kernel: each (row, head) reads its self-attention cache up to its position, read on the device (:mod:`.fused_decode`) |
 | ``ln_linear`` / ``linear_residual`` | Triton GEMM for up to 16 rows: LayerNorm in the prologue; bias, exact GELU, residual add in the epilogue; cuBLAS (core's reference) above 16 rows (:mod:`.fused_decode`) |
 | ``ln_qkv_into_cache_`` | Triton, one kernel for LayerNorm + q, k, v projections of up to 16 rows, k and v stored into the cache at each row's position; core's reference above 16 rows (:mod:`.fused_decode`) |
-| ``greedy_pick`` | Triton, one kernel: argmax and its log-probability of ``logits + bias``, each row's vocabulary in fixed parts combined in a fixed order (:mod:`.fused_decode`) |
+| ``greedy_pick`` / ``greedy_advance_`` | Triton, one kernel: argmax and its log-probability of ``logits + bias``, each row's vocabulary in fixed parts combined in a fixed order; ``greedy_advance_`` also does the step's bookkeeping (:mod:`.fused_decode`) |
 | ``adamw_step_`` | one Triton pass over a flat buffer, fp32 math, optional grad zeroing (:mod:`.adamw`) |
 
 The kernel modules import Triton only when a kernel first runs.
@@ -34,6 +34,7 @@ from polyaccel.cuda.cross_entropy import linear_cross_entropy, linear_cross_entr
 from polyaccel.cuda.decode_attention import decode_attention
 from polyaccel.cuda.fused_decode import (
     cached_decode_attention,
+    greedy_advance_,
     greedy_pick,
     linear_residual,
     ln_linear,
@@ -68,6 +69,7 @@ def register_all(registry) -> None:
         registry.register("linear_residual", "cuda", linear_residual, impl="triton<=16 rows", backend=BACKEND)
         registry.register("ln_qkv_into_cache_", "cuda", ln_qkv_into_cache_, impl="triton<=16 rows", backend=BACKEND)
         registry.register("greedy_pick", "cuda", greedy_pick, impl="triton", backend=BACKEND)
+        registry.register("greedy_advance_", "cuda", greedy_advance_, impl="triton", backend=BACKEND)
     registry.register("moe_permute", "cuda", moe_permute, impl="device-sort", backend=BACKEND)
     registry.register("attention", "cuda", attention, impl="sdpa", backend=BACKEND)
     if hasattr(torch, "_grouped_mm"):

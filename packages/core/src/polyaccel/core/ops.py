@@ -184,6 +184,27 @@ def greedy_pick(logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor,
 
 
 @registry.define
+def greedy_advance_(logits: torch.Tensor, bias: torch.Tensor, tokens: torch.Tensor, position: torch.Tensor,
+                    finished: torch.Tensor, logprob_sum: torch.Tensor, counted: torch.Tensor, out: torch.Tensor,
+                    step: torch.Tensor, eos_id: int) -> None:
+    """A greedy step's choice and bookkeeping, in place: :func:`greedy_pick` of each row, its
+    log-probability added to ``logprob_sum`` and 1 to ``counted`` for rows not ``finished``;
+    the choice (``eos_id`` for finished rows) stored in ``out`` [B, T] at column ``step``
+    (clamped to T - 1) and in ``tokens``; ``finished`` set on ``eos_id``; ``position`` + 1.
+    ``step`` [1] is read, not advanced. tokens/position/out int64, finished bool, sums fp32."""
+    best, logprob = greedy_pick(logits, bias)
+    live = (~finished).float()
+    logprob_sum.add_(logprob * live)
+    counted.add_(live)
+    best = best.masked_fill(finished, eos_id)
+    column = step.clamp(max=out.shape[1] - 1).expand(best.shape[0], 1)
+    out.scatter_(1, column, best[:, None])
+    finished.logical_or_(best == eos_id)
+    tokens.copy_(best)
+    position.add_(1)
+
+
+@registry.define
 def depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      padding: int | None = None) -> torch.Tensor:
     """Depthwise 1-D convolution over time. x [B, C, T], weight [C, 1, K] or [C, K].
