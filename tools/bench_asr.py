@@ -8,14 +8,14 @@ then, as ``min_new_tokens``), random weights, bf16, greedy.
 
 Sections (``--sections``):
   ours     our ASRRunner per model and batch (CUDA graphs on cuda; ``--eager`` adds eager rows,
-           ``--invariant`` rows with Whisper's batch-invariant kernels, ``--fused-decode`` rows
-           with Whisper's fused decoder step)
+           ``--invariant`` rows with Whisper's batch-invariant kernels, ``--plain-decode`` rows
+           without Whisper's fused decoder step, on by default on CUDA)
   hf       the free peer from the project itself: Transformers' Whisper ``generate()`` on the same
            shapes (``--hf-modes generate,compile``: as called, and with static cache + torch.compile)
   runtime  ReplicaPool vs a threaded shared-queue loop vs a process pool, same model/graphs
   kernels  launch shapes of the fused decoder step's kernels per decoder weight, at 1 and 16
            rows, in CUDA graphs beside cuBLAS; greedy_pick beside the torch ops it replaces
-  profile  kernels of one call per batch (``--fused-decode``: the fused step too): a table per
+  profile  kernels of one call per batch (``--plain-decode``: the plain step too): a table per
            call in $OUT, and kernel launches and kernel ms per decoded token
   exact    greedy tokens of graphs == eager at several batch sizes (must print "exact": true)
   lengths  ConformerAED shapes (``--models``) on real-length clips (``--lengths-corpus``, a
@@ -132,13 +132,13 @@ def section_ours(args, device, dtype):
                 modes.append(("graphs_1tok", True, 1))
             if args.invariant:  # what batch invariance costs
                 modes.append(("graphs_invariant", True, args.new_tokens))
-            if args.fused_decode and hasattr(model, "fused_decode"):  # Whisper's fused decoder step
-                modes.append(("graphs_fused", True, args.new_tokens))
+            if args.plain_decode and hasattr(model, "fused_decode"):  # Whisper without its fused step
+                modes.append(("graphs_plain", True, args.new_tokens))
             for mode, graphs, new_tokens in modes:
                 try:
                     model.batch_invariant = mode == "graphs_invariant"
                     if hasattr(model, "fused_decode"):
-                        model.fused_decode = mode == "graphs_fused"
+                        model.fused_decode = False if mode == "graphs_plain" else None
                     runner = make_runner(model, args.backend, b, new_tokens, graphs)
                     hyps = []
                     dt = time_it(lambda r=runner, a=audio, h=hyps: h.append(r.recognize(a)), args.repeats)
@@ -151,7 +151,7 @@ def section_ours(args, device, dtype):
                     runner = None
                     model.batch_invariant = False
                     if hasattr(model, "fused_decode"):
-                        model.fused_decode = False
+                        model.fused_decode = None
                     torch.cuda.empty_cache() if torch.cuda.is_available() else None
         del model
 
@@ -258,19 +258,19 @@ def section_runtime(args, device, dtype):
 
 def section_profile(args, device, dtype):
     """GPU kernels of one recognize() call per batch of ``--batches`` (where the time goes):
-    the plain step, and the fused decoder step too with ``--fused-decode``. Tables go to
+    the default step (fused on CUDA), and the plain step too with ``--plain-decode``. Tables go to
     stderr and ``$OUT/asr_profile_<mode>_b<batch>.txt``; a row per call gives kernel launches
     and kernel milliseconds per decoded token (whole call, encoder included)."""
     from torch.profiler import ProfilerActivity, profile
 
     name = args.models.split(",")[0]
     model = build_model(name, device, dtype)
-    modes = ["graphs"] + (["graphs_fused"] if args.fused_decode and hasattr(model, "fused_decode") else [])
+    modes = ["graphs"] + (["graphs_plain"] if args.plain_decode and hasattr(model, "fused_decode") else [])
     for b in [int(x) for x in args.batches.split(",")]:
         audio = waveforms(b)
         for mode in modes:
             if hasattr(model, "fused_decode"):
-                model.fused_decode = mode == "graphs_fused"
+                model.fused_decode = False if mode == "graphs_plain" else None
             runner = make_runner(model, args.backend, b, args.new_tokens, True)
             runner.recognize(audio)
             sync()
@@ -289,7 +289,7 @@ def section_profile(args, device, dtype):
             runner = None
             torch.cuda.empty_cache()
     if hasattr(model, "fused_decode"):
-        model.fused_decode = False
+        model.fused_decode = None
 
 
 def graph_us(fn, calls: int = 20, rounds: int = 7) -> float:
@@ -902,8 +902,8 @@ def main(argv=None) -> int:
     p.add_argument("--breakdown", action="store_true", help="also time 1-token decoding (encoder share)")
     p.add_argument("--invariant", action="store_true",
                    help="also time Whisper with batch-invariant kernels (polyaccel.asr.batch_invariant)")
-    p.add_argument("--fused-decode", action="store_true",
-                   help="also time Whisper with its fused decoder step (WhisperASR.fused_decode)")
+    p.add_argument("--plain-decode", action="store_true",
+                   help="also time Whisper without its fused decoder step (WhisperASR.fused_decode=False)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--hf-modes", default="generate",

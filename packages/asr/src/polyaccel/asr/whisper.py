@@ -429,10 +429,11 @@ class WhisperASR(ASRModel):
         """bf16/fp16 on CUDA: the same tokens at every batch size, through kernels that do not
         change with the batch (:mod:`polyaccel.asr.batch_invariant`; slower, measured in
         docs/asr_whisper.md). fp32 and the CPU need no help. Set before graphs are captured."""
-        self.fused_decode = False
+        self.fused_decode: bool | None = None
         """Decode through core's fused decoder-step ops (:meth:`WhisperDecoderLayer.fused_step`):
-        ~9 kernels per layer on CUDA instead of ~23 (docs/asr.md). Opt-in until measured on a
-        GPU; not combined with ``batch_invariant``. Set before graphs are captured."""
+        ~9 kernels per layer on CUDA instead of ~23 (docs/asr.md). ``None`` (the default): on
+        CUDA unless ``batch_invariant`` is set; ``True`` forces it (not combined with
+        ``batch_invariant``); ``False`` keeps the plain step. Set before graphs are captured."""
         self.encoder = WhisperEncoder(config)
         self.decoder = WhisperDecoder(config)
         self.log_mel = LogMel(config.num_mel_bins, config.n_fft, config.hop_length, config.sample_rate)
@@ -551,7 +552,8 @@ class WhisperASR(ASRModel):
         """tokens [B] at position [B] -> logits [B, V] fp32; K/V written into ``state``."""
         dec = self.decoder
         x_B1D = (dec.embed_tokens(tokens) + dec.embed_positions(position)).unsqueeze(1)
-        if self.fused_decode:
+        fused = self.fused_decode if self.fused_decode is not None else (x_B1D.is_cuda and not self.batch_invariant)
+        if fused:
             if self.batch_invariant:
                 raise ValueError("fused_decode and batch_invariant together are not supported: the fused ops "
                                  "take cuBLAS above 16 rows")
