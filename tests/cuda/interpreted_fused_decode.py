@@ -74,15 +74,18 @@ def check_ln_linear() -> None:
                 check(f"ln_linear M={M} K={K} N={N} act={act} bias={has_bias}", got,
                       want.to(out_dtype or dtype), dtype)
                 same_rows_alone(fused, M, "ln_linear")
-    for dtype in (torch.float32, torch.float16):  # 128-column blocks, as a vocabulary projection takes
-        K, N, M = 24, 12800, 16
-        assert fused_decode._config(N, K, dtype).block_n == 128
-        ln_w, ln_b = layer_norm_params(K, dtype)
-        w, x = (torch.randn(N, K) / K**0.5).to(dtype), (3 + 2 * torch.randn(M, 1, K)).to(dtype)
-        want = ops.ln_linear.reference(x.double(), ln_w.double(), ln_b.double(), 1e-5, w.double(), None)
-        check(f"ln_linear M={M} K={K} N={N} wide", fused_decode.ln_linear(x, ln_w, ln_b, 1e-5, w, None,
-                                                                            out_dtype=torch.float32),
-              want.float(), dtype)
+    shipped = fused_decode._config  # 128-column blocks, as the rule gives a vocabulary projection
+    fused_decode._config = lambda N, K, dtype, parts=1: fused_decode.GemmConfig(128, 64)
+    try:
+        for dtype in (torch.float32, torch.float16):
+            K, N, M = 24, 300, 16
+            ln_w, ln_b = layer_norm_params(K, dtype)
+            w, x = (torch.randn(N, K) / K**0.5).to(dtype), (3 + 2 * torch.randn(M, 1, K)).to(dtype)
+            want = ops.ln_linear.reference(x.double(), ln_w.double(), ln_b.double(), 1e-5, w.double(), None)
+            check(f"ln_linear M={M} K={K} N={N} 128-column blocks",
+                  fused_decode.ln_linear(x, ln_w, ln_b, 1e-5, w, None, out_dtype=torch.float32), want.float(), dtype)
+    finally:
+        fused_decode._config = shipped
 
 
 def check_linear_residual() -> None:
@@ -105,33 +108,32 @@ def check_linear_residual() -> None:
 def check_split_k() -> None:
     """K split over 2 or 3 programs per column block (the last to finish sums the fp32 partials
     in part order): the references' results, including a K part left empty; a row alone is the
-    same bits as in a batch; a second call gives the same bits (the tile counters were reset)."""
+    same bits as in a batch; a second call gives the same bits."""
     shipped = fused_decode._config
     try:
-        for split, K in ((2, 150), (3, 150), (3, 40)):  # K=40 in 3 parts of 32: the third is empty
+        # K=40 in 3 parts of 32: the third is empty
+        for split, K, dtype in ((2, 150, torch.float32), (3, 150, torch.float16), (3, 40, torch.float32)):
             fused_decode._config = lambda N, K, dtype, parts=1, split=split: fused_decode.GemmConfig(16, 32, split)
-            for dtype in (torch.float32, torch.float16):
-                N = 40
-                ln_w, ln_b = layer_norm_params(K, dtype)
-                w, b = (torch.randn(N, K) / K**0.5).to(dtype), torch.randn(N).to(dtype)
-                M = ROWS[dtype][-1]
-                x, res = (3 + 2 * torch.randn(M, 1, K)).to(dtype), (4 * torch.randn(M, 1, N)).to(dtype)
+            N, M = 40, ROWS[dtype][-1]
+            ln_w, ln_b = layer_norm_params(K, dtype)
+            w, b = (torch.randn(N, K) / K**0.5).to(dtype), torch.randn(N).to(dtype)
+            x, res = (3 + 2 * torch.randn(M, 1, K)).to(dtype), (4 * torch.randn(M, 1, N)).to(dtype)
 
-                def ln_gelu(sl, x=x, ln_w=ln_w, ln_b=ln_b, w=w, b=b):
-                    return fused_decode.ln_linear(x[sl], ln_w, ln_b, 1e-5, w, b, "gelu")
+            def ln_gelu(sl, x=x, ln_w=ln_w, ln_b=ln_b, w=w, b=b):
+                return fused_decode.ln_linear(x[sl], ln_w, ln_b, 1e-5, w, b, "gelu")
 
-                def residual(sl, x=x, w=w, b=b, res=res):
-                    return fused_decode.linear_residual(x[sl], w, b, res[sl])
+            def residual(sl, x=x, w=w, b=b, res=res):
+                return fused_decode.linear_residual(x[sl], w, b, res[sl])
 
-                for name, fn, want in (
-                        ("ln_linear", ln_gelu, ops.ln_linear.reference(x.double(), ln_w.double(), ln_b.double(),
-                                                                        1e-5, w.double(), b.double(), "gelu")),
-                        ("linear_residual", residual, ops.linear_residual.reference(x.double(), w.double(),
-                                                                                    b.double(), res.double()))):
-                    got = fn(slice(None))
-                    check(f"{name} split_k={split} M={M} K={K}", got, want.to(dtype), dtype)
-                    assert torch.equal(fn(slice(None)), got), f"{name} split_k={split}: a second call differs"
-                    same_rows_alone(fn, M, f"{name} split_k={split}")
+            for name, fn, want in (
+                    ("ln_linear", ln_gelu, ops.ln_linear.reference(x.double(), ln_w.double(), ln_b.double(),
+                                                                    1e-5, w.double(), b.double(), "gelu")),
+                    ("linear_residual", residual, ops.linear_residual.reference(x.double(), w.double(),
+                                                                                b.double(), res.double()))):
+                got = fn(slice(None))
+                check(f"{name} split_k={split} M={M} K={K}", got, want.to(dtype), dtype)
+                assert torch.equal(fn(slice(None)), got), f"{name} split_k={split}: a second call differs"
+                same_rows_alone(fn, M, f"{name} split_k={split}")
     finally:
         fused_decode._config = shipped
 
