@@ -1,19 +1,23 @@
 """A decoder step in few kernels: core's ``ln_linear``, ``linear_residual``,
-``ln_qkv_into_cache_`` and ``cached_decode_attention`` on CUDA.
+``ln_qkv_into_cache_``, ``cached_decode_attention``, ``greedy_pick`` and ``greedy_advance_``
+on CUDA.
 
 At batch 1 a decoder step is bound by kernel launches, not by reading the weights: Whisper
-large-v3-turbo's ~95 kernels per token each read a few MB at most. These kernels fold the
-small ops into the GEMMs around them: the LayerNorm into the GEMM's prologue (each program
-recomputes its rows' statistics, which costs a read of a few KB of activations), the bias,
-exact GELU and residual add into its epilogue, and the self-attention cache write into the
-q|k|v projection's epilogue (at each row's position, read on the device).
+large-v3-turbo's plain step launches ~113 kernels per token, each reading a few MB at most.
+These kernels fold the small ops into the GEMMs around them: the LayerNorm into the GEMM's
+prologue (each program recomputes its rows' statistics, which costs a read of a few KB of
+activations), the bias, exact GELU and residual add into its epilogue, and the self-attention
+cache write into the q|k|v projection's epilogue (at each row's position, read on the device).
+The greedy choice (argmax and its log-probability) and the step's bookkeeping are one more
+kernel.
 
 Each GEMM program computes a tile of :data:`BLOCK_M` rows by a block of output columns,
-reducing K in one fixed order with ``tl.dot``; the tile shape depends only on the weight's
-shape, so a row's result is the same bits whatever other rows run with it (padded rows are
-masked). Up to :data:`TRITON_MAX_ROWS` rows run here; more take core's references (cuBLAS),
-whose GEMMs are efficient there. Results are rounded to the input dtype where the unfused
-ops round theirs, so the fused step follows the plain one closely.
+reducing K in one fixed order with ``tl.dot`` (split into parts for a long K: the tile's last
+program to finish sums the parts' fp32 partials in part order); the launch depends only on the
+weight's shape (:func:`_config`), so a row's result is the same bits whatever other rows run
+with it (padded rows are masked). Up to :data:`TRITON_MAX_ROWS` rows run here; more take
+core's references (cuBLAS), whose GEMMs are efficient there. Results are rounded to the input
+dtype where the unfused ops round theirs, so the fused step follows the plain one closely.
 """
 
 from __future__ import annotations
