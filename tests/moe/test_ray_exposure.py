@@ -51,8 +51,8 @@ def _env(tmp: Path) -> dict[str, str]:
     return env
 
 
-def _run(code: str, tmp: Path, timeout: float) -> str:
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=_env(tmp), capture_output=True,
+def _run(code: str, tmp: Path, timeout: float, **env: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**_env(tmp), **env}, capture_output=True,
                           text=True, timeout=timeout, cwd=tmp)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
@@ -112,7 +112,8 @@ def test_worker_process_group_listens_on_loopback_only(short_tmp: Path) -> None:
 def test_run_with_ray_workers_listen_on_loopback_only_and_the_cluster_is_stopped(short_tmp: Path) -> None:
     """run_with_ray on a private cluster, two gloo workers running a stand-in for the training
     function that looks at its own sockets once every rank is up. After it returns, the
-    cluster it started is stopped (a library call left it running until the process ended)."""
+    cluster it started is stopped (a library call left it running until the process ended),
+    and the run state Ray Train kept (no storage_path given) is gone, not left in ~/ray_results."""
     code = LISTENING + textwrap.dedent("""
         import tempfile
         from pathlib import Path
@@ -132,9 +133,13 @@ def test_run_with_ray_workers_listen_on_loopback_only_and_the_cluster_is_stopped
 
         ray_train._train_worker = stand_in
         cfg = load_config(TINY, ["train.max_steps=1", "checkpoint.dir=ck", "output_dir=out"])
-        summary = ray_train.run_with_ray(cfg, workers=2, address="local", use_gpu=False, max_failures=0,
-                                         storage_path=str(Path("results").resolve()))
+        summary = ray_train.run_with_ray(cfg, workers=2, address="local", use_gpu=False, max_failures=0)
         print("SUMMARY", summary, "STILL_UP", ray.is_initialized())
     """).replace("TINY", repr(str(TINY)))
-    out = _run(code, short_tmp, 140)
+    home, scratch = short_tmp / "home", short_tmp / "scratch"
+    home.mkdir()
+    scratch.mkdir()
+    out = _run(code, short_tmp, 140, HOME=str(home), TMPDIR=str(scratch))
     assert "SUMMARY {'final_loss': 0.5} STILL_UP False" in out, out[-3000:]
+    # no storage_path given: Ray Train's run state went to a private folder, removed with the cluster
+    assert not (home / "ray_results").exists() and not list(scratch.glob("polyaccel-ray-train-*"))

@@ -145,17 +145,55 @@ def private_temp_dir() -> str:
 
 
 _owned_temp_dirs: list[str] = []  # the private folders of the clusters init_local started in this process
+SHUTDOWN_WAIT_S = 30.0
+"""At exit, how long ``ray.shutdown()`` may take before the cluster's processes are killed."""
+
+
+def _processes_naming(folder: str) -> list[int]:
+    """PIDs (other than this process) whose command line names ``folder``: the processes of a
+    cluster whose temp dir is inside it. Linux (/proc); elsewhere none are found."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if int(entry.name) != os.getpid() and folder.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except (OSError, ValueError):
+            pass
+    return pids
 
 
 def _stop_and_remove_owned_temp_dirs() -> None:
     """At exit: stop the cluster (``ray.shutdown()``, as Ray's own exit hook would, later),
     then remove the private folders (sessions, logs, spilled objects, sockets) of every
-    cluster :func:`init_local` started in this process."""
+    cluster :func:`init_local` started in this process. A shutdown that hangs (seen rarely
+    after Ctrl-C on a loaded machine) is given :data:`SHUTDOWN_WAIT_S`; then the cluster's
+    processes are killed (on Linux Ray also ends them with their driver), its folders
+    removed, and the process ends at once with status 1
+    (Ray's half-stopped driver would crash the interpreter's own shutdown)."""
     ray = sys.modules.get("ray")
+    hung = False
     if _owned_temp_dirs and ray is not None and ray.is_initialized():
-        ray.shutdown()
+        import threading
+
+        stopping = threading.Thread(target=ray.shutdown, name="polyaccel-ray-shutdown", daemon=True)
+        stopping.start()
+        stopping.join(SHUTDOWN_WAIT_S)
+        if stopping.is_alive():
+            log.warning("ray.shutdown() did not finish in %.0f s: killing the private cluster's processes",
+                        SHUTDOWN_WAIT_S)
+            hung = True
+            for folder in _owned_temp_dirs:
+                for pid in _processes_naming(folder):
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
     while _owned_temp_dirs:
         shutil.rmtree(_owned_temp_dirs.pop(), ignore_errors=True)
+    if hung:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
 
 
 def init_local(num_cpus: int | None = None, **kwargs: Any) -> Any:

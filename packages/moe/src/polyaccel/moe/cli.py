@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--workers", type=integer(1), default=1, help="Ray Train workers (one GPU each when GPUs exist)")
     f.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a private local cluster on "
                    "loopback; 'auto' is refused: it joins whatever cluster a local user advertises)")
-    f.add_argument("--storage-path", help="Ray Train run storage (shared storage on several nodes)")
+    f.add_argument("--storage-path", help="Ray Train run storage: shared storage on several nodes (default: a "
+                   "private temporary folder on a local cluster, else ~/ray_results)")
     f.add_argument("--peak-tflops", type=number(0, strict=True), help="peak bf16 TFLOP/s per device for MFU (default: datasheet)")
     f.set_defaults(fn=_finetune)
 

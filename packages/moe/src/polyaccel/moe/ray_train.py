@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -172,8 +173,10 @@ def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = Non
         cluster (loopback, token auth; also ``"local"``), shut down when the run ends; an
         already initialised Ray is reused (and left running).
     :param use_gpu: one GPU per worker; None = whether the cluster has GPUs.
-    :param storage_path: where Ray Train keeps run state (default: Ray's, ``~/ray_results``;
-        on several nodes it must be shared storage).
+    :param storage_path: where Ray Train keeps run state. Default: on a private local cluster
+        started here, a private temporary folder removed when the run ends (the run resumes
+        from ``checkpoint.dir``, not from this state); on a cluster connected to, Ray's
+        ``~/ray_results`` (on several nodes it must be shared storage).
     :param max_failures: group restarts allowed before the run fails (bounded: never -1).
     """
     ray = _import_ray()
@@ -185,7 +188,7 @@ def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = Non
     if max_failures < 0:
         raise ValueError(f"max_failures must be >= 0 (bounded), got {max_failures}")
     check_on_driver(cfg, workers=workers, use_gpu=use_gpu)
-    started_here = False
+    started_here, scratch = False, None
     if not ray.is_initialized():
         from polyaccel.core.ray_local import connect, init_local, starts_private_cluster
 
@@ -194,6 +197,8 @@ def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = Non
             started_here = True
         else:
             connect(address)
+    if storage_path is None and started_here:  # nothing left behind in ~/ray_results
+        storage_path = scratch = tempfile.mkdtemp(prefix="polyaccel-ray-train-")
     try:
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
@@ -214,3 +219,5 @@ def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = Non
     finally:
         if started_here:
             ray.shutdown()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
