@@ -46,7 +46,7 @@ def _loss(model, ids: torch.Tensor, n_global: int) -> tuple[torch.Tensor, torch.
 
 
 # --------------------------------------------------------------------------------------------
-# Worker (one rank): python test_expert_parallel.py RANK WORLD EP PORT OUT DISPATCHER CKPT STEPS DENSE
+# Worker (one rank): python test_expert_parallel.py RANK WORLD JOBS (JSON: see _launch_all)
 # --------------------------------------------------------------------------------------------
 
 def _worker(rank: int, world: int, ep: int, port: int, out: Path, dispatcher: str, ckpt: bool, steps: int,
@@ -151,11 +151,26 @@ def _worker(rank: int, world: int, ep: int, port: int, out: Path, dispatcher: st
 
 
 
-def _launch(port: int, tmp_path: Path, world: int, ep: int, dispatcher: str = "nccl_a2a", ckpt: bool = False,
-            steps: int = 0, timeout: float = 120, dense: str = "fsdp") -> list[dict]:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_all(tmp_path: Path, world: int, runs: dict[str, dict], timeout: float = 150) -> dict[str, list[dict]]:
+    """Run every configuration of ``runs`` (name -> :func:`_worker`'s keyword arguments but rank,
+    world, port and out) one after the other in one set of ``world`` gloo processes, each run
+    in a process group of its own (a fresh port): one interpreter start-up and import (seconds
+    per rank on 2 cores) for several runs. Returns each run's per-rank results."""
+    import json
+
+    jobs = [dict(kw, port=_free_port(), out=str(tmp_path / name)) for name, kw in runs.items()]
+    for job in jobs:
+        Path(job["out"]).mkdir(parents=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(ep), str(port), str(tmp_path),
-                               dispatcher, str(int(ckpt)), str(steps), dense], env=env,
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), json.dumps(jobs)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     try:
@@ -165,7 +180,25 @@ def _launch(port: int, tmp_path: Path, world: int, ep: int, dispatcher: str = "n
             p.kill()
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return {name: [torch.load(tmp_path / name / f"rank{r}.pt", weights_only=False) for r in range(world)]
+            for name in runs}
+
+
+# The two runs on 2 ranks share their processes, and so do the two on 4 ranks.
+RUNS_2 = {"ep2_ckpt_adamw": dict(ep=2, dispatcher="nccl_a2a", ckpt=True, steps=3, dense="fsdp"),
+          "dense_replicas_ep2": dict(ep=2, dispatcher="allgather", ckpt=True, steps=3, dense="replicate")}
+RUNS_4 = {"dp4_ep2": dict(ep=2, dispatcher="allgather", ckpt=False, steps=0, dense="fsdp"),
+          "dense_replicas_dp4_ep2": dict(ep=2, dispatcher="nccl_a2a", ckpt=False, steps=0, dense="replicate")}
+
+
+@pytest.fixture(scope="module")
+def on_2_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+    return _launch_all(tmp_path_factory.mktemp("ep_2_ranks"), 2, RUNS_2)
+
+
+@pytest.fixture(scope="module")
+def on_4_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+    return _launch_all(tmp_path_factory.mktemp("ep_4_ranks"), 4, RUNS_4)
 
 
 def _reference(world: int, steps: int = 0) -> dict:
@@ -207,10 +240,10 @@ def _assert_matches(results: list[dict], ref: dict) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_ep2_on_2_ranks_matches_one_process_with_checkpointing_and_adamw(tmp_path, free_port):
+def test_ep2_on_2_ranks_matches_one_process_with_checkpointing_and_adamw(on_2_ranks):
     """(a) + (c): world 2, dp 2, ep 2, all-to-all dispatcher, activation checkpointing (routing
     recomputed identically): logits, loss, all gradients and 3 AdamW steps match."""
-    results = _launch(free_port(), tmp_path, world=2, ep=2, ckpt=True, steps=3)
+    results = on_2_ranks["ep2_ckpt_adamw"]
     ref = _reference(world=2, steps=3)
     _assert_matches(results, ref)
     for r in results:
@@ -218,21 +251,19 @@ def test_ep2_on_2_ranks_matches_one_process_with_checkpointing_and_adamw(tmp_pat
 
 
 @pytest.mark.timeout(150)
-def test_dp4_ep2_on_4_ranks_matches_one_process(tmp_path, free_port):
+def test_dp4_ep2_on_4_ranks_matches_one_process(on_4_ranks):
     """(b): FSDP over all 4 ranks for the rest, experts in 2 groups replicated over
     ep_shard=2: expert gradients averaged over the replicas at the right scale."""
-    results = _launch(free_port(), tmp_path, world=4, ep=2, dispatcher="allgather")
-    _assert_matches(results, _reference(world=4))
+    _assert_matches(on_4_ranks["dp4_ep2"], _reference(world=4))
 
 
 @pytest.mark.timeout(150)
-def test_dense_replicas_ep2_on_2_ranks_match_one_process(tmp_path, free_port):
+def test_dense_replicas_ep2_on_2_ranks_match_one_process(on_2_ranks):
     """Dense replicas: whole non-expert weights on both ranks, one expert block each, the
     fixed-size allgather dispatcher, fused expert weight gradients, activation checkpointing:
     gradients after GradientSync, the global norm, 3 clipped AdamW steps and the gathered
     final weights all match one process."""
-    results = _launch(free_port(), tmp_path, world=2, ep=2, dispatcher="allgather", ckpt=True, steps=3,
-                      dense="replicate")
+    results = on_2_ranks["dense_replicas_ep2"]
     ref = _reference(world=2, steps=3)
     _assert_matches(results, ref)
     for r in results:
@@ -245,10 +276,10 @@ def test_dense_replicas_ep2_on_2_ranks_match_one_process(tmp_path, free_port):
 
 
 @pytest.mark.timeout(150)
-def test_dense_replicas_dp4_ep2_sum_expert_grads_over_replicas(tmp_path, free_port):
+def test_dense_replicas_dp4_ep2_sum_expert_grads_over_replicas(on_4_ranks):
     """4 ranks, ep=2: each expert block lives on 2 ranks (ep_shard=2), whose gradients
     GradientSync sums; all-to-all dispatcher."""
-    _assert_matches(_launch(free_port(), tmp_path, world=4, ep=2, dense="replicate"), _reference(world=4))
+    _assert_matches(on_4_ranks["dense_replicas_dp4_ep2"], _reference(world=4))
 
 
 def test_clear_errors_without_processes():
@@ -276,8 +307,12 @@ def test_clear_errors_without_processes():
 
 
 if __name__ == "__main__":
+    import json
+
     a = sys.argv[1:]
-    _worker(int(a[0]), int(a[1]), int(a[2]), int(a[3]), Path(a[4]), a[5], bool(int(a[6])), int(a[7]), a[8])
+    for job in json.loads(a[2]):
+        _worker(int(a[0]), int(a[1]), job["ep"], job["port"], Path(job["out"]), job["dispatcher"], job["ckpt"],
+                job["steps"], job["dense"])
 
 
 def test_experts_under_expert_parallelism_run_outside_torch_compile():

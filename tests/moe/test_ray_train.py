@@ -23,24 +23,48 @@ from polyaccel.moe.train_config import load_config  # noqa: E402
 TINY = Path(__file__).resolve().parents[2] / "packages/moe/examples/tiny_synthetic_cpu.yaml"
 
 
+def _start_private_cluster() -> None:
+    from polyaccel.core.ray_local import init_local
+
+    init_local(log_to_driver=False)  # as run_with_ray(address="local") starts it: loopback, token auth
+
+
+def _stop_cluster() -> bool:
+    ray.shutdown()
+    return ray.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def ray_driver():
+    """A fresh interpreter holding one private local Ray cluster for this module's runs (started
+    once: a cluster and a driver start-up cost about 15 s on 2 cores), stopped at the end.
+    Fresh: Ray Data/Train keep process-global state across ray.init() calls, so another
+    module's cluster in the pytest process must not leak into these runs. ``run_with_ray``
+    reuses an initialised Ray (its documented behaviour), so each run trains on this cluster.
+    Whether ``address="local"`` stops the cluster it starts itself is tests/moe/test_ray_exposure.py's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")  # inherited by the cluster's workers
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=_start_private_cluster) as pool:
+            yield pool
+            assert pool.submit(_stop_cluster).result(timeout=60) is False
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", [[], ["parallel.ep=2", "parallel.dense=replicate"]],
                          ids=["fsdp", "ep2-dense-replicas"])
-def test_two_ray_workers_match_one_process(tmp_path, monkeypatch, layout):
+def test_two_ray_workers_match_one_process(tmp_path, monkeypatch, layout, ray_driver):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     sets = ["train.max_steps=3", "log.progress_bar=false", "log.every_steps=1000"]
     single = finetune(load_config(TINY, [*sets, f"checkpoint.dir={tmp_path}/single/ck",
                                          f"output_dir={tmp_path}/single/out"]))
     cfg = load_config(TINY, [*sets, "train.micro_batch=1", f"checkpoint.dir={tmp_path}/ray/ck",
                              f"output_dir={tmp_path}/ray/out", *layout])
-    # In a fresh interpreter: Ray Data/Train keep process-global state across ray.init() calls,
-    # so another test's cluster in this process must not leak into this one. address="local":
-    # a cluster of our own, never one another process started on this machine.
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        summary = pool.submit(run_with_ray, cfg, workers=2, address="local",
-                              storage_path=str(tmp_path / "ray_results")).result(timeout=170)
+    # In ray_driver's fresh interpreter, on its private cluster (address="local": never one
+    # another process started on this machine).
+    summary = ray_driver.submit(run_with_ray, cfg, workers=2, address="local",
+                                storage_path=str(tmp_path / "ray_results")).result(timeout=170)
     assert summary["world_size"] == 2 and summary["steps"] == 3
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(single.losses),
                                rtol=1e-5, atol=1e-5)
@@ -97,7 +121,7 @@ def _kill_a_worker_after(ckpt_dir: Path, step: int, killed: list[int], stop: thr
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(tmp_path, monkeypatch):
+def test_a_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(tmp_path, monkeypatch, ray_driver):
     """SIGKILL one of 2 Ray Train workers after checkpoint 3 of 12 (one per step): Ray Train
     restarts the group (max_failures bounded), it resumes from the newest checkpoint by itself,
     and the losses after it equal an uninterrupted run's."""
@@ -113,11 +137,9 @@ def test_a_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(tmp_p
     stop = threading.Event()
     killer = threading.Thread(target=_kill_a_worker_after, args=(ckpt, 3, killed, stop), daemon=True)
     killer.start()
-    ctx = multiprocessing.get_context("spawn")
     try:
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-            summary = pool.submit(run_with_ray, cfg, workers=2, address="local", max_failures=2,
-                                  storage_path=str(tmp_path / "ray_results")).result(timeout=170)
+        summary = ray_driver.submit(run_with_ray, cfg, workers=2, address="local", max_failures=2,
+                                    storage_path=str(tmp_path / "ray_results")).result(timeout=170)
     finally:
         stop.set()
         killer.join()
