@@ -34,7 +34,7 @@ DRIVER = textwrap.dedent("""
         time.sleep(120)  # until the test's Ctrl-C
     elif how == "hung_shutdown":  # ray.shutdown() never returns: the exit hook must not wait for it
         from polyaccel.core import ray_local
-        ray_local.SHUTDOWN_WAIT_S = 2.0
+        ray_local.EXIT_WAIT_S = 2.0
         ray.shutdown = lambda *a, **k: time.sleep(600)
 """)
 

@@ -145,8 +145,11 @@ def private_temp_dir() -> str:
 
 
 _owned_temp_dirs: list[str] = []  # the private folders of the clusters init_local started in this process
-SHUTDOWN_WAIT_S = 30.0
-"""At exit, how long ``ray.shutdown()`` may take before the cluster's processes are killed."""
+EXIT_WAIT_S = 30.0
+"""How long a process that started a private cluster may take to exit once it begins to
+(Ray's shutdown included) before the cluster's processes are killed, its folders removed and
+the process ended with status 1."""
+_exit_hooked = False
 
 
 def _processes_naming(folder: str) -> list[int]:
@@ -162,38 +165,59 @@ def _processes_naming(folder: str) -> list[int]:
     return pids
 
 
+def _give_up(folders: list[str]) -> None:
+    """The exit did not finish in time: kill the clusters' processes (on Linux Ray also ends
+    them with their driver), remove their folders, end this process with status 1."""
+    log.warning("exit did not finish in %.0f s: killing the private Ray cluster's processes", EXIT_WAIT_S)
+    for folder in folders:
+        for pid in _processes_naming(folder):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(folder, ignore_errors=True)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)
+
+
 def _stop_and_remove_owned_temp_dirs() -> None:
     """At exit: stop the cluster (``ray.shutdown()``, as Ray's own exit hook would, later),
     then remove the private folders (sessions, logs, spilled objects, sockets) of every
-    cluster :func:`init_local` started in this process. A shutdown that hangs (seen rarely
-    after Ctrl-C on a loaded machine) is given :data:`SHUTDOWN_WAIT_S`; then the cluster's
-    processes are killed (on Linux Ray also ends them with their driver), its folders
-    removed, and the process ends at once with status 1
-    (Ray's half-stopped driver would crash the interpreter's own shutdown)."""
-    ray = sys.modules.get("ray")
-    hung = False
-    if _owned_temp_dirs and ray is not None and ray.is_initialized():
-        import threading
+    cluster :func:`init_local` started in this process.
 
-        stopping = threading.Thread(target=ray.shutdown, name="polyaccel-ray-shutdown", daemon=True)
-        stopping.start()
-        stopping.join(SHUTDOWN_WAIT_S)
-        if stopping.is_alive():
-            log.warning("ray.shutdown() did not finish in %.0f s: killing the private cluster's processes",
-                        SHUTDOWN_WAIT_S)
-            hung = True
-            for folder in _owned_temp_dirs:
-                for pid in _processes_naming(folder):
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
+    Runs first at exit: from threading's exit hook, before the interpreter waits for
+    non-daemon threads (a Ray thread still busy there kept a Ctrl-C'd driver alive on a loaded
+    machine), and again from ``atexit``. A watchdog bounds the rest of the exit to
+    :data:`EXIT_WAIT_S` (:func:`_give_up`)."""
+    if not _owned_temp_dirs:
+        return
+    import threading
+
+    watchdog = threading.Timer(EXIT_WAIT_S, _give_up, args=(list(_owned_temp_dirs),))
+    watchdog.daemon = True
+    watchdog.start()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
     while _owned_temp_dirs:
         shutil.rmtree(_owned_temp_dirs.pop(), ignore_errors=True)
-    if hung:
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(1)
+
+
+def _hook_exit() -> None:
+    """Register :func:`_stop_and_remove_owned_temp_dirs` with threading's exit hooks (run
+    before non-daemon threads are joined; private API, used where it exists) and ``atexit``
+    (after Ray's own hook, registered at import, so it runs first)."""
+    global _exit_hooked
+    if not _exit_hooked:
+        import threading
+
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(_stop_and_remove_owned_temp_dirs)
+        _exit_hooked = True
+    atexit.unregister(_stop_and_remove_owned_temp_dirs)
+    atexit.register(_stop_and_remove_owned_temp_dirs)
 
 
 def init_local(num_cpus: int | None = None, **kwargs: Any) -> Any:
@@ -203,9 +227,7 @@ def init_local(num_cpus: int | None = None, **kwargs: Any) -> Any:
     _apply(local_cluster_env())
     ray = import_ray()
     if "_temp_dir" not in kwargs:
-        # Registered after Ray's own exit hook (at import), so it runs first: stop, then remove.
-        atexit.unregister(_stop_and_remove_owned_temp_dirs)
-        atexit.register(_stop_and_remove_owned_temp_dirs)
+        _hook_exit()  # at exit: stop, then remove; never hangs (_stop_and_remove_owned_temp_dirs)
         kwargs["_temp_dir"] = private_temp_dir()
         _owned_temp_dirs.append(os.path.dirname(kwargs["_temp_dir"]))
     kwargs.setdefault("include_dashboard", False)
