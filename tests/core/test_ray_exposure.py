@@ -21,7 +21,10 @@ pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
 DRIVER = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    # As in a user's shell: a SIGINT ignored by the pytest process (something in a full run
+    # leaves it so) would be inherited, and the test's Ctrl-C would never arrive.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from polyaccel.core.ray_local import init_local
     ray = init_local(num_cpus=1, log_to_driver=False)
     print(ray._private.worker._global_node.get_session_dir_path(), flush=True)

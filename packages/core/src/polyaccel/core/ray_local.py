@@ -187,9 +187,9 @@ def _stop_and_remove_owned_temp_dirs() -> None:
     cluster :func:`init_local` started in this process.
 
     Runs first at exit: from threading's exit hook, before the interpreter waits for
-    non-daemon threads (a Ray thread still busy there kept a Ctrl-C'd driver alive on a loaded
-    machine), and again from ``atexit``. A watchdog bounds the rest of the exit to
-    :data:`EXIT_WAIT_S` (:func:`_give_up`)."""
+    non-daemon threads (so that none of Ray's can hold the exit), and again from ``atexit``. A
+    watchdog bounds the rest of the exit to :data:`EXIT_WAIT_S` (:func:`_give_up`), so that a
+    hung ``ray.shutdown()`` still ends the process and leaves nothing running."""
     if not _owned_temp_dirs:
         return
     import threading
