@@ -83,8 +83,8 @@ def linear(X, LNW, LNB, W, BIAS, RES, OUT, PARTS, COUNTS, M, N, K, eps, sxm, swn
         linear_epilogue(acc, rm, rn, row_mask, col_mask, X, BIAS, RES, OUT, srm, som, HAS_BIAS, HAS_RES, GELU)
     else:
         # Each K part stores its fp32 partial [part, row, column]; the tile's last program to
-        # finish sums all parts in part order (so the bits never depend on which one is last),
-        # resets the tile's counter for the next call and writes the output.
+        # finish (COUNTS: zeros, one counter per tile, fresh each call) sums all parts in part
+        # order, so the bits never depend on which one is last, and writes the output.
         rows = tl.num_programs(1) * BLOCK_M
         col_all = col_mask[None, :] & (rm >= 0)[:, None]
         tl.store(PARTS + (pid_k * rows + rm[:, None]) * N + rn[None, :], acc, mask=col_all)
@@ -95,7 +95,6 @@ def linear(X, LNW, LNB, W, BIAS, RES, OUT, PARTS, COUNTS, M, N, K, eps, sxm, swn
             for part in tl.static_range(SPLIT_K):
                 total += tl.load(PARTS + (part * rows + rm[:, None]) * N + rn[None, :], mask=col_all, other=0.0,
                                  cache_modifier=".cg")
-            tl.atomic_xchg(COUNTS + tile, 0)
             linear_epilogue(total, rm, rn, row_mask, col_mask, X, BIAS, RES, OUT, srm, som,
                             HAS_BIAS, HAS_RES, GELU)
 

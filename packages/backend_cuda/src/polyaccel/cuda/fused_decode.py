@@ -42,9 +42,9 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton_kernels
 def _kernels():
-    from polyaccel.cuda import _fused_decode_triton as k  # imports Triton
+    from polyaccel.cuda import _fused_decode_triton  # imports Triton
 
-    return k.linear, k.qkv_into_cache, k.cached_attention, k.greedy_pick
+    return _fused_decode_triton
 
 
 class GemmConfig(NamedTuple):
@@ -136,7 +136,7 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def _linear(x_MK: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
             ln: tuple | None = None, gelu: bool = False, residual: torch.Tensor | None = None,
             out_dtype: torch.dtype, config: GemmConfig | None = None) -> torch.Tensor:
-    linear = _kernels()[0]
+    linear = _kernels().linear
     (M, K), N = x_MK.shape, weight.shape[0]
     out = torch.empty(M, N, device=x_MK.device, dtype=out_dtype)
     ln_w, ln_b, eps = ln if ln is not None else (x_MK, x_MK, 0.0)  # never read without HAS_LN
@@ -176,7 +176,7 @@ def ln_qkv_into_cache_(x: torch.Tensor, ln_weight: torch.Tensor | None, ln_bias:
         from polyaccel.core.ops import ln_qkv_into_cache_ as core_op
 
         return core_op.reference(x, ln_weight, ln_bias, eps, weights, biases, cache_k, cache_v, position)
-    qkv_into_cache = _kernels()[1]
+    qkv_into_cache = _kernels().qkv_into_cache
     q = torch.empty(B, N, device=x.device, dtype=x.dtype)
     config = _config(N, K, x.dtype, parts=3)
     qkv_into_cache[(cdiv(N, config.block_n), 3, cdiv(B, BLOCK_M))](
@@ -201,7 +201,7 @@ def cached_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: tor
         from polyaccel.core.ops import cached_decode_attention as core_op
 
         return core_op.reference(q, cache_k, cache_v, position)
-    cached_attention = _kernels()[2]
+    cached_attention = _kernels().cached_attention
     out = torch.empty(B, H, 1, D, device=q.device, dtype=q.dtype)
     cached_attention[(B * H,)](q, cache_k, cache_v, position, out, H, C, D ** -0.5,
                                q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
@@ -223,7 +223,7 @@ def _pick_ok(logits: torch.Tensor, bias: torch.Tensor) -> bool:
 
 def _pick(logits: torch.Tensor, bias: torch.Tensor, best: torch.Tensor, logprob: torch.Tensor,
           advance: tuple | None = None, eos_id: int = 0) -> None:
-    pick = _kernels()[3]
+    pick = _kernels().greedy_pick
     (B, V), parts = logits.shape, cdiv(logits.shape[1], PICK_PART)
     partial = torch.empty(B, parts, 3, device=logits.device, dtype=torch.float32)
     counts = torch.zeros(B, device=logits.device, dtype=torch.int32)
