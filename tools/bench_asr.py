@@ -418,6 +418,35 @@ def section_kernels(args, device, dtype):
             emit(system="pick_fused", rows=M, part=part, same=same,
                  us=round(graph_us(lambda lg=logits, bs=bias: fd.greedy_pick(lg, bs)), 2))
         fd.PICK_PART = shipped
+    _cross_attention_splits(args, device, dtype, heads, d // heads)
+
+
+def _cross_attention_splits(args, device, dtype, heads: int, head_dim: int, frames: int = 1500) -> None:
+    """Cross-attention's key splits (``polyaccel.cuda.decode_attention.SplitConfig``) at 1 and
+    16 rows over the encoder's frames, beside core's reference: each launch checked against
+    the reference and for the same bits alone and in a batch, then timed in a CUDA graph."""
+    from polyaccel.core import ops
+    from polyaccel.cuda import decode_attention as da
+
+    g = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (torch.randn(16, heads, n, head_dim, generator=g, device=device).to(dtype) for n in (1, frames, frames))
+    want = ops.decode_attention.reference(q.float(), k.float(), v.float())
+    for M in (1, 16):
+        emit(system="cross_attn_torch", rows=M, us=round(graph_us(
+            lambda M=M: ops.decode_attention.reference(q[:M], k[:M], v[:M])), 2))
+    configs = [da.CONFIG] + [da.SplitConfig(n, b, one) for n in (4, 8, 12, 16, 24, 32, 48) for b in (32, 64, 128)
+                             for one in (False, True) if -(-frames // n) >= b // 2]
+    deadline = time.monotonic() + args.kernels_budget / 4
+    for config in dict.fromkeys(configs):
+        if time.monotonic() > deadline:
+            break
+        full = da.decode_attention(q, k, v, config=config)
+        err = ((full.float() - want).norm() / want.norm()).item()
+        same = torch.equal(da.decode_attention(q[:1], k[:1], v[:1], config=config), full[:1])
+        for M in (1, 16):
+            us = graph_us(lambda M=M, c=config: da.decode_attention(q[:M], k[:M], v[:M], config=c))
+            emit(system="cross_attn_fused", rows=M, config=list(config), rel_err=round(err, 5), same=same,
+                 shipped=config == da.CONFIG, us=round(us, 2))
 
 
 def _speech(args) -> tuple[list[np.ndarray], list[str | None]]:

@@ -224,7 +224,10 @@ def check_dropped_copies():
 
 def check_decode_attention():
     """One query token against S keys (several blocks, empty splits, non-power-of-two head dim,
-    strided q, a position mask) == SDPA; a row's output is the same bits alone or in a batch."""
+    strided q, a position mask) == SDPA; a row's output is the same bits alone or in a batch;
+    other key splits (a non-power-of-two count, pieces combined by the last piece's program)
+    too, and that combine gives the second kernel's bits."""
+    SplitConfig = decode_attention.SplitConfig
     for S, D, dtype in ((150, 64, torch.float32), (37, 40, torch.float32), (300, 64, torch.float16)):
         B, H = 5, 3
         q = torch.randn(B, 1, H, D).to(dtype).transpose(1, 2)  # [B, H, 1, D], strided as Whisper's
@@ -232,14 +235,19 @@ def check_decode_attention():
         position = torch.randint(0, S, (B,))
         position[0] = 0
         for mask in (None, (torch.arange(S) <= position[:, None])[:, None, None, :]):
-            got = decode_attention.decode_attention(q, k, v, mask)
             want = ops.decode_attention.reference(q.float(), k.float(), v.float(), mask)
-            err = rel_err(got, want)
             tag = "mask" if mask is not None else "no mask"
-            print(f"decode_attention S={S} D={D} {dtype} {tag}: rel err {err:.2e}")
-            assert got.shape == (B, H, 1, D) and err < (1e-5 if dtype == torch.float32 else 2e-3), err
-            alone = decode_attention.decode_attention(q[2:3], k[2:3], v[2:3], None if mask is None else mask[2:3])
-            assert torch.equal(alone, got[2:3]), "a row alone differs from the row in the batch"
+            for config in (None, SplitConfig(5, 32, True), SplitConfig(3, 64, True))[:3 if S < 300 else 1]:
+                got = decode_attention.decode_attention(q, k, v, mask, config)
+                err = rel_err(got, want)
+                print(f"decode_attention S={S} D={D} {dtype} {tag} {config}: rel err {err:.2e}")
+                assert got.shape == (B, H, 1, D) and err < (1e-5 if dtype == torch.float32 else 2e-3), err
+                alone = decode_attention.decode_attention(q[2:3], k[2:3], v[2:3],
+                                                          None if mask is None else mask[2:3], config)
+                assert torch.equal(alone, got[2:3]), "a row alone differs from the row in the batch"
+                if config is not None and config.one_kernel:
+                    two = decode_attention.decode_attention(q, k, v, mask, config._replace(one_kernel=False))
+                    assert torch.equal(got, two), "the one-kernel combine differs from the second kernel"
 
 
 def check_grouped_lowrank():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from polyaccel.core import ops
-from polyaccel.cuda.decode_attention import decode_attention
+from polyaccel.cuda.decode_attention import SplitConfig, decode_attention
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -39,3 +39,24 @@ def test_matches_sdpa_and_rows_are_the_same_at_every_batch_size(S, heads, dim):
         for b in (1, 2, 3, 8, 31, 64):
             part = decode_attention(q[:b], k[:b], v[:b], None if mask is None else mask[:b])
             assert torch.equal(part, full[:b]), b
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("config", [SplitConfig(16, 64, True), SplitConfig(24, 32, True), SplitConfig(12, 128, False)])
+@torch.inference_mode()
+def test_other_key_splits_are_exact_across_batches_and_one_kernel_equals_two(config):
+    """Launches the benchmark's kernel sweep tries: still the same bits at every batch size,
+    and the pieces combined by the last piece's program give the second kernel's bits."""
+    g = torch.Generator(device="cuda").manual_seed(config.splits)
+    B, H, S, D = 64, 20, 1500, 64
+    q, k, v = (torch.randn(B, H, n, D, device="cuda", generator=g).bfloat16() for n in (1, S, S))
+    full = decode_attention(q, k, v, config=config)
+    want = ops.decode_attention.reference(q.float(), k.float(), v.float())
+    assert (full.float() - want).abs().max() < 2e-2
+    if config.one_kernel:
+        assert torch.equal(decode_attention(q, k, v, config=config._replace(one_kernel=False)), full)
+    for _ in range(3):  # which piece finishes last varies from run to run
+        assert torch.equal(decode_attention(q, k, v, config=config), full)
+    for b in (1, 3, 17):
+        assert torch.equal(decode_attention(q[:b], k[:b], v[:b], config=config), full[:b]), b
