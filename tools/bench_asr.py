@@ -9,7 +9,8 @@ then, as ``min_new_tokens``), random weights, bf16, greedy.
 Sections (``--sections``):
   ours     our ASRRunner per model and batch (CUDA graphs on cuda; ``--eager`` adds eager rows,
            ``--invariant`` rows with Whisper's batch-invariant kernels, ``--plain-decode`` rows
-           without Whisper's fused decoder step, on by default on CUDA)
+           without Whisper's fused decoder step, on by default on CUDA; ``--pdl`` rows with that
+           step's kernels launched early, programmatic dependent launch)
   hf       the free peer from the project itself: Transformers' Whisper ``generate()`` on the same
            shapes (``--hf-modes generate,compile``: as called, and with static cache + torch.compile)
   runtime  ReplicaPool vs a threaded shared-queue loop vs a process pool, same model/graphs
@@ -33,6 +34,7 @@ Run on a GPU machine (packages on PYTHONPATH, not installed):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -134,8 +136,11 @@ def section_ours(args, device, dtype):
                 modes.append(("graphs_invariant", True, args.new_tokens))
             if args.plain_decode and hasattr(model, "fused_decode"):  # Whisper without its fused step
                 modes.append(("graphs_plain", True, args.new_tokens))
+            if args.pdl:  # the step's kernels launched early (programmatic dependent launch)
+                modes.append(("graphs_pdl", True, args.new_tokens))
             for mode, graphs, new_tokens in modes:
                 try:
+                    _set_dependent_launch(mode == "graphs_pdl")
                     model.batch_invariant = mode == "graphs_invariant"
                     if hasattr(model, "fused_decode"):
                         model.fused_decode = False if mode == "graphs_plain" else None
@@ -149,11 +154,21 @@ def section_ours(args, device, dtype):
                     emit(system=f"polyaccel_{mode}", model=name, batch=b, error=repr(e)[:400])
                 finally:
                     runner = None
+                    _set_dependent_launch(False)
                     model.batch_invariant = False
                     if hasattr(model, "fused_decode"):
                         model.fused_decode = None
                     torch.cuda.empty_cache() if torch.cuda.is_available() else None
         del model
+
+
+def _set_dependent_launch(on: bool) -> None:
+    """Programmatic dependent launch for the CUDA backend's decoder-step kernels (read when a
+    graph is captured)."""
+    with contextlib.suppress(ImportError):
+        from polyaccel.cuda import _triton
+
+        _triton.DEPENDENT_LAUNCH = on
 
 
 def section_exact(args, device, dtype):
@@ -931,6 +946,9 @@ def main(argv=None) -> int:
     p.add_argument("--breakdown", action="store_true", help="also time 1-token decoding (encoder share)")
     p.add_argument("--invariant", action="store_true",
                    help="also time Whisper with batch-invariant kernels (polyaccel.asr.batch_invariant)")
+    p.add_argument("--pdl", action="store_true",
+                   help="ours: also rows with the decoder step's kernels launched early (programmatic dependent "
+                        "launch, POLYACCEL_CUDA_PDL=1), polyaccel_graphs_pdl")
     p.add_argument("--plain-decode", action="store_true",
                    help="also time Whisper without its fused decoder step (WhisperASR.fused_decode=False)")
     p.add_argument("--backend", default="auto")

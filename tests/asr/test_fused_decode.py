@@ -161,3 +161,24 @@ def test_bf16_fused_step_captures_and_launches_fewer_kernels():
     print(f"CUDA kernels per decode_step (2 layers, batch 1): {counts}")
     assert counts["logits_close"], counts
     assert counts["fused"] < counts["plain"] * 0.6, counts
+
+
+@pytest.mark.gpu
+def test_dependent_launch_gives_the_same_tokens(monkeypatch):
+    """With programmatic dependent launch on (each kernel starts beside the one before and
+    waits for it before touching memory), the fused step in CUDA graphs gives exactly the
+    tokens it gives without, at several batch sizes (bf16)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from polyaccel.core import select_backend
+    from polyaccel.cuda import _triton
+
+    select_backend("cuda")
+    model = _cuda_whisper(torch.bfloat16)
+    audios = {b: _audio(b) for b in (1, 2, 5)}
+    want = {b: _tokens(model, a, fused=True, graphs=True) for b, a in audios.items()}
+    monkeypatch.setattr(_triton, "DEPENDENT_LAUNCH", True)
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert _triton.dependent_launch(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
+    for b, audio in audios.items():
+        assert _tokens(model, audio, fused=True, graphs=True) == want[b], b

@@ -5,6 +5,8 @@ Imported only when a kernel first runs: importing it imports Triton."""
 import triton
 import triton.language as tl
 
+from polyaccel.cuda._fused_decode_triton import dependent_start
+
 
 @triton.jit
 def combine_row(M_IN, L_IN, ACC, OUT, row, H, sob, soh, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -73,5 +75,6 @@ def partial(Q, K, V, MASK, M_OUT, L_OUT, ACC, COUNTS, OUT, S, H, scale,
 
 @triton.jit
 def combine(M_IN, L_IN, ACC, OUT, H, sob, soh, D: tl.constexpr, BLOCK_D: tl.constexpr,
-            SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+            SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_start(PDL)
     combine_row(M_IN, L_IN, ACC, OUT, tl.program_id(0), H, sob, soh, D, BLOCK_D, SPLITS, SPLITS_P2)

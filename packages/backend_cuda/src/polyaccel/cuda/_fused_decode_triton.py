@@ -5,6 +5,23 @@ when a fused kernel first runs: importing it imports Triton."""
 import triton
 import triton.language as tl
 
+try:  # griddepcontrol: programmatic dependent launch (Hopper and newer)
+    from triton.language.extra import cuda as cuda_extra
+
+    HAS_PDL = hasattr(cuda_extra, "gdc_wait") and hasattr(cuda_extra, "gdc_launch_dependents")
+except ImportError:
+    cuda_extra, HAS_PDL = None, False
+
+
+@triton.jit
+def dependent_start(PDL: tl.constexpr):
+    # Launched with programmatic dependent launch, a kernel starts while the one before it
+    # still runs: wait here, before any load or store, until that one has finished and its
+    # writes are visible (so every kernel before it has too); then let the next one start.
+    if PDL:
+        cuda_extra.gdc_wait()
+        cuda_extra.gdc_launch_dependents()
+
 
 @triton.jit
 def ln_stats(X, rm, row_mask, K, sxm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -70,7 +87,9 @@ def linear_epilogue(acc, rm, rn, row_mask, col_mask, X, BIAS, RES, OUT, srm, som
 @triton.jit
 def linear(X, LNW, LNB, W, BIAS, RES, OUT, PARTS, COUNTS, M, N, K, eps, sxm, swn, srm, som,
            HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GELU: tl.constexpr,
-           SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+           SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           PDL: tl.constexpr = False):
+    dependent_start(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -103,7 +122,9 @@ def linear(X, LNW, LNB, W, BIAS, RES, OUT, PARTS, COUNTS, M, N, K, eps, sxm, swn
 def qkv_into_cache(X, LNW, LNB, WQ, WK, WV, BQ, BK, BV, Q, CK, CV, POS, M, N, K, C, HEAD_D, eps,
                    sxm, sqm, sckb, sckh, sckc, scvb, scvh, scvc,
                    HAS_BQ: tl.constexpr, HAS_BK: tl.constexpr, HAS_BV: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    dependent_start(PDL)
     part = tl.program_id(1)  # 0: q, 1: k, 2: v
     W = WQ
     if part == 1:
@@ -136,7 +157,9 @@ def qkv_into_cache(X, LNW, LNB, WQ, WK, WV, BQ, BK, BV, Q, CK, CV, POS, M, N, K,
 
 @triton.jit
 def cached_attention(Q, K, V, POS, OUT, H, C, scale, sqb, sqh, skb, skh, sks, svb, svh, svs, sob, soh,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    dependent_start(PDL)
     row = tl.program_id(0)  # b * H + h
     b = row // H
     h = row % H
@@ -167,7 +190,8 @@ def cached_attention(Q, K, V, POS, OUT, H, C, scale, sqb, sqh, skb, skh, sks, sv
 @triton.jit
 def greedy_pick(LOGITS, BIAS, PARTS, COUNTS, BEST, LOGPROB, TOKENS, POSITION, FINISHED, LOGPROB_SUM, COUNTED,
                 OUT, STEP, V, slb, sob, T, eos_id, ADVANCE: tl.constexpr, PART_V: tl.constexpr,
-                BLOCK_V: tl.constexpr):
+                BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_start(PDL)
     # Program (row, part) scans columns [part * PART_V, +PART_V) of logits + bias: its largest
     # value, that value's first column, and the sum of exp(value - largest). The row's last
     # program to finish combines the parts in part order (bits independent of which is last)

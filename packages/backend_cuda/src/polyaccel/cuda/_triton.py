@@ -81,3 +81,27 @@ def _num_sms(device_type: str, index: int | None) -> int:
     if device_type != "cuda":
         return 2
     return torch.cuda.get_device_properties(index if index is not None else 0).multi_processor_count
+
+
+DEPENDENT_LAUNCH = os.environ.get("POLYACCEL_CUDA_PDL") == "1"
+"""Whether the decoder step's kernels start early, beside the kernel before them (programmatic
+dependent launch: each waits, before touching memory, until that one has finished). Off until
+a benchmark shows it pays; ``POLYACCEL_CUDA_PDL=1`` turns it on."""
+
+
+def dependent_launch(device: Any) -> dict:
+    """The launch arguments of a kernel with a ``PDL`` flag (see :data:`DEPENDENT_LAUNCH`):
+    ``PDL`` and ``launch_pdl`` on a Hopper or newer GPU whose Triton has griddepcontrol;
+    nothing otherwise (the kernel's ``PDL`` defaults to off)."""
+    if not (DEPENDENT_LAUNCH and device.type == "cuda" and _dependent_launch_capable(device.index)):
+        return {}
+    return {"PDL": True, "launch_pdl": True}
+
+
+@functools.cache
+def _dependent_launch_capable(index: int | None) -> bool:
+    import torch
+
+    from polyaccel.cuda import _fused_decode_triton
+
+    return _fused_decode_triton.HAS_PDL and torch.cuda.get_device_capability(index or 0)[0] >= 9

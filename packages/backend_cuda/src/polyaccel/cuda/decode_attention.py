@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from polyaccel.cuda._triton import cdiv, triton_kernels, use_triton
+from polyaccel.cuda._triton import cdiv, dependent_launch, triton_kernels, use_triton
 
 
 class SplitConfig(NamedTuple):
@@ -71,7 +71,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         mask_u8, smb, sms = q, 0, 0  # never read
     chunk = cdiv(cdiv(S, splits), block_s) * block_s  # a whole number of blocks per piece
-    shape = dict(D=D, BLOCK_D=block_d, SPLITS=splits, SPLITS_P2=1 << (splits - 1).bit_length())
+    shape = dict(D=D, BLOCK_D=block_d, SPLITS=splits, SPLITS_P2=1 << (splits - 1).bit_length(),
+                 **dependent_launch(q.device))
     kernels.partial[(rows, splits)](q, k, v, mask_u8, m, l_sum, acc, counts, out, S, H, D ** -0.5,
                             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
                             v.stride(0), v.stride(1), v.stride(2), smb, sms, out.stride(0), out.stride(1), chunk,

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from polyaccel.cuda._triton import cdiv, triton_kernels, use_triton
+from polyaccel.cuda._triton import cdiv, dependent_launch, triton_kernels, use_triton
 
 TRITON_MAX_ROWS = 16
 """Rows (tokens) up to which the Triton GEMMs run; more take cuBLAS through core's references."""
@@ -78,7 +78,9 @@ def _config(N: int, K: int, dtype: torch.dtype, parts: int = 1) -> GemmConfig:
 
 
 def _launch_options(config: GemmConfig, device: torch.device) -> dict:
-    return {"num_warps": config.num_warps, "num_stages": config.num_stages} if device.type == "cuda" else {}
+    if device.type != "cuda":
+        return {}
+    return {"num_warps": config.num_warps, "num_stages": config.num_stages, **dependent_launch(device)}
 
 
 def _rows(x: torch.Tensor, K: int) -> torch.Tensor | None:
@@ -206,7 +208,8 @@ def cached_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: tor
     cached_attention[(B * H,)](q, cache_k, cache_v, position, out, H, C, D ** -0.5,
                                q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
                                cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), out.stride(0), out.stride(1),
-                               D=D, BLOCK_D=max(16, 1 << (D - 1).bit_length()), BLOCK_S=BLOCK_S)
+                               D=D, BLOCK_D=max(16, 1 << (D - 1).bit_length()), BLOCK_S=BLOCK_S,
+                               **dependent_launch(q.device))
     return out
 
 
@@ -231,7 +234,7 @@ def _pick(logits: torch.Tensor, bias: torch.Tensor, best: torch.Tensor, logprob:
                                                                               best, best)
     pick[(B, parts)](logits, bias, partial, counts, best, logprob, tokens, position, finished, logprob_sum, counted,
                      out, step, V, logits.stride(0), out.stride(0), out.shape[-1], eos_id, ADVANCE=advance is not None,
-                     PART_V=PICK_PART, BLOCK_V=min(PICK_PART, 1024))
+                     PART_V=PICK_PART, BLOCK_V=min(PICK_PART, 1024), **dependent_launch(logits.device))
 
 
 def greedy_pick(logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
