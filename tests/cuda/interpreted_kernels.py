@@ -65,7 +65,8 @@ def tma_rule(on: bool):
 
 def check_grouped_wgrad(tma: bool):
     """One micro-batch, pointer or tensor-memory kernel: an empty expert, rows past the last
-    one, groups that end inside a row chunk; new, added and written over."""
+    one, groups that end inside a row chunk; new, added (the ``.grad`` tile read after the
+    main loop, or first: ``GRAD_FIRST``) and written over."""
     G, empty = (6, 2) if not tma else (5, 1)
     counts = torch.randint(0 if not tma else 1, 70 if not tma else 150, (G,))
     counts[empty] = 0
@@ -78,12 +79,18 @@ def check_grouped_wgrad(tma: bool):
         fresh = grouped_wgrad.grouped_mm_wgrad(dy, x, offsets)
         acc = torch.randn(G, 136, 72).half()
         expected = acc.double() + ref
+        acc_first = acc.clone()
         grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=acc)
+        try:
+            grouped_wgrad.GRAD_FIRST = True
+            grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=acc_first)
+        finally:
+            grouped_wgrad.GRAD_FIRST = False
         over = torch.randn(G, 136, 72).half()
         grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=over, accumulate=False)
-    errs = rel_err(fresh, ref), rel_err(acc, expected), rel_err(over, ref)
-    print(f"grouped_mm_wgrad fp16, {'tensor-memory' if tma else 'pointer'} kernel (new, accumulate, overwrite): "
-          f"rel err {errs[0]:.2e}, {errs[1]:.2e}, {errs[2]:.2e}")
+    errs = rel_err(fresh, ref), rel_err(acc, expected), rel_err(acc_first, expected), rel_err(over, ref)
+    print(f"grouped_mm_wgrad fp16, {'tensor-memory' if tma else 'pointer'} kernel (new, accumulate, accumulate "
+          f"grad first, overwrite): rel err {', '.join(f'{e:.2e}' for e in errs)}")
     assert max(errs) < 2e-3 and not fresh[empty].any() and not over[empty].any(), errs
 
 

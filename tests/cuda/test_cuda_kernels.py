@@ -265,7 +265,8 @@ def test_gpu_grouped_mm_with_empty_groups():
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(("N", "K"), [(1536, 2048), (2048, 768), (200, 72), (2048, 16), (16, 2048), (768, 8), (24, 1536)])
-def test_gpu_grouped_mm_wgrad_writes_and_accumulates(N, K):
+def test_gpu_grouped_mm_wgrad_writes_and_accumulates(N, K, monkeypatch):
+    from polyaccel.cuda import grouped_wgrad
     from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
 
     E = 16
@@ -281,8 +282,12 @@ def test_gpu_grouped_mm_wgrad_writes_and_accumulates(N, K):
     assert (fresh[3] == 0).all()
     acc = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
     expected = acc.double() + ref
+    acc_first = acc.clone()
     assert grouped_mm_wgrad(dy, x, offsets, out=acc) is acc
     assert rel_err(acc, expected) < TOL[torch.bfloat16]
+    monkeypatch.setattr(grouped_wgrad, "GRAD_FIRST", True)  # the .grad tile read before the main loop
+    grouped_mm_wgrad(dy, x, offsets, out=acc_first)
+    assert rel_err(acc_first, expected) < TOL[torch.bfloat16]
 
 
 @gpu

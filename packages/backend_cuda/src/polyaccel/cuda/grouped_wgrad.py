@@ -72,6 +72,13 @@ TMA_CONFIGS = [  # (BLOCK_N, BLOCK_K, BLOCK_T, num_warps, num_stages): the best 
 ]
 """Tile shapes the tensor-memory kernel's autotuner tries."""
 
+GRAD_FIRST = False
+"""Whether an accumulating tile starts from ``.grad``'s current values, read before the main
+loop, instead of adding them after it: every program of a wave otherwise reads its ``.grad``
+tile at the same moment, at its end (an estimate: ~1.8 us of reads exposed per 128 x 256 tile
+on an H200, against ~9 us of math at Mixtral's ~1,000 rows per expert). Off until timed
+(``tools/bench_wgrad_tiles.py`` rows ``prod-acc`` and ``prod-acc-grad-first``)."""
+
 TMA_MIN_ROWS = 512
 """Average token rows per expert from which one micro-batch's gradient takes the
 tensor-memory kernel (at ~1,000 it measured 1.1-1.3x the first kernel; at ~500 over two
@@ -91,59 +98,10 @@ def _prune(configs, named_args, **kwargs):  # noqa: ANN001, ANN201, ARG001
 
 @triton_kernels
 def _kernel():
-    import triton
-    import triton.language as tl
+    from polyaccel.cuda import _grouped_wgrad_triton as k  # imports Triton
 
-    @triton.jit
-    def grouped_wgrad(DY0, DY1, DY2, DY3, X0, X1, X2, X3, OFFS0, OFFS1, OFFS2, OFFS3, T0, T1, T2, T3, OUT, N, K,
-                      ROWS, stride_dy, stride_x, SOURCES: tl.constexpr, ACCUMULATE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
-        tile = tl.program_id(0)
-        g = tl.program_id(1)
-        tiles_k = tl.cdiv(K, BLOCK_K)
-        rn = (tile // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-        # Row ranges of group g in each source (never past its T rows, whatever the offsets
-        # say); one loop runs over their BLOCK_T chunks in turn.
-        first = g > 0
-        s0 = tl.minimum(tl.load(OFFS0 + g - 1, mask=first, other=0), T0)
-        e0 = tl.minimum(tl.load(OFFS0 + g), T0)
-        s1, e1, s2, e2, s3, e3 = s0, s0, s0, s0, s0, s0
-        if SOURCES > 1:
-            s1 = tl.minimum(tl.load(OFFS1 + g - 1, mask=first, other=0), T1)
-            e1 = tl.minimum(tl.load(OFFS1 + g), T1)
-        if SOURCES > 2:
-            s2 = tl.minimum(tl.load(OFFS2 + g - 1, mask=first, other=0), T2)
-            e2 = tl.minimum(tl.load(OFFS2 + g), T2)
-        if SOURCES > 3:
-            s3 = tl.minimum(tl.load(OFFS3 + g - 1, mask=first, other=0), T3)
-            e3 = tl.minimum(tl.load(OFFS3 + g), T3)
-        c1 = tl.cdiv(e0 - s0, BLOCK_T)
-        c2 = c1 + tl.cdiv(e1 - s1, BLOCK_T)
-        c3 = c2 + tl.cdiv(e2 - s2, BLOCK_T)
-        chunks = c3 + tl.cdiv(e3 - s3, BLOCK_T)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for i in range(0, chunks):
-            DY = tl.where(i < c1, DY0, tl.where(i < c2, DY1, tl.where(i < c3, DY2, DY3)))
-            X = tl.where(i < c1, X0, tl.where(i < c2, X1, tl.where(i < c3, X2, X3)))
-            t0 = tl.where(i < c1, s0 + i * BLOCK_T, tl.where(i < c2, s1 + (i - c1) * BLOCK_T,
-                          tl.where(i < c3, s2 + (i - c2) * BLOCK_T, s3 + (i - c3) * BLOCK_T)))
-            end = tl.where(i < c1, e0, tl.where(i < c2, e1, tl.where(i < c3, e2, e3)))
-            rt = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
-            in_rows = rt < end
-            a = tl.load(DY + rt[None, :] * stride_dy + rn[:, None],
-                        mask=in_rows[None, :] & (rn[:, None] < N), other=0.0)  # [BLOCK_N, BLOCK_T]
-            b = tl.load(X + rt[:, None] * stride_x + rk[None, :],
-                        mask=in_rows[:, None] & (rk[None, :] < K), other=0.0)  # [BLOCK_T, BLOCK_K]
-            acc = tl.dot(a, b, acc)
-        off = g.to(tl.int64) * N * K + rn[:, None] * K + rk[None, :]
-        mask = (rn[:, None] < N) & (rk[None, :] < K)
-        if ACCUMULATE:
-            acc += tl.load(OUT + off, mask=mask, other=0.0).to(tl.float32)
-        tl.store(OUT + off, acc.to(OUT.dtype.element_ty), mask=mask)
-
-    return grouped_wgrad, _autotuned(grouped_wgrad, CONFIGS, ["N", "K", "ROWS", "SOURCES", "ACCUMULATE"],
-                                     prune_configs_by={"early_config_prune": _prune})
+    return k.grouped_wgrad, _autotuned(k.grouped_wgrad, CONFIGS, ["N", "K", "ROWS", "SOURCES", "ACCUMULATE", "GRAD_FIRST"],
+                                       prune_configs_by={"early_config_prune": _prune})
 
 
 def _autotuned(kernel, configs: list[tuple[int, ...]], key: list[str], **kwargs):  # noqa: ANN001, ANN202
@@ -161,37 +119,10 @@ def _autotuned(kernel, configs: list[tuple[int, ...]], key: list[str], **kwargs)
 
 @triton_kernels
 def _tma_kernel():
-    import triton
-    import triton.language as tl
+    from polyaccel.cuda import _grouped_wgrad_triton as k  # imports Triton
 
-    @triton.jit
-    def grouped_wgrad_tma(DY, X, OFFS, T, OUT, N, K, ROWS, stride_dy, stride_x, ACCUMULATE: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
-        tile = tl.program_id(0)
-        g = tl.program_id(1)
-        tiles_k = tl.cdiv(K, BLOCK_K)
-        n0 = (tile // tiles_k) * BLOCK_N
-        k0 = (tile % tiles_k) * BLOCK_K
-        start = tl.minimum(tl.load(OFFS + g - 1, mask=g > 0, other=0), T)
-        rows = tl.minimum(tl.load(OFFS + g), T) - start
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        if rows > 0:
-            # Descriptors over this expert's rows alone: the copies zero-fill past its last row.
-            dy = tl.make_tensor_descriptor(DY + start.to(tl.int64) * stride_dy, shape=[rows, N],
-                                           strides=[stride_dy, 1], block_shape=[BLOCK_T, BLOCK_N])
-            x = tl.make_tensor_descriptor(X + start.to(tl.int64) * stride_x, shape=[rows, K],
-                                          strides=[stride_x, 1], block_shape=[BLOCK_T, BLOCK_K])
-            for t in range(0, rows, BLOCK_T):
-                acc = tl.dot(dy.load([t, n0]).T, x.load([t, k0]), acc)
-        rn = n0 + tl.arange(0, BLOCK_N)
-        rk = k0 + tl.arange(0, BLOCK_K)
-        off = g.to(tl.int64) * N * K + rn[:, None] * K + rk[None, :]
-        mask = (rn[:, None] < N) & (rk[None, :] < K)
-        if ACCUMULATE:
-            acc += tl.load(OUT + off, mask=mask, other=0.0).to(tl.float32)
-        tl.store(OUT + off, acc.to(OUT.dtype.element_ty), mask=mask)
-
-    return grouped_wgrad_tma, _autotuned(grouped_wgrad_tma, TMA_CONFIGS, ["N", "K", "ROWS", "ACCUMULATE"])
+    return k.grouped_wgrad_tma, _autotuned(k.grouped_wgrad_tma, TMA_CONFIGS, ["N", "K", "ROWS", "ACCUMULATE",
+                                                                            "GRAD_FIRST"])
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:  # noqa: ARG001
@@ -287,7 +218,7 @@ def _launch(dys: list[torch.Tensor], xs: list[torch.Tensor], offs: list[torch.Te
     rows = [min(d.shape[0], x.shape[0]) for d, x in zip(dys, xs, strict=True)]
     args = (*pad(dys), *pad(xs), *pad(offs), *pad(rows), out, N, K,
             _rows_key(sum(t.shape[0] for t in dys)), dys[0].stride(0), xs[0].stride(0))
-    flags = dict(SOURCES=n, ACCUMULATE=accumulate)
+    flags = dict(SOURCES=n, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST)
     if dys[0].is_cuda:
         tuned[grid](*args, **flags)
     else:  # Triton's CPU interpreter (tests): no timing, the first tile shape
@@ -305,8 +236,8 @@ def _launch_tma(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torc
 
     args = (dy, x, offs, min(dy.shape[0], x.shape[0]), out, N, K, _rows_key(dy.shape[0]), dy.stride(0), x.stride(0))
     if dy.is_cuda:
-        tuned[grid](*args, ACCUMULATE=accumulate)
+        tuned[grid](*args, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST)
     else:  # Triton's CPU interpreter (tests): the first tile shape
         bn, bk, bt, _, _ = TMA_CONFIGS[0]
-        plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, ACCUMULATE=accumulate, BLOCK_N=bn, BLOCK_K=bk,
-                                                     BLOCK_T=bt)
+        plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST,
+                                                     BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt)
