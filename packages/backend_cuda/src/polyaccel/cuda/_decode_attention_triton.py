@@ -5,7 +5,7 @@ Imported only when a kernel first runs: importing it imports Triton."""
 import triton
 import triton.language as tl
 
-from polyaccel.cuda._fused_decode_triton import dependent_start
+from polyaccel.cuda._fused_decode_triton import attend_block, dependent_start
 
 
 @triton.jit
@@ -50,18 +50,8 @@ def partial(Q, K, V, MASK, M_OUT, L_OUT, ACC, COUNTS, OUT, S, H, scale,
         smask = s < hi
         if HAS_MASK:
             smask = smask & (tl.load(MASK + b * smb + s * sms, mask=smask, other=0) != 0)
-        kv_mask = smask[:, None] & dmask[None, :]
-        k = tl.load(K + b * skb + h * skh + s[:, None] * sks + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
-        scores = tl.where(smask, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(scores - m_safe)
-        v = tl.load(V + b * svb + h * svh + s[:, None] * svs + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        l_sum = l_sum * alpha + tl.sum(p, axis=0)
-        m = m_new
+        m, l_sum, acc = attend_block(K + b * skb + h * skh, V + b * svb + h * svh, sks, svs, q, s, smask, d, dmask,
+                                     m, l_sum, acc)
     out = row * SPLITS + split
     tl.store(M_OUT + out, m)
     tl.store(L_OUT + out, l_sum)
@@ -72,6 +62,7 @@ def partial(Q, K, V, MASK, M_OUT, L_OUT, ACC, COUNTS, OUT, S, H, scale,
         tl.debug_barrier()
         if tl.atomic_add(COUNTS + row, 1, sem="acq_rel") == SPLITS - 1:
             combine_row(M_OUT, L_OUT, ACC, OUT, row, H, sob, soh, D, BLOCK_D, SPLITS, SPLITS_P2)
+
 
 @triton.jit
 def combine(M_IN, L_IN, ACC, OUT, H, sob, soh, D: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -156,6 +156,24 @@ def qkv_into_cache(X, LNW, LNB, WQ, WK, WV, BQ, BK, BV, Q, CK, CV, POS, M, N, K,
 
 
 @triton.jit
+def attend_block(K, V, sks, svs, q, s, smask, d, dmask, m, l_sum, acc):
+    # One block of keys (positions s; smask: the ones attended) into the online softmax state:
+    # running max m, sum l_sum and weighted values acc, all fp32. A block with no key attended
+    # while m is still -inf leaves the state as it is.
+    kv_mask = smask[:, None] & dmask[None, :]
+    k = tl.load(K + s[:, None] * sks + d[None, :], mask=kv_mask, other=0.0)
+    scores = tl.where(smask, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(scores - m_safe)
+    v = tl.load(V + s[:, None] * svs + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+    l_sum = l_sum * alpha + tl.sum(p, axis=0)
+    return m_new, l_sum, acc
+
+
+@triton.jit
 def cached_attention(Q, K, V, POS, OUT, H, C, scale, sqb, sqh, skb, skh, sks, svb, svh, svs, sob, soh,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                      PDL: tl.constexpr = False):
@@ -172,17 +190,8 @@ def cached_attention(Q, K, V, POS, OUT, H, C, scale, sqb, sqh, skb, skh, sks, sv
     acc = tl.zeros((BLOCK_D,), tl.float32)
     for start in range(0, end, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)
-        smask = s < end
-        kv_mask = smask[:, None] & dmask[None, :]
-        k = tl.load(K + b * skb + h * skh + s[:, None] * sks + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.where(smask, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new)
-        v = tl.load(V + b * svb + h * svh + s[:, None] * svs + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        l_sum = l_sum * alpha + tl.sum(p, axis=0)
-        m = m_new
+        m, l_sum, acc = attend_block(K + b * skb + h * skh, V + b * svb + h * svh, sks, svs, q, s, s < end, d, dmask,
+                                     m, l_sum, acc)
     o = acc / tl.where(l_sum == 0.0, 1.0, l_sum)
     tl.store(OUT + b * sob + h * soh + d, o.to(OUT.dtype.element_ty), mask=dmask)
 
