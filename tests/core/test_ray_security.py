@@ -8,10 +8,12 @@ private in-process cluster of ``make demo``, the ASR job and ``finetune --ray`` 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import ipaddress
 import os
 import queue
 import shlex
+import socket
 import stat
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -113,6 +116,25 @@ def http_status(url: str, headers: dict[str, str] | None = None) -> int:
         return e.code
 
 
+def serves_metrics_without_token(port: int) -> bool:
+    """Whether ``port`` answers ``GET /metrics`` (Prometheus's scrape) without the token. (The
+    dashboard serves its static page, ``/``, to anyone; its API needs the token.)"""
+    try:
+        return http_status(f"http://{LOOPBACK}:{port}/metrics") == 200
+    except (OSError, http.client.HTTPException):  # not HTTP (gRPC), or closed
+        return False
+
+
+def open_to_anyone(root: psutil.Process) -> set[int]:
+    """The listening ports of ``root``'s tree that serve metrics to a client without the token."""
+    return {port for _, _, port in listening(root) if serves_metrics_without_token(port)}
+
+
+def session_port(session: Path, name: str) -> int:
+    (f,) = session.glob(f"{name}_*")
+    return int(f.read_text())
+
+
 def test_token_file_is_private_and_stable(fresh_token: Path) -> None:
     path = ensure_token()
     assert path == fresh_token and stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -192,6 +214,7 @@ def test_connect_to_local_starts_a_private_loopback_cluster(how: str, fresh_toke
     interface, keeping RAY_AUTH_MODE=disabled; connect() starts it as init_local does."""
     fake, applied = _FakeRay(), {}
     monkeypatch.setattr(ray_local, "import_ray", lambda *a: fake)
+    monkeypatch.setattr(ray_local, "_node_ports", lambda ray: {})
     monkeypatch.setattr(ray_local, "_apply", applied.update)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     if how == "RAY_ADDRESS":
@@ -211,6 +234,7 @@ def test_init_local_keeps_its_files_out_of_the_shared_tmp_ray(fresh_token: Path,
     socket. A private cluster's files go in a fresh folder only its owner can enter."""
     fake = _FakeRay()
     monkeypatch.setattr(ray_local, "import_ray", lambda *a: fake)
+    monkeypatch.setattr(ray_local, "_node_ports", lambda ray: {})
     monkeypatch.setattr(ray_local, "_apply", lambda env: None)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     ray_local.init_local(1)
@@ -281,6 +305,9 @@ def test_ray_start_head_is_loopback_only_and_needs_the_token(fresh_token: Path, 
     with start_head(num_cpus=1) as head:
         assert_loopback_only(psutil.Process(head.proc.pid))
         (temp,) = [a.split("=", 1)[1] for a in head.proc.args if a.startswith("--temp-dir=")]
+        # No metrics server without a token but the dashboard agent's (no switch in Ray 2.60).
+        metrics_export = session_port(Path(temp, "session_latest"), "metrics_export_port")
+        assert open_to_anyone(psutil.Process(head.proc.pid)) == {metrics_export}
         above = Path(temp).parent.stat()  # Ray makes the temp dir itself 0777
         assert above.st_uid == os.getuid() and stat.S_IMODE(above.st_mode) == 0o700, temp
         token = Path(head.env.get("RAY_AUTH_TOKEN_PATH", os.devnull)).read_text()
@@ -314,9 +341,29 @@ INIT_LOCAL = textwrap.dedent("""
 """)
 
 
+@pytest.fixture
+def agent_port_taken() -> Iterator[socket.socket | None]:
+    """Another process's listener on the dashboard agent's fixed port (52365, which ``ray.init``
+    cannot change), or None where something holds it already."""
+    s = socket.socket()
+    try:
+        s.bind((LOOPBACK, ray_local.DASHBOARD_AGENT_PORT))
+    except OSError:
+        s.close()
+        yield None
+        return
+    s.listen(16)
+    s.setblocking(False)
+    yield s
+    s.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_in_process_cluster_is_loopback_only_and_needs_the_token(fresh_token: Path, tmp_path: Path) -> None:
+def test_in_process_cluster_is_loopback_only_and_needs_the_token(fresh_token: Path, tmp_path: Path,
+                                                                 agent_port_taken: socket.socket | None) -> None:
+    """Also: nothing serves a client without the token but the dashboard agent's metrics, and
+    the agent's fixed port, held by another process, is left alone (never connected to)."""
     driver = subprocess.Popen([sys.executable, "-c", INIT_LOCAL], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     try:
@@ -327,9 +374,14 @@ def test_in_process_cluster_is_loopback_only_and_needs_the_token(fresh_token: Pa
                    and not stat.S_IMODE(p.stat().st_mode) & 0o077]
         assert private, f"{session}: every folder above it lets other users in"
         assert_loopback_only(psutil.Process(driver.pid))
+        assert open_to_anyone(psutil.Process(driver.pid)) == {session_port(session, "metrics_export_port")}
         joined, out = joins(gcs_address, tmp_path / "stranger", wait_s=30)
         assert not joined, out
         assert any(r in out for r in REFUSED), out  # refused by the GCS, not merely slow
+        if agent_port_taken is not None:
+            assert session_port(session, "dashboard_agent_listen_port") == -1  # Ray serves it nowhere
+            with pytest.raises(BlockingIOError):
+                agent_port_taken.accept()
     finally:
         driver.stdin.close()
         try:

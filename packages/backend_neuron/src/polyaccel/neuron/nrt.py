@@ -162,22 +162,43 @@ class Libnrt:
         return infos
 
 
+def _trusted(uid: int) -> bool:
+    return uid in (0, os.geteuid())
+
+
 def check_trusted_library(path: str) -> str:
-    """Refuse to load ``path`` unless it is absolute and neither it nor its folder can be
-    written by a user other than us or root (a libnrt in a shared folder runs their code).
+    """Refuse to load ``path`` unless it is absolute and no user other than us or root can
+    change what it loads: not the file, not its folder, not any folder above (whoever may write
+    a folder can rename what is in it and put their own in its place).
     Returns the file checked (symlinks resolved): load that one, not a link someone may swap."""
     if not os.path.isabs(path):
         raise OSError(f"libnrt path {path!r} is relative (it would load from the current folder): "
                       f"give NEURON_RT_LIB an absolute path")
     real = os.path.realpath(path)
-    for p in (real, os.path.dirname(real)):
-        st = os.stat(p)
-        others_write = st.st_mode & 0o022 and not (p != real and st.st_mode & 0o1000 and
-                                                     os.stat(real).st_uid in (0, os.geteuid()))
-        if st.st_uid not in (0, os.geteuid()) or others_write:
-            raise OSError(f"refusing to load {path}: {p} is owned by uid {st.st_uid} with mode "
-                          f"{st.st_mode & 0o7777:o}; libnrt and its folder must not be writable by others")
-    return real
+    st = os.stat(real)
+    if not _trusted(st.st_uid) or st.st_mode & 0o022:
+        raise OSError(f"refusing to load {path}: {real} is owned by uid {st.st_uid} with mode "
+                      f"{st.st_mode & 0o7777:o}; libnrt must not be writable by others: "
+                      f"chmod go-w {real} (owned by you or root)")
+    child, folder = real, os.path.dirname(real)
+    while True:
+        _check_folder(path, folder, child)
+        if folder == os.path.dirname(folder):  # the root
+            return real
+        child, folder = folder, os.path.dirname(folder)
+
+
+def _check_folder(path: str, folder: str, child: str) -> None:
+    """Raise unless only we or root can replace ``child`` in ``folder``: the folder is ours or
+    root's, and neither its group nor others may write it unless it is sticky (as /tmp: then
+    only an entry's owner may rename it, and every entry on the path is ours or root's)."""
+    st = os.stat(folder)
+    if _trusted(st.st_uid) and (not st.st_mode & 0o022 or st.st_mode & 0o1000):
+        return
+    raise OSError(f"refusing to load {path}: folder {folder} is owned by uid {st.st_uid} with mode "
+                  f"{st.st_mode & 0o7777:o}, so another user could swap {child}; libnrt and every folder "
+                  f"above it must not be writable by others. Fix: chmod go-w {folder} (or make it yours "
+                  f"or root's), or point NEURON_RT_LIB at a libnrt in folders only you or root can write")
 
 
 _libs: dict[str, Libnrt] = {}

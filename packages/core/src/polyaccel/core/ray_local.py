@@ -8,6 +8,11 @@ this machine) every Ray server bound to the loopback interface.
 - Loopback: Ray resolves a node IP of 127.0.0.1 to the machine's external address unless
   ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``; with it the node's IP is 127.0.0.1 and GCS, raylet,
   workers and agents listen on 127.0.0.1 only (single-machine clusters, as on macOS).
+- Ports: every Ray server binds a port of its own choosing (0) where Ray allows it, so no
+  other local user can take it first; after start, every port the cluster uses must be held
+  by the cluster's own processes (:func:`check_ports_are_ours`, Linux), else it is stopped.
+- Metrics: the autoscaler's and the dashboard's Prometheus servers (no authentication) are
+  off (:data:`METRICS_OFF_ENV`). The dashboard agent's one cannot be turned off in Ray 2.60.
 
 ``python -m polyaccel.core.ray_local env`` prints the shell exports for ``ray start``.
 Ray is imported lazily.
@@ -41,6 +46,13 @@ log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+METRICS_OFF_ENV = {"AUTOSCALER_METRIC_PORT": "-1", "DASHBOARD_METRIC_PORT": "-1"}
+"""Ray 2.60 has no switch for the autoscaler's and the dashboard head's Prometheus servers
+(plain HTTP, no token; fixed ports 44217 and 44227 by default). Port -1 makes their bind fail,
+which both catch and log ("An exception occurred while starting the metrics server"); the
+cluster runs without them. The dashboard agent's metrics export server stays: its port is
+Ray's ``--metrics-export-port`` and nothing turns it off (``--disable-metrics-collection`` of
+``dashboard/agent.py`` is never passed by Ray's launcher)."""
 RAY_INSTALL_HINT = "pip install 'ray[default]' (or the package's [ray] extra)"
 
 
@@ -109,8 +121,9 @@ def auth_env(env: MutableMapping[str, str] | None = None, *, force: bool = True)
 
 
 def local_cluster_env(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Everything a cluster started on this machine needs: token auth and loopback only."""
-    return {**auth_env(env), **LOOPBACK_ENV}
+    """Everything a cluster started on this machine needs: token auth, loopback only, and no
+    unauthenticated metrics servers that can be turned off."""
+    return {**auth_env(env), **LOOPBACK_ENV, **METRICS_OFF_ENV}
 
 
 def _apply(values: dict[str, str]) -> None:
@@ -233,7 +246,27 @@ def init_local(num_cpus: int | None = None, **kwargs: Any) -> Any:
     kwargs.setdefault("include_dashboard", False)
     kwargs.setdefault("logging_level", "WARNING")
     ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **kwargs)
+    try:
+        check_ports_are_ours(_node_ports(ray), os.getpid())
+    except PortTakenError:
+        ray.shutdown()
+        raise
     return ray
+
+
+DASHBOARD_AGENT_PORT = 52365
+"""The dashboard agent's HTTP port in a cluster ``ray.init`` starts: Ray's fixed default,
+which ``ray.init`` has no argument for. Another process on it leaves the agent without its
+HTTP server (Ray reports -1 and serves it nowhere); a private cluster never uses that server."""
+
+
+def _node_ports(ray: Any) -> dict[str, int]:
+    """The TCP ports the in-process cluster's node reports it serves (as its clients find them)."""
+    node = ray._private.worker._global_node
+    ports = {"GCS": int(node.gcs_address.rsplit(":", 1)[1]), "node manager": node.node_manager_port,
+             "runtime env agent": node.runtime_env_agent_port, "metrics agent": node.metrics_agent_port,
+             "metrics export": node.metrics_export_port, "dashboard agent": node.dashboard_agent_listen_port}
+    return {name: port for name, port in ports.items() if port and port > 0}  # -1: not served
 
 
 def is_loopback_address(address: str | None) -> bool:
@@ -284,6 +317,89 @@ def connect(address: str | None = None, **kwargs: Any) -> Any:
     return ray
 
 
+class PortTakenError(RuntimeError):
+    """A port the cluster uses is held by a process that is not the cluster's."""
+
+
+def _listening_sockets() -> dict[int, list[tuple[int, int]]]:
+    """port -> (inode, uid) of every TCP socket listening on it (IPv4 and IPv6, any user)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A":  # TCP_LISTEN
+                    out.setdefault(int(f[1].rsplit(":", 1)[1], 16), []).append((int(f[9]), int(f[7])))
+    return out
+
+
+def _process_tree(root: int) -> set[int]:
+    """``root`` and its descendants (from each process's parent in ``/proc/<pid>/stat``)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ppid = int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo += children.get(pid, [])
+    return tree
+
+
+def _socket_inodes(pids: set[int]) -> set[int]:
+    """The inodes of the sockets ``pids`` hold open (``/proc/<pid>/fd``)."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(fd.path)
+                    if link.startswith("socket:["):
+                        inodes.add(int(link[8:-1]))
+    return inodes
+
+
+def port_owners(ports: dict[str, int], root: int) -> dict[str, str]:
+    """For each named port: ``"ours"`` (listened on, by ``root``'s process tree only),
+    ``"none"`` (nobody listens) or ``"uid N"`` (a socket of another process, user N, listens)."""
+    listening = _listening_sockets()
+    mine = _socket_inodes(_process_tree(root))
+    owners = {}
+    for name, port in ports.items():
+        foreign = [uid for inode, uid in listening.get(port, []) if inode not in mine]
+        owners[name] = f"uid {foreign[0]}" if foreign else "ours" if port in listening else "none"
+    return owners
+
+
+def _can_check_ports() -> bool:
+    if os.path.exists("/proc/net/tcp"):
+        return True
+    log.warning("cannot check who holds the Ray cluster's ports here (no /proc/net/tcp)")
+    return False
+
+
+def check_ports_are_ours(ports: dict[str, int], root: int) -> None:
+    """Raise :class:`PortTakenError` unless every port in ``ports`` (name -> port) is listened
+    on by ``root``'s process tree only: another process on one would get the connections (and
+    the token) of the cluster's clients. Matches ``/proc/net/tcp{,6}`` with ``/proc/<pid>/fd``."""
+    if not _can_check_ports():
+        return
+    bad = {name: owner for name, owner in port_owners(ports, root).items() if owner != "ours"}
+    if bad:
+        raise PortTakenError(_port_message(ports, bad))
+
+
+def _port_message(ports: dict[str, int], bad: dict[str, str]) -> str:
+    held = ", ".join(f"{LOOPBACK}:{ports[n]} ({n}) {'has no listener' if o == 'none' else f'is held by {o}'}"
+                     for n, o in bad.items())
+    return (f"refusing the Ray cluster: {held}; not its own process: its clients would talk to that "
+            f"process and send it the cluster's token. The cluster was stopped; start again (new ports) "
+            f"or find who holds the port (ss -ltnp)")
+
+
 def free_port() -> int:
     """A TCP port free on loopback right now."""
     with socket.socket() as s:
@@ -291,9 +407,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-HEAD_PORT_FLAGS = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
-                   "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port",
-                   "--node-manager-port", "--object-manager-port")
+SELF_BOUND_PORT_FLAGS = ("--port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                         "--metrics-export-port", "--runtime-env-agent-port", "--node-manager-port",
+                         "--object-manager-port")
+"""Given 0: each server binds a port of its own (no other user can take it first) and Ray
+passes it on through port files in the session folder or the GCS."""
+PICKED_PORT_FLAGS = ("--dashboard-port", "--ray-client-server-port")
+"""Ports we pick (Ray does not learn the dashboard's port back; the client server refuses 0),
+then check are the cluster's own before the cluster is used."""
 
 
 @dataclass
@@ -306,50 +427,85 @@ class Head:
     env: dict[str, str]
 
 
-def _wait_for_dashboard(head: subprocess.Popen, url: str, timeout: float, log: Path) -> None:
+def _session_ports(temp: str) -> dict[str, int]:
+    """The ports Ray's servers chose, from the port files in the session folder (-1: not served)."""
+    ports = {}
+    for f in Path(temp).glob("session_latest/*_port_*"):
+        with contextlib.suppress(OSError, ValueError):
+            port = int(f.read_text())
+            if port > 0:
+                ports[f.name.rsplit("_", 1)[0]] = port
+    return ports
+
+
+def _answers_http(url: str) -> bool:
+    try:
+        urllib.request.urlopen(f"{url}/api/version", timeout=2)
+    except urllib.error.HTTPError:  # 401 without a token: the dashboard is up
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _wait_until_up(head: subprocess.Popen, picked: dict[str, int], temp: str, timeout: float, log: Path) -> int:
+    """Wait until the dashboard answers, the GCS has written its port and every port of the
+    cluster is held by its own processes; return the GCS port. Raise :class:`PortTakenError`
+    as soon as another process holds one of them, RuntimeError if Ray fails or times out."""
+    check = _can_check_ports()
     deadline = time.monotonic() + timeout
     while True:
-        try:
-            urllib.request.urlopen(f"{url}/api/version", timeout=2)
-            return
-        except urllib.error.HTTPError:  # 401 without a token: the dashboard is up
-            return
-        except OSError:
-            if head.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ray start failed or timed out:\n{log.read_text()[-3000:]}") from None
-            time.sleep(0.5)
+        ports = {**picked, **_session_ports(temp)}
+        owners = port_owners(ports, head.pid) if check else dict.fromkeys(ports, "ours")
+        taken = {name: owner for name, owner in owners.items() if owner.startswith("uid")}
+        if taken:
+            raise PortTakenError(_port_message(ports, taken))
+        if ("gcs_server_port" in ports and set(owners.values()) == {"ours"}
+                and _answers_http(f"http://{LOOPBACK}:{picked['--dashboard-port']}")):
+            return ports["gcs_server_port"]
+        if head.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"ray start failed or timed out:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop ``ray start --block`` (it stops its cluster), then kill whatever of its process
+    group is left (a stop before Ray set up its own handlers leaves the servers running)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 @contextmanager
 def start_head(num_cpus: int = 2, *, env: dict[str, str] | None = None, timeout: float = 120,
                extra_args: tuple[str, ...] = ()) -> Iterator[Head]:
-    """Run ``ray start --head --block`` on loopback with token auth, every port free (so it
-    never meets another cluster on this machine) and a private temp dir; stop it on exit.
+    """Run ``ray start --head --block`` on loopback with token auth, its servers on ports of
+    their own (never one another cluster or user holds) and a private temp dir; stop it on
+    exit. Refuses (:class:`PortTakenError`) a cluster one of whose ports another process holds.
     Killing the ``--block`` process stops this cluster only (never ``ray stop``)."""
     env = {**(os.environ if env is None else env), "RAY_USAGE_STATS_ENABLED": "0"}
     env.update(local_cluster_env(env))
-    env.update(AUTOSCALER_METRIC_PORT=str(free_port()), DASHBOARD_METRIC_PORT=str(free_port()))
-    ports = {flag: free_port() for flag in HEAD_PORT_FLAGS}
+    picked = {flag: free_port() for flag in PICKED_PORT_FLAGS}
     temp = private_temp_dir()
     os.mkdir(temp)
     ray_bin = Path(sys.executable).with_name("ray")
     cmd = [str(ray_bin), "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--node-ip-address={LOOPBACK}",
            f"--dashboard-host={LOOPBACK}", f"--temp-dir={temp}", "--disable-usage-stats",
-           *[f"{flag}={port}" for flag, port in ports.items()], *extra_args]
+           *[f"{flag}=0" for flag in SELF_BOUND_PORT_FLAGS],
+           *[f"{flag}={port}" for flag, port in picked.items()], *extra_args]
     log = Path(temp, "head.log")
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://{LOOPBACK}:{ports['--dashboard-port']}"
     try:
-        _wait_for_dashboard(proc, url, timeout, log)
-        yield Head(proc, f"{LOOPBACK}:{ports['--port']}", url, env)
+        gcs_port = _wait_until_up(proc, picked, temp, timeout, log)
+        yield Head(proc, f"{LOOPBACK}:{gcs_port}", f"http://{LOOPBACK}:{picked['--dashboard-port']}", env)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
         shutil.rmtree(os.path.dirname(temp), ignore_errors=True)
 
 
