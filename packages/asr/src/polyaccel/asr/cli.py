@@ -3,18 +3,22 @@
 Exit status: 0 when every input has a transcript; 2 for usage errors (bad arguments, unknown
 model or backend, no inputs, an output that may not be written), with nothing written. Under
 ``transcribe``: 1 when some files failed (their lines say why) or the run stopped early, 3 when
-nothing was transcribed (every file failed). Every command: 141 when the reader of its output
-went away (``polyaccel-asr wer ... --per-file | head``), quietly, like a standard tool; 1 with
-one line naming it when another pipe it writes broke.
+nothing was transcribed (every file failed). Every command: 130 on Ctrl-C and 143 on SIGTERM
+(both unwind the command: results written so far are kept, its lock is released); 141 when the
+reader of its output went away (``polyaccel-asr wer ... --per-file | head``), quietly, like a
+standard tool; 1 with one line naming it when another pipe it writes broke.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -49,9 +53,11 @@ repaired. Audio longer than the model's window (30 s for Whisper) is cut into ov
 windows and stitched back. Nothing is written before the model has loaded; an existing -o that
 is not a results file, or that is one of the inputs, is refused. One run at a time per -o (a
 results file with other hard links is refused). -o - is refused: results go to a file, not stdout.
+A file name that starts with '-' goes after `--`: polyaccel-asr transcribe -o out.jsonl -- -take1.wav
 
 exit status: 0 every input transcribed (now or by an earlier run), 1 some files failed (or the
 run stopped early), 2 usage error (nothing written), 3 nothing transcribed (every file failed),
+130 interrupted (Ctrl-C) or 143 terminated (SIGTERM): what was written is kept, rerun to resume;
 141 the reader of the output went away (e.g. `| head`).
 """
 
@@ -147,10 +153,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, ``timeout``, a job scheduler), ended like Ctrl-C: exit 143."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While the command runs (in the main thread), SIGTERM unwinds it as Ctrl-C does: the
+    results written so far are closed and fsynced, the lock and the folders the run made are
+    removed, a private Ray cluster is shut down."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:  # (None: a handler set outside Python)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     try:
-        return _main(list(sys.argv[1:] if argv is None else argv))
+        with _sigterm_as_interrupt():
+            return _main(list(sys.argv[1:] if argv is None else argv))
     except BrokenPipeError as e:  # `... | head`: the reader left (141, no traceback); another pipe: exit 1
         return broken_pipe(e, "polyaccel-asr")
 
@@ -159,7 +190,10 @@ def _main(argv: list[str]) -> int:
     if argv and argv[0] == "convert":  # its own parser (owned by the converter module)
         from polyaccel.asr.ct2_convert import main as convert_main
 
-        return convert_main(argv[1:])
+        try:
+            return convert_main(argv[1:])
+        except KeyboardInterrupt as e:  # its temporary folder is gone: OUT is complete or absent
+            return _interrupted(e, "nothing was converted")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "export":
@@ -173,9 +207,14 @@ def _main(argv: list[str]) -> int:
 
         print(f"polyaccel-asr {args.command}: error: {printable(e)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        return _interrupted(e, "rerun the same command to resume")
+
+
+def _interrupted(e: KeyboardInterrupt, then: str) -> int:
+    """Say that Ctrl-C (130) or SIGTERM (143) ended the command; return its exit status."""
+    print(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}; {then}", file=sys.stderr)
+    return 143 if isinstance(e, Terminated) else 130
 
 
 # ---- transcribe -----------------------------------------------------------------------------
@@ -188,7 +227,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     from polyaccel.asr.results_file import completed, path_key, printable, record_path
 
     items = _gather(args.inputs)
-    if args.refs:
+    if args.refs is not None:
         attach_refs(items, _read_refs(args.refs, read_refs))
     out = _check_output(args, items)
     with _locked(out, args.output):
@@ -348,7 +387,10 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[st
 
 
 def _usage_error(e: Exception) -> UsageError:
-    """A model or backend error as a usage error (a KeyError's message without its quotes)."""
+    """A model or backend error as a usage error (a KeyError's message without its quotes; a
+    system error on a model file or the model cache: what and where)."""
+    if isinstance(e, OSError) and e.strerror:
+        return UsageError(f"cannot load the model: {e.strerror}" + (f": {e.filename}" if e.filename else ""))
     return UsageError(e.args[0] if isinstance(e, KeyError) and e.args else str(e))
 
 
@@ -359,7 +401,7 @@ def _check_made_alike(kept: list[dict[str, Any]], args: argparse.Namespace) -> N
 
     try:
         mine: dict[str, Any] = model_provenance(args.model)
-    except (KeyError, ValueError, FileNotFoundError) as e:
+    except (KeyError, ValueError, OSError) as e:
         raise _usage_error(e) from None
     if getattr(args, "fp8_encoder", False):
         mine["encoder_gemms"] = "fp8"
@@ -510,7 +552,7 @@ def _transcriber(args: argparse.Namespace, batch_size: int | None = None) -> Any
                                            timestamps=getattr(args, "timestamps", False),
                                            fp8_encoder=getattr(args, "fp8_encoder", False),
                                            batch_invariant=getattr(args, "batch_invariant", False))
-    except (BackendUnavailable, KeyError, ValueError, FileNotFoundError, ModuleNotFoundError) as e:
+    except (BackendUnavailable, KeyError, ValueError, OSError, ModuleNotFoundError) as e:  # OSError: not the -o's
         raise _usage_error(e) from None
 
 
@@ -518,6 +560,8 @@ def _gather(specs: Sequence[str]) -> list[Any]:
     from polyaccel.asr.manifest import expand_inputs
 
     for spec in specs:
+        if not spec:  # Path("") is the current folder: a "$UNSET" variable must not mean everything here
+            raise UsageError("an input is an empty name (an unset shell variable?)")
         if spec.endswith(("/", os.sep)) and not os.path.isdir(spec):
             raise UsageError(f"no such directory: {spec}")
     if specs and not any(os.path.lexists(spec) for spec in specs):
@@ -536,6 +580,8 @@ def _gather(specs: Sequence[str]) -> list[Any]:
 
 
 def _read_refs(path: str, read_refs: Any) -> dict[str, str]:
+    if not path:
+        raise UsageError("--refs is an empty name (an unset shell variable?)")
     if not Path(path).is_file():
         what = "is a folder, not a reference file (JSONL or TSV)" if Path(path).is_dir() else "not found"
         raise UsageError(f"--refs {path}: {what}")
@@ -618,6 +664,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from polyaccel.asr.audio import AudioError, load_audio
     from polyaccel.asr.results_file import printable
 
+    if args.batch_size is not None:
+        raise UsageError("bench runs each of --batch-sizes (a comma-separated list); --batch-size would be ignored")
     try:
         sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
     except ValueError:

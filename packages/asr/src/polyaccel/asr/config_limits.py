@@ -71,3 +71,21 @@ def check_sizes(config: Any, source: str | os.PathLike) -> None:
                          f"{MAX_CHUNK_SAMPLES} samples")
     if hasattr(config, "hop_length") and hasattr(config, "n_fft") and config.hop_length > config.n_fft:
         raise ValueError(f"{where}: hop_length={config.hop_length} is longer than n_fft={config.n_fft}")
+
+
+def check_weights_fit(expected: dict[str, Any], found: dict[str, Any], source: str | os.PathLike) -> None:
+    """Raise ``ValueError`` naming ``source`` when the tensors ``found`` in its weights (name ->
+    shape) are not the ones its config describes (``expected``): missing, unexpected or of
+    another shape. One short line, not a list of every parameter."""
+    def shape(s: Any) -> tuple[int, ...]:
+        return tuple(int(d) for d in s)
+
+    missing = sorted(expected.keys() - found.keys())
+    unexpected = sorted(found.keys() - expected.keys())
+    wrong = sorted(k for k in expected.keys() & found.keys() if shape(expected[k]) != shape(found[k]))
+    problems = [f"{len(missing)} missing (e.g. {missing[0]!r})"] if missing else []
+    problems += [f"{len(unexpected)} unexpected (e.g. {unexpected[0]!r})"] if unexpected else []
+    problems += [f"{len(wrong)} of another shape (e.g. {wrong[0]!r}: {list(shape(found[wrong[0]]))}, "
+                 f"config.json says {list(shape(expected[wrong[0]]))})"] if wrong else []
+    if problems:
+        raise ValueError(f"{source}: the weights do not fit config.json: tensors {', '.join(problems)}")

@@ -545,8 +545,12 @@ class ConformerAED(ASRModel):
         _check_fits_weights(cls, config, os.path.join(directory, WEIGHTS_NAME))
         with torch.device(device):
             model = cls(config, tokenizer)
-        load_model(model, os.path.join(directory, WEIGHTS_NAME), strict=True,
-                   device=str(torch.device(device)))
+        try:
+            load_model(model, os.path.join(directory, WEIGHTS_NAME), strict=True, device=str(torch.device(device)))
+        except RuntimeError as e:  # missing, unexpected or misshapen tensors: one line, not every name
+            detail = " ".join(str(e).split())
+            raise ValueError(f"{directory}: the weights do not fit config.json "
+                             f"({detail[:300]}{'...' if len(detail) > 300 else ''})") from None
         if dtype is not None:
             model.to(dtype)
         return model.eval()

@@ -986,12 +986,25 @@ def _model_type(path: Path) -> str:
 
 
 def _load_model(path: Path, device: Any, dtype: Any) -> Any:
-    """Load the ASR model in ``path`` (Whisper or ConformerAED, by ``config.json``)."""
-    kind = _model_type(path)
+    """Load the ASR model in ``path`` (Whisper or ConformerAED, by ``config.json``). Weights that
+    cannot be read (a cut-off or corrupt ``*.safetensors``) or do not fit the config, and a
+    Whisper tokenizer that cannot be read, are a ``ValueError`` naming the file: found here, not
+    as every input's error after it was decoded."""
+    from safetensors import SafetensorError
+
+    try:
+        return _load_model_of_type(_model_type(path), path, device, dtype)
+    except SafetensorError as e:
+        raise ValueError(f"{path}: unreadable weights (a cut-off or corrupt *.safetensors file?): {e}") from None
+
+
+def _load_model_of_type(kind: str, path: Path, device: Any, dtype: Any) -> Any:
     if kind == "whisper":
         from polyaccel.asr.whisper import WhisperASR
 
-        return WhisperASR.from_pretrained(path, device=device, dtype=dtype).eval()
+        model = WhisperASR.from_pretrained(path, device=device, dtype=dtype).eval()
+        model.load_tokenizer()
+        return model
     try:
         from polyaccel.asr.conformer import ConformerAED
     except ImportError:

@@ -23,6 +23,7 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyaccel.asr.batch_invariant import conv1d_as_gemm, fixed_rows_linear
-from polyaccel.asr.config_limits import check_sizes
+from polyaccel.asr.config_limits import check_sizes, check_weights_fit
 from polyaccel.asr.decoding import TimestampRules
 from polyaccel.asr.interface import ASRModel, DecoderState
 from polyaccel.core import ops
@@ -463,6 +464,8 @@ class WhisperASR(ASRModel):
         for f in files:
             state.update(load_file(str(f)))
         state = {k.removeprefix("model."): v for k, v in state.items() if k != "proj_out.weight"}
+        check_weights_fit({k: v.shape for k, v in model.state_dict().items()}, {k: v.shape for k, v in state.items()},
+                          path)
         model.load_state_dict(state, strict=True, assign=True)
         # Buffers are computed, not stored: rebuild them off the meta device.
         model.log_mel = LogMel(config.num_mel_bins, config.n_fft, config.hop_length, config.sample_rate)
@@ -582,15 +585,23 @@ class WhisperASR(ASRModel):
             x_BTD = layer(x_BTD, *layer.encoder_attn.key_value(enc_BSD))
         return dec.logits(x_BTD)
 
-    def decode_text(self, ids: list[int]) -> str:
-        """Generated ids -> text; special and timestamp tokens (ids >= <|endoftext|>) dropped."""
+    def load_tokenizer(self) -> Any:
+        """The tokenizer of ``tokenizer.json``, read once: ``FileNotFoundError`` when it is
+        missing, ``ValueError`` naming it when it cannot be parsed."""
         if self._tokenizer is None:
             from tokenizers import Tokenizer
 
             if self._tokenizer_file is None or not self._tokenizer_file.is_file():
                 raise FileNotFoundError(f"tokenizer.json not found ({self._tokenizer_file})")
-            self._tokenizer = Tokenizer.from_file(str(self._tokenizer_file))
-        return self._tokenizer.decode([i for i in ids if i < self.eos_token_id]).strip()
+            try:
+                self._tokenizer = Tokenizer.from_file(str(self._tokenizer_file))
+            except Exception as e:  # the tokenizers library raises a bare Exception
+                raise ValueError(f"{self._tokenizer_file}: not a readable tokenizer ({e})") from None
+        return self._tokenizer
+
+    def decode_text(self, ids: list[int]) -> str:
+        """Generated ids -> text; special and timestamp tokens (ids >= <|endoftext|>) dropped."""
+        return self.load_tokenizer().decode([i for i in ids if i < self.eos_token_id]).strip()
 
     # ---- static graphs -----------------------------------------------------------------------
     def graph_specs(self, batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS) -> list[GraphSpec]:

@@ -1,0 +1,230 @@
+"""``polyaccel-asr`` hardening (issue: CLI audit): a model folder whose weights are cut off,
+corrupt or of other tensors, or whose Whisper tokenizer cannot be read, is a one-line usage
+error before anything is written (not a traceback, not every file failing); a system error on
+a model file is said as one, not as the output's; an empty input name ("$UNSET") is refused
+instead of meaning the current folder; ``bench --batch-size`` is refused rather than ignored; a
+failed ``convert`` leaves no folders; SIGTERM ends a run as Ctrl-C does (exit 143, lock gone,
+results kept, the rerun resumes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from safetensors.torch import save_file
+
+from polyaccel.asr import cli, transcriber
+from polyaccel.asr.transcriber import Transcriber
+
+SR = 16000
+TINY_WHISPER = {"model_type": "whisper", "num_mel_bins": 80, "d_model": 16, "encoder_layers": 1,
+                "decoder_layers": 1, "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+                "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "vocab_size": 8, "max_target_positions": 8,
+                "max_source_positions": 1500, "decoder_start_token_id": 3, "eos_token_id": 2,
+                "no_timestamps_token_id": None}
+
+
+def _tiny_whisper(folder: Path) -> Path:
+    """A random Whisper of the tiniest shape with a valid word-level tokenizer."""
+    from tokenizers import Tokenizer, models
+
+    from polyaccel.asr.whisper import WhisperASR, WhisperConfig
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_WHISPER))
+    torch.manual_seed(0)
+    model = WhisperASR(WhisperConfig.from_pretrained(folder))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    vocab = {w: i for i, w in enumerate("abcdefgh")}
+    Tokenizer(models.WordLevel(vocab, unk_token="a")).save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def _wav(path: Path) -> str:
+    sf.write(path, np.full(SR // 10, 0.1, np.float32), SR)
+    return str(path)
+
+
+def _transcribe(tmp_path: Path, *extra: str) -> tuple[int, Path]:
+    out = tmp_path / "out" / "out.jsonl"
+    return cli.main(["transcribe", _wav(tmp_path / "a.wav"), "-o", str(out), "-q", "--backend", "cpu",
+                     *extra]), out
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> None:
+    def from_pretrained(name: str = "fake", *, batch_size: int | None = None, replicas: int | None = None, **kw):
+        return Transcriber(lambda i: (lambda batch: [f"{len(a)} samples" for a in batch]), sample_rate=SR,
+                           max_audio_seconds=30.0, replicas=replicas or 1, batch_size=batch_size or 8,
+                           model_name=name)
+
+    monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(from_pretrained))
+
+
+# ---- model folders that cannot load: one line, exit 2, nothing written ------------------------------
+
+
+def _cut(f: Path) -> None:
+    f.write_bytes(f.read_bytes()[:1000])
+
+
+def _garbage(f: Path) -> None:
+    f.write_bytes(b"\xff" * 64)
+
+
+def _other_tensors(f: Path) -> None:
+    save_file({"x": torch.zeros(3)}, str(f))
+
+
+def _other_shape(f: Path) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(str(f))
+    state["decoder.embed_tokens.weight"] = torch.zeros(9, 16)
+    save_file(state, str(f))
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (_cut, "unreadable weights (a cut-off or corrupt *.safetensors file?)"),
+    (_garbage, "unreadable weights (a cut-off or corrupt *.safetensors file?)"),
+    (_other_tensors, "the weights do not fit config.json: tensors 50 missing (e.g. 'decoder.embed_positions.weight'), "
+                     "1 unexpected (e.g. 'x')"),
+    (_other_shape, "the weights do not fit config.json: tensors 1 of another shape (e.g. "
+                   "'decoder.embed_tokens.weight': [9, 16], config.json says [8, 16])"),
+])
+def test_weights_that_cannot_be_read_or_do_not_fit_are_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                     spoil, message: str) -> None:
+    model = _tiny_whisper(tmp_path / "m")
+    spoil(model / "model.safetensors")
+    code, out = _transcribe(tmp_path, "--model", str(model))
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"polyaccel-asr transcribe: error: {model}: {message}")
+    assert not out.parent.exists()
+
+
+def test_conformer_weights_of_other_tensors_are_a_short_value_error(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from polyaccel.asr.conformer import ConformerAED
+    from polyaccel.asr.conformer_config import tiny
+
+    ConformerAED.from_config(tiny(), seed=0).save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["renamed"] = state.pop("decoder.embed_tokens.weight")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"the weights do not fit config.json \(Error\(s\) in loading") as e:
+        transcriber._load_model(tmp_path, "cpu", None)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400 + len(str(tmp_path))
+
+
+@pytest.mark.parametrize("tokenizer", ["valid", "corrupt", "missing"])
+def test_a_whisper_tokenizer_that_cannot_be_read_stops_the_run_before_anything_is_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture, tokenizer: str) -> None:
+    """Not every file's error after its audio was decoded and recognized (exit 3, a results file
+    of failures): the run stops at the model (exit 2) and -o is never made."""
+    model = _tiny_whisper(tmp_path / "m")
+    if tokenizer == "corrupt":
+        (model / "tokenizer.json").write_text('{"model": {"type": "WordLevel"')
+    elif tokenizer == "missing":
+        (model / "tokenizer.json").unlink()
+    code, out = _transcribe(tmp_path, "--model", str(model))
+    err = capsys.readouterr().err
+    if tokenizer == "valid":  # the tiny model itself transcribes
+        assert code == 0 and json.loads(out.read_text())["error"] is None
+        return
+    assert code == 2 and err.count("\n") == 1 and not out.parent.exists()
+    assert {"corrupt": f"{model / 'tokenizer.json'}: not a readable tokenizer (",
+            "missing": f"tokenizer.json not found ({model / 'tokenizer.json'})"}[tokenizer] in err
+
+
+def test_a_system_error_on_a_model_file_is_the_models_not_the_outputs(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unreadable weights file (or a model cache we may not write) used to end the run as
+    "stopped early: cannot write OUT.jsonl: Permission denied" (exit 1)."""
+    weights = tmp_path / "m" / "model.safetensors"
+
+    def unreadable(path, device, dtype):
+        raise PermissionError(13, "Permission denied", str(weights))
+
+    monkeypatch.setattr(transcriber, "_load_model", unreadable)
+    code, out = _transcribe(tmp_path)
+    err = capsys.readouterr().err
+    assert code == 2 and not out.parent.exists()
+    assert err == f"polyaccel-asr transcribe: error: cannot load the model: Permission denied: {weights}\n"
+
+
+# ---- names that are empty, options that would be ignored ---------------------------------------------
+
+
+def test_an_empty_input_or_refs_name_is_refused_not_the_current_folder(fake: None, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for i in range(3):
+        _wav(tmp_path / f"mine{i}.wav")
+    one = _wav(tmp_path / "one.wav")
+    for argv in (["", one], [one, "--refs", ""]):
+        assert cli.main(["transcribe", *argv, "-o", "out.jsonl", "-q"]) == 2
+        assert "is an empty name (an unset shell variable?)" in capsys.readouterr().err
+        assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_bench_refuses_batch_size_instead_of_ignoring_it(fake: None, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["bench", _wav(tmp_path / "a.wav"), "--batch-size", "4"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--batch-size would be ignored" in captured.err
+
+
+def test_a_failed_convert_leaves_no_folders(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "kept").mkdir()
+    assert cli.main(["convert", str(tmp_path / "missing-model"), str(tmp_path / "kept/new/deeper/out")]) == 2
+    assert "missing-model: no such file" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"] and not any((tmp_path / "kept").iterdir())
+
+
+# ---- SIGTERM ---------------------------------------------------------------------------------------------
+
+
+def test_sigterm_ends_a_run_like_ctrl_c_and_the_rerun_resumes(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM (sent here by the recognizer of the third file, once a line is written) used to kill the run on the spot,
+    the lock and the folders it made left behind; now it unwinds as Ctrl-C does."""
+    wavs = [_wav(tmp_path / f"c{i:02d}.wav") for i in range(20)]
+    out = tmp_path / "out" / "out.jsonl"
+    calls, unhandled = [], []
+
+    def factory(i):
+        def recognize(batch):
+            calls.append(1)
+            if len(calls) == 3:
+                deadline = time.monotonic() + 10
+                while not (out.exists() and out.read_text()) and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the first lines are written
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)  # the main thread unwinds meanwhile
+            return [f"{len(a)} samples" for a in batch]
+        return recognize
+
+    monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(lambda *a, **kw: Transcriber(
+        factory, sample_rate=SR, max_audio_seconds=30.0, replicas=1, batch_size=1, model_name="fake")))
+    previous = signal.signal(signal.SIGTERM, lambda *a: unhandled.append(1))  # not this test process's end
+    try:
+        code = cli.main(["transcribe", *wavs, "-o", str(out), "-q"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not unhandled and code == 143
+    assert capsys.readouterr().err == "terminated; rerun the same command to resume\n"
+    done = out.read_text()
+    assert 1 <= done.count("\n") < 20 and done.endswith("\n")
+    assert not Path(f"{out}.lock").exists()
+    assert cli.main(["transcribe", *wavs, "-o", str(out), "-q"]) == 0
+    assert out.read_text().startswith(done) and out.read_text().count("\n") == 20
