@@ -45,6 +45,7 @@ logger = logging.getLogger("polyaccel.moe")
 TRAINER_STATE = "trainer_state.pt"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_PARTIAL_DIR = re.compile(r"^step_\d+\.tmp$")  # a save in progress, or cut off
 _CHUNK = 8 << 20
 
 
@@ -237,6 +238,9 @@ def _explicit(path: Path) -> Path:
     """Checks of an explicitly named checkpoint: intact, or (no manifest) at least complete."""
     if not path.exists():
         raise CheckpointError(f"checkpoint.resume: {path} does not exist")
+    if _PARTIAL_DIR.match(path.name):  # its files may be cut or unsynced; the next save there clears it
+        raise CheckpointError(f"checkpoint.resume: {path} is not a complete checkpoint: its save did not finish (a "
+                              "kill or failure while it was written); name a complete one, or use checkpoint.resume=auto")
     if not (path / MANIFEST).is_file():
         if (path / TRAINER_STATE).is_file():
             logger.warning("polyaccel.moe: checkpoint %s has no %s (written before checksums?): resuming from it "

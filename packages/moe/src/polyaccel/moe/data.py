@@ -204,7 +204,8 @@ def build_dataset(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int =
 
     path = Path(cfg.jsonl or cfg.text)
     if not path.is_file():
-        raise ConfigError(f"data.{chosen[0]}: file {path} does not exist")
+        why = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
+        raise ConfigError(f"data.{chosen[0]}: file {path} {why}", key=f"data.{chosen[0]}")
     tokenizer = None
 
     def tok():
@@ -232,6 +233,8 @@ def load_tokenizer(path: str | None):
     if path is None:
         raise ConfigError("text data needs a tokenizer: set model.path to a checkpoint with one, "
                           "or data.tokenizer to a tokenizer directory")
+    if not Path(path).is_dir():  # else Transformers reads it as a Hub repo id and says that is malformed
+        raise ConfigError(f"cannot load a tokenizer from {path}: no such directory", key="data.tokenizer")
     from transformers import AutoTokenizer
 
     try:

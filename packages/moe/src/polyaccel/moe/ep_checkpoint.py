@@ -98,6 +98,8 @@ def unreadable_file(path: str | Path) -> str | None:
     it; None when every file opens."""
     try:
         files = checkpoint_files(path)
+    except FileNotFoundError as e:  # no safetensors at all: the message says so
+        return str(e)
     except (OSError, ValueError, KeyError) as e:
         return f"{Path(path) / 'model.safetensors.index.json'} cannot be read ({type(e).__name__}: {e})"
     for file in files:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polyaccel.core.backend import BackendUnavailable
 from polyaccel.core.clitools import dumps, stdout_gone
 from polyaccel.core.files import replace_file
 from polyaccel.core.parallel import ParallelPlan
@@ -114,7 +115,8 @@ def init_runtime(device: str | torch.device = "auto") -> Runtime:
     else:
         want_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         if want_cuda and not torch.cuda.is_available():
-            raise RuntimeError("train.device is 'cuda' but CUDA is not available here")
+            raise ConfigError("train.device is 'cuda' but CUDA is not available here (set train.device=cpu, or auto)",
+                              key="train.device")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if not isinstance(device, torch.device):
         device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
@@ -148,12 +150,15 @@ def resolve_model_config(cfg: ModelConfig):
             raise ConfigError(f"model.path: {why}")
         try:
             # Never a model folder's own Python (auto_map): refused, not prompted for on stdin.
-            fields = AutoConfig.from_pretrained(cfg.path, local_files_only=True, trust_remote_code=False).to_dict() | {
-                k: v for k, v in fields.items() if k != "model_type"}
+            loaded = AutoConfig.from_pretrained(cfg.path, local_files_only=True, trust_remote_code=False)
         except bad_config as e:
             raise ConfigError(f"model.path: cannot read {Path(cfg.path, 'config.json')}: {e}") from None
+        aliases = getattr(loaded, "attribute_map", None) or {}  # an override by another name of a field wins too
+        fields = loaded.to_dict() | {aliases.get(k, k): v for k, v in fields.items() if k != "model_type"}
     elif "model_type" not in fields:
         raise ConfigError("model: set path (a checkpoint directory), preset, or config with a model_type")
+    else:
+        _check_aliases(fields)
     fields.pop("transformers_version", None)
     # Through __init__, so derived fields (e.g. per-layer types) follow the overrides.
     try:
@@ -161,6 +166,22 @@ def resolve_model_config(cfg: ModelConfig):
     except bad_config as e:
         text = " ".join(str(e).split())
         raise ConfigError(f"model.config: {text[:300]}{' ...' if len(text) > 300 else ''}") from None
+
+
+def _check_aliases(fields: dict[str, Any]) -> None:
+    """Refuse ``model.config`` fields that set one config field under two names with different
+    values (``num_experts`` and ``num_local_experts`` of Qwen3-MoE, a preset using one and an
+    override the other): Transformers would keep one and silently drop the other."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        aliases = getattr(CONFIG_MAPPING[fields["model_type"]], "attribute_map", None) or {}
+    except (KeyError, TypeError):  # an unknown model_type: Transformers names it next
+        return
+    for alias, name in aliases.items():
+        if alias in fields and name in fields and fields[alias] != fields[name]:
+            raise ConfigError(f"model.config sets {alias}={fields[alias]!r} and {name}={fields[name]!r}, two names of "
+                              f"one field; set only {name}", key=f"model.config.{name}")
 
 
 def validate(cfg: FinetuneConfig, model_config: Any) -> None:
@@ -191,6 +212,7 @@ def validate(cfg: FinetuneConfig, model_config: Any) -> None:
             settings_from(cfg.lora)
         except ValueError as e:
             raise ConfigError(f"lora: {e}") from e
+    _check_model_sizes(model_config)
     experts = next((getattr(model_config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
                     if getattr(model_config, k, None)), None)
     top_k = getattr(model_config, "num_experts_per_tok", None)
@@ -209,6 +231,26 @@ def validate(cfg: FinetuneConfig, model_config: Any) -> None:
     if cfg.parallel.dense == "replicate" and cfg.parallel.dp_replicate > 1:
         raise ConfigError("parallel.dp_replicate is an FSDP (HSDP) setting; with parallel.dense=replicate every rank "
                           "already holds the whole dense model: leave dp_replicate at 1")
+
+
+_SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size", "moe_intermediate_size")
+"""Model config fields that, when set, must be positive integers: a model of 0 layers (or a
+negative count) trains and saves an empty decoder; 0 heads or widths crash mid-run."""
+
+
+def _check_model_sizes(model_config: Any) -> None:
+    """Refuse a model config with a size in :data:`_SIZE_FIELDS` below 1, or query heads that
+    the key/value heads do not divide; raises :class:`ConfigError`."""
+    for key in _SIZE_FIELDS:
+        value = getattr(model_config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ConfigError(f"the model config's {key}={value} must be at least 1", key=f"model.config.{key}")
+    heads, kv = (getattr(model_config, k, None) for k in ("num_attention_heads", "num_key_value_heads"))
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise ConfigError(f"the model config's num_attention_heads={heads} is not a multiple of "
+                          f"num_key_value_heads={kv} (each key/value head serves a whole group of query heads)",
+                          key="model.config.num_attention_heads")
 
 
 def auto_model_class(implementation: str) -> tuple[type, type | None]:
@@ -240,7 +282,7 @@ def backend_config(cfg: ModelConfig) -> Any:
                               f"BackendConfig fields: {', '.join(fields)}")
     try:
         return backend_cls(**cfg.backend)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, ImportError) as e:  # ImportError: a choice whose library is not installed
         raise ConfigError(f"model.backend: {e}") from e
 
 
@@ -268,8 +310,10 @@ def build_model(cfg: ModelConfig, model_config: Any, *, dtype: torch.dtype, devi
         _check_weights_fit(cls, model_config, kwargs, device, train=train, lora=lora, world_size=world_size)
     if source is not None:
         # Loaded on the CPU, then moved: a device_map would need `accelerate`.
+        # Safetensors only: a folder of pickled weights (pytorch_model.bin) is refused, never unpickled.
         model, info = cls.from_pretrained(str(source), config=model_config, local_files_only=True,
-                                          trust_remote_code=False, output_loading_info=True, **kwargs)
+                                          trust_remote_code=False, use_safetensors=True, output_loading_info=True,
+                                          **kwargs)
         if missing := sorted(info.get("missing_keys") or ()):  # Transformers would train them from random values
             raise ckpt.CheckpointError(
                 f"{source} lacks {len(missing)} weights of the model ({', '.join(missing[:6])}"
@@ -916,6 +960,11 @@ def check_outputs(cfg: FinetuneConfig) -> None:
     :class:`ConfigError`."""
     if cfg.log.metrics_jsonl:
         metrics = Path(cfg.log.metrics_jsonl)
+        for key in ("output_dir", "checkpoint.dir"):
+            folder = cfg.output_dir if key == "output_dir" else cfg.checkpoint.dir
+            if folder and metrics.resolve() == Path(folder).resolve():
+                raise ConfigError(f"log.metrics_jsonl: {metrics} is {key}, a directory this run writes; "
+                                  "name a file (e.g. metrics.jsonl inside it)", key="log.metrics_jsonl")
         if metrics.is_dir():
             raise ConfigError(f"log.metrics_jsonl: {metrics} is a directory, not a file")
         if (line := _foreign_line(metrics)) is not None:
@@ -941,7 +990,7 @@ def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
         raise ConfigError(f"output_dir: {out} is inside checkpoint.dir {cfg.checkpoint.dir}, where it would change "
                           "or be pruned with the checkpoints. Choose a directory outside it")
     if out.is_dir():
-        names = sorted(p.name for p in out.iterdir() if not p.is_dir())
+        names = sorted(p.name for p in out.iterdir() if not p.is_dir() and not _is_metrics_log(cfg, p))
         if ckpt.MANIFEST in names or ckpt.TRAINER_STATE in names:  # another run's, or checkpoint.resume
             raise ConfigError(f"output_dir: {out} is a training checkpoint; saving there would change its weights, "
                               "so it could no longer be resumed from. Choose another output_dir")
@@ -952,6 +1001,12 @@ def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
                               f"{', ...' if len(names) > 5 else ''}); saving there could overwrite or delete some. "
                               "Choose a new or empty directory")
         _check_output_kind(cfg, out, names)
+
+
+def _is_metrics_log(cfg: FinetuneConfig, path: Path) -> bool:
+    """Whether ``path`` is this run's ``log.metrics_jsonl`` (kept in ``output_dir``, it is the
+    run's own file: a rerun that resumes must not be refused for it)."""
+    return bool(cfg.log.metrics_jsonl) and path.resolve() == Path(cfg.log.metrics_jsonl).resolve()
 
 
 def _check_output_kind(cfg: FinetuneConfig, out: Path, names: list[str]) -> None:
@@ -1116,6 +1171,8 @@ def _load_model(cfg: ModelConfig, model_config: Any, *, dtype: torch.dtype, devi
                            world_size=world_size)
     except (ConfigError, MemoryError, torch.OutOfMemoryError):
         raise
+    except BackendUnavailable as e:  # this machine's, not the weights' fault
+        raise ConfigError(f"model.backend.backend: {e}", key="model.backend.backend") from None
     except Exception as e:
         if source is None:
             raise
@@ -1123,9 +1180,10 @@ def _load_model(cfg: ModelConfig, model_config: Any, *, dtype: torch.dtype, devi
 
 
 def _model_shapes(cfg: ModelConfig, model_config: Any, dtype: torch.dtype) -> dict[str, tuple[int, ...]] | None:
-    """Parameter shapes of the model ``cfg`` builds (on the meta device), or None."""
+    """Parameter shapes of the model ``cfg`` builds (on the meta device, from ``model_config``
+    alone: not from ``cfg.path``'s weights, whose load is what failed), or None."""
     try:
-        model = build_model(cfg, model_config, dtype=dtype, device=torch.device("meta"))
+        model = build_model(dataclasses.replace(cfg, path=None), model_config, dtype=dtype, device=torch.device("meta"))
     except Exception:  # only used to explain another error
         return None
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}

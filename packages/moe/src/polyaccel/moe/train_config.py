@@ -380,7 +380,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
         raise _locate(ConfigError(f"model.preset: expected a preset name, got {preset_name!r}", key="model.preset"),
                       path, text, cli_dict)
     merged = preset(preset_name).to_dict() if preset_name else FinetuneConfig().to_dict()
-    if preset_name and (_get(file_dict, "model.path") or _get(cli_dict, "model.path")):
+    model_path = _get(cli_dict, "model.path", _get(file_dict, "model.path"))  # --set model.path=null unsets it
+    if preset_name and model_path:
         merged["model"]["config"] = {}  # a checkpoint brings its own config; keep only explicit keys
     for layer in (file_dict, cli_dict):
         sources = [k for k in _DATA_SOURCES if isinstance(layer.get("data"), Mapping) and k in layer["data"]]
@@ -629,11 +630,11 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _get(d: Mapping[str, Any], dotted: str) -> Any:
+def _get(d: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
     node: Any = d
     for p in dotted.split("."):
         if not isinstance(node, Mapping) or p not in node:
-            return None
+            return default
         node = node[p]
     return node
 
