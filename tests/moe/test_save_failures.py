@@ -567,3 +567,19 @@ def test_an_adapter_save_leaves_a_config_json_it_does_not_write(tmp_path):
     (out / "config.json").write_text("mine")
     _save_into(out, {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"new"})
     assert (out / "config.json").read_text() == "mine" and (out / "adapter_model.safetensors").read_bytes() == b"new"
+
+
+def test_a_save_deletes_only_weight_files_named_as_a_save_names_them(tmp_path):
+    """An earlier save's shards this save lacks go; a user's own weight files beside them
+    (a variant, a backup) whose names no save writes stay."""
+    out = tmp_path / "out"
+    shards = {"model-00001-of-00002.safetensors": b"a", "model-00002-of-00002.safetensors": b"b",
+              "model.safetensors.index.json": b"{}", "config.json": b"{}"}
+    _save_into(out, shards)
+    mine = {"model.fp16.safetensors": b"variant", "model.orig.safetensors": b"backup",
+            "pytorch_model-final.bin": b"pickle", "model-best.safetensors": b"best"}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    _save_into(out, {"model.safetensors": b"new", "config.json": b'{"new": 1}'})
+    assert sorted(p.name for p in out.iterdir()) == sorted(["model.safetensors", "config.json", *mine])
+    assert all((out / name).read_bytes() == data for name, data in mine.items())

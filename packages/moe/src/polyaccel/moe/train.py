@@ -1362,7 +1362,10 @@ def _print_metrics(line: str) -> None:
 _STAGING = ".polyaccel-partial"
 _MODEL_MARKERS = ("config.json", "adapter_config.json")
 """The files that make a folder load as a model (Transformers) or as adapters (PEFT)."""
-_WEIGHT_FILE = re.compile(r"^(model|adapter_model|pytorch_model)([-.].*)?\.(safetensors|bin)(\.index\.json)?$")
+_WEIGHT_FILE = re.compile(r"^(model|adapter_model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
+"""The names Transformers and PEFT give weights (one file, numbered shards, their index): an
+earlier save's that this save lacks are deleted; any other file (``model.fp16.safetensors``,
+``model.orig.safetensors``, a user's) is left alone."""
 
 
 def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: Path | None = None) -> None:
