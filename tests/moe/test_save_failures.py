@@ -583,3 +583,17 @@ def test_a_save_deletes_only_weight_files_named_as_a_save_names_them(tmp_path):
     _save_into(out, {"model.safetensors": b"new", "config.json": b'{"new": 1}'})
     assert sorted(p.name for p in out.iterdir()) == sorted(["model.safetensors", "config.json", *mine])
     assert all((out / name).read_bytes() == data for name, data in mine.items())
+
+
+def test_a_run_from_step_0_keeps_an_earlier_metrics_log_instead_of_emptying_it(tmp_path, capsys):
+    """A new run pointed at another run's metrics log (same log.metrics_jsonl, no checkpoint to
+    resume) writes a fresh log; the earlier records are kept, renamed .1 (then .2), intact."""
+    metrics = tmp_path / "m.jsonl"
+    earlier = b'{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 8.0}\n'
+    metrics.write_bytes(earlier)
+    (tmp_path / "m.jsonl.1").write_bytes(b'{"step": 7}\n')  # an older one still: never replaced
+    code, _, err = _cli(capsys, "checkpoint.dir=null", f"output_dir={tmp_path / 'out'}",
+                        f"log.metrics_jsonl={metrics}", "log.every_steps=1")
+    assert code == 0, err
+    assert (tmp_path / "m.jsonl.2").read_bytes() == earlier and (tmp_path / "m.jsonl.1").read_bytes() == b'{"step": 7}\n'
+    assert [json.loads(line)["loss"] != 9.0 for line in metrics.read_text().splitlines()] == [True, True]

@@ -1092,13 +1092,17 @@ def _foreign_line(path: Path) -> int | None:
 
 
 def _open_metrics(path: str, start_step: int):
-    """Open the metrics file for appending, first dropping its records of steps after
-    ``start_step`` (this run writes them again) and any partial line a kill left (whatever
-    its bytes: cut UTF-8, or JSON nested too deeply to parse; :func:`check_outputs` has
-    refused any other line that is not a step record)."""
+    """Open the metrics file for appending. A run that resumes first drops its records of
+    steps after ``start_step`` (it writes them again) and any partial line a kill left
+    (whatever its bytes: cut UTF-8, or JSON nested too deeply to parse; :func:`check_outputs`
+    has refused any other line that is not a step record). A run from step 0 writes a new log:
+    an earlier one with records is kept, renamed ``<name>.1`` (``.2``, ...)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    if p.is_file():
+    if start_step == 0 and p.is_file() and p.stat().st_size:
+        kept = _keep_aside(p)
+        logger.warning("polyaccel.moe: log.metrics_jsonl %s held an earlier run's records; kept as %s", p, kept)
+    elif p.is_file():
         kept = []
         for line in p.read_bytes().split(b"\n"):  # the lines _foreign_line read
             try:
@@ -1109,6 +1113,26 @@ def _open_metrics(path: str, start_step: int):
                 kept.append(line + b"\n")
         replace_file(p, b"".join(kept))
     return p.open("a")
+
+
+def _keep_aside(path: Path) -> Path:
+    """Rename ``path`` to the first free ``<name>.N`` (never over an existing file) and return it."""
+    n = 1
+    while True:
+        aside = path.with_name(f"{path.name}.{n}")
+        try:
+            os.link(path, aside)  # fails if aside exists: nothing is replaced
+        except FileExistsError:
+            n += 1
+            continue
+        except OSError:  # a file system without hard links
+            if os.path.lexists(aside):
+                n += 1
+                continue
+            os.rename(path, aside)
+            return aside
+        path.unlink()
+        return aside
 
 
 def _write_metrics(file: Any, record: dict[str, Any]) -> Any:
