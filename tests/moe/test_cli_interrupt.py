@@ -89,3 +89,31 @@ def test_an_interrupt_during_a_save_leaves_no_half_checkpoint_and_the_rerun_resu
     summary = json.loads(out.splitlines()[-1])
     assert code == 0 and summary["start_step"] == 2 and summary["steps"] == 4
     assert (tmp_path / "out/model.safetensors").is_file()
+
+
+def test_sigterm_ends_finetune_like_ctrl_c_exit_143_naming_the_newest_checkpoint(capsys, tmp_path, monkeypatch):
+    """SIGTERM (kill, timeout, a scheduler's pre-emption), delivered for real while training
+    runs, unwinds as Ctrl-C does: exit 143, one line naming the checkpoint a rerun resumes from
+    (no more the default end: no line, nothing said); the process's own handler is restored."""
+    import os
+    import signal
+
+    ck = tmp_path / "ck"
+    (ck / "step_00000002").mkdir(parents=True)
+    (ck / "step_00000002" / ckpt.MANIFEST).write_text(json.dumps({"step": 2, "files": {}}))
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        pytest.fail("SIGTERM did not end the run")
+
+    unhandled = []
+    previous = signal.signal(signal.SIGTERM, lambda *a: unhandled.append(1))  # never this test process's end
+    try:
+        monkeypatch.setattr(train, "finetune", terminated)
+        code, out, err = _finetune(capsys, f"checkpoint.dir={ck}", f"output_dir={tmp_path / 'out'}")
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL and not unhandled
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143 and out == ""
+    assert err == ("polyaccel-moe: terminated; rerun the same command to resume from the last checkpoint "
+                   f"({ck / 'step_00000002'})\n")

@@ -12,20 +12,17 @@ standard tool; 1 with one line naming it when another pipe it writes broke.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from polyaccel.core.argtypes import integer, number
-from polyaccel.core.clitools import broken_pipe, dumps
+from polyaccel.core.clitools import broken_pipe, dumps, interrupt_status, sigterm_as_interrupt
 
 EXAMPLES = """\
 examples:
@@ -153,34 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (``kill``, ``timeout``, a job scheduler), ended like Ctrl-C: exit 143."""
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
-    raise Terminated
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """While the command runs (in the main thread), SIGTERM unwinds it as Ctrl-C does: the
-    results written so far are closed and fsynced, the lock and the folders the run made are
-    removed, a private Ray cluster is shut down."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        yield
-    finally:  # (None: a handler set outside Python)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             return _main(list(sys.argv[1:] if argv is None else argv))
     except BrokenPipeError as e:  # `... | head`: the reader left (141, no traceback); another pipe: exit 1
         return broken_pipe(e, "polyaccel-asr")
@@ -213,8 +186,9 @@ def _main(argv: list[str]) -> int:
 
 def _interrupted(e: KeyboardInterrupt, then: str) -> int:
     """Say that Ctrl-C (130) or SIGTERM (143) ended the command; return its exit status."""
-    print(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}; {then}", file=sys.stderr)
-    return 143 if isinstance(e, Terminated) else 130
+    status, word = interrupt_status(e)
+    print(f"{word}; {then}", file=sys.stderr)
+    return status
 
 
 # ---- transcribe -----------------------------------------------------------------------------

@@ -1,15 +1,18 @@
 """What the ``polyaccel``, ``polyaccel-moe`` and ``polyaccel-asr`` command lines share: strict
-JSON output, a quiet exit when the reader of their output goes away (``... | head``), and an
-error for a broken pipe that is not stdout."""
+JSON output, a quiet exit when the reader of their output goes away (``... | head``), an
+error for a broken pipe that is not stdout, and SIGTERM ended like Ctrl-C."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import select
+import signal
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 #: The exit status after the reader of stdout left: 128 + SIGPIPE, what a shell reports for a
@@ -17,6 +20,40 @@ from typing import Any
 EXIT_BROKEN_PIPE = 141
 #: The exit status of an error no other status names (Python's own for an uncaught exception).
 EXIT_ERROR = 1
+#: The exit statuses after Ctrl-C (128 + SIGINT) and SIGTERM (128 + SIGTERM), as a shell reports them.
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, ``timeout``, a job scheduler's pre-emption), raised where Ctrl-C's
+    ``KeyboardInterrupt`` would be, so the same cleanup runs (see :func:`sigterm_as_interrupt`)."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While the block runs (in the main thread), SIGTERM raises :class:`Terminated`, a
+    ``KeyboardInterrupt``: whatever a command does on Ctrl-C (close and keep what it wrote,
+    release locks, stop private clusters) it does on SIGTERM too. Off the main thread: nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:  # (None: a handler set outside Python)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def interrupt_status(e: KeyboardInterrupt) -> tuple[int, str]:
+    """(exit status, word) for a command ended by ``e``: 143 "terminated" for SIGTERM, 130
+    "interrupted" for Ctrl-C."""
+    return (EXIT_TERMINATED, "terminated") if isinstance(e, Terminated) else (EXIT_INTERRUPTED, "interrupted")
 
 
 def json_safe(obj: Any) -> Any:

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from polyaccel.core.argtypes import integer, number
-from polyaccel.core.clitools import broken_pipe, dumps
+from polyaccel.core.clitools import broken_pipe, dumps, interrupt_status, sigterm_as_interrupt
 
 _EPILOG = """examples:
   polyaccel-moe presets
@@ -30,16 +30,15 @@ disk...); nothing partial is left, and the message names where the trained weigh
 final checkpoint (rerun the same command to write output_dir from it), or, without
 checkpoint.dir, a fallback folder polyaccel-moe-rescue-* next to output_dir, else in $TMPDIR or
 the working directory.
-130: interrupted (Ctrl-C): one line names the newest complete checkpoint, which rerunning the
-same command resumes from (a checkpoint cut off while being written never counts: the previous
-one stays the newest).
+130: interrupted (Ctrl-C), 143: terminated (SIGTERM: kill, timeout, a scheduler's pre-emption):
+one line names the newest complete checkpoint, which rerunning the same command resumes from (a
+checkpoint cut off while being written never counts: the previous one stays the newest).
 141: the reader of stdout went away (| head). JSON printed is strict (NaN, infinity: null).
 docs: docs/moe_finetune.md"""
 
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
 EXIT_SAVE = 4
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -165,29 +164,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench" and not (args.preset or args.config):
         build_parser().error("bench needs --preset or --config")
     try:
-        return args.fn(args)
+        with sigterm_as_interrupt():
+            return args.fn(args)
     except (ConfigError, NotImplementedError) as e:
         print(f"polyaccel-moe: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except BrokenPipeError as e:  # `polyaccel-moe presets | head`: the reader left; no traceback
         return broken_pipe(e, "polyaccel-moe")
-    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback
-        print(f"polyaccel-moe: {_interrupted(args)}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: one line, no traceback
+        status, word = interrupt_status(e)
+        print(f"polyaccel-moe: {_interrupted(args, word)}", file=sys.stderr)
+        return status
 
 
-def _interrupted(args: argparse.Namespace) -> str:
-    """The line for a run stopped by Ctrl-C: where rerunning the same command resumes from.
+def _interrupted(args: argparse.Namespace, word: str = "interrupted") -> str:
+    """The line for a run stopped by Ctrl-C or SIGTERM (``word``): where rerunning the same
+    command resumes from.
     Checkpoints and output_dir are written atomically (a save cut off leaves the previous ones
     as they were), so the newest checkpoint with a manifest is the one a resume picks."""
     if args.command != "finetune":
-        return f"interrupted; {args.command} writes nothing, so nothing was saved"
+        return f"{word}; {args.command} writes nothing, so nothing was saved"
     cfg = getattr(args, "loaded_config", None)
     root = cfg.checkpoint.dir if cfg is not None else None
     if not root:
-        return ("interrupted; nothing of this run was saved (without checkpoint.dir there are no checkpoints to "
+        return (f"{word}; nothing of this run was saved (without checkpoint.dir there are no checkpoints to "
                 "resume from: a rerun starts over; set one, e.g. --set checkpoint.dir=runs/ck)" if cfg is not None
-                else "interrupted; nothing was saved")
+                else f"{word}; nothing was saved")
     try:
         from polyaccel.moe.checkpoint import latest_checkpoint
 
@@ -195,9 +197,9 @@ def _interrupted(args: argparse.Namespace) -> str:
     except Exception:  # (a file system gone): the line must still come out
         newest = None
     if newest is None:
-        return (f"interrupted; no checkpoint was completed in checkpoint.dir {root} yet: rerunning the same "
+        return (f"{word}; no checkpoint was completed in checkpoint.dir {root} yet: rerunning the same "
                 "command starts over")
-    return f"interrupted; rerun the same command to resume from the last checkpoint ({newest})"
+    return f"{word}; rerun the same command to resume from the last checkpoint ({newest})"
 
 
 if __name__ == "__main__":
