@@ -114,9 +114,10 @@ def _worker(rank: int, port: int, root: Path) -> None:
         # olmoe passes the meshes (device_mesh=) instead of the plan
         layout = ({"device_mesh": ParallelPlan(dp=2, ep=2).build(2, "cpu")} if case == "olmoe"
                   else {"parallel": ParallelPlan(dp=2, ep=2)})
-        model = AutoModelForCausalLM.from_pretrained(
-            root / case, dtype=torch.float32, **layout,
+        model, info = AutoModelForCausalLM.from_pretrained(
+            root / case, dtype=torch.float32, **layout, output_loading_info=True,
             backend=BackendConfig(backend="cpu", loss="standard", dispatcher="nccl_a2a"))
+        assert info == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}, info
         assert model.parallel_plan.ep == 2 and model.device_mesh.moe["ep"].size() == 2
         sizes = facts[case]["sizes"]
         assert _CountingOpen.read == sizes["other"] + sizes["expert"] // 2, (case, _CountingOpen.read, sizes)

@@ -76,9 +76,14 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             from polyaccel.moe.ep_checkpoint import load_expert_parallel
 
             plan, meshes = ep_setup
+            unexpected: list[str] = []
             model = load_expert_parallel(model_class, pretrained_model_name_or_path, config, plan, meshes,
-                                         dtype=_dtype(kwargs, config), device=_rank_device(), backend=backend)
+                                         dtype=_dtype(kwargs, config), device=_rank_device(), backend=backend,
+                                         unexpected=unexpected)
             model.device_mesh, model.parallel_plan = meshes, plan
+            if kwargs.get("output_loading_info"):  # as Transformers returns it (a missing weight raised)
+                return model, {"missing_keys": [], "unexpected_keys": unexpected, "mismatched_keys": [],
+                               "error_msgs": []}
             return model
         model = model_class.from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
         if isinstance(model, tuple):  # output_loading_info=True: (model, info)

@@ -159,9 +159,11 @@ def build_local_model(model_class: type, config: Any, ep: int, ep_rank: int, *, 
     return model
 
 
-def load_local_weights(model: nn.Module, path: str | Path) -> dict[str, int]:
+def load_local_weights(model: nn.Module, path: str | Path, unexpected: list[str] | None = None) -> dict[str, int]:
     """Fill ``model`` (from :func:`build_local_model`) from the checkpoint at ``path``, reading
     only this rank's experts. Ties ``lm_head`` to the embedding when the config says so.
+    Checkpoint keys the model has no parameter for are ignored (a warning each), and appended
+    to ``unexpected`` when given.
 
     :returns: bytes read, ``{"expert": ..., "other": ...}``.
     """
@@ -202,6 +204,8 @@ def load_local_weights(model: nn.Module, path: str | Path) -> dict[str, int]:
                     if name not in own:
                         if name not in tied:
                             logger.warning("polyaccel.moe: ignoring checkpoint key %s (no such parameter)", key)
+                            if unexpected is not None:
+                                unexpected.append(key)
                         continue
                     t = f.get_tensor(key)
                     read["other"] += _nbytes(t)
@@ -275,16 +279,18 @@ def _tie(model: nn.Module, tied: dict[str, str]) -> None:
 
 def load_expert_parallel(model_class: type, path: str | Path, config: Any, plan: ParallelPlan,
                          meshes: ParallelMeshes, *, dtype: torch.dtype, device: torch.device,
-                         backend: Any = None, reshard_after_forward: bool = True) -> nn.Module:
+                         backend: Any = None, reshard_after_forward: bool = True,
+                         unexpected: list[str] | None = None) -> nn.Module:
     """Build ``model_class`` from the checkpoint at ``path`` under ``plan`` (``ep > 1``):
     read this rank's experts only, select ``backend`` (a ``BackendConfig``), then shard the
-    experts over the MoE mesh and the rest with FSDP2 over dp. Collective: every rank calls it."""
+    experts over the MoE mesh and the rest with FSDP2 over dp. Collective: every rank calls it.
+    Checkpoint keys the model has no parameter for go to ``unexpected`` when given."""
     from polyaccel.moe.parallelize import apply_fsdp
 
     ep_mesh = meshes.moe["ep"]
     model = build_local_model(model_class, config, ep_mesh.size(), ep_mesh.get_local_rank(), dtype=dtype,
                               device=device)
-    read = load_local_weights(model, path)
+    read = load_local_weights(model, path, unexpected)
     logger.info("polyaccel.moe: rank %d read %.1f MB of experts and %.1f MB of other weights", dist.get_rank(),
                 read["expert"] / 1e6, read["other"] / 1e6)
     model.eval()  # as Transformers' from_pretrained returns it
