@@ -74,9 +74,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     shape = dict(D=D, BLOCK_D=block_d, SPLITS=splits, SPLITS_P2=1 << (splits - 1).bit_length(),
                  **dependent_launch(q.device))
     kernels.partial[(rows, splits)](q, k, v, mask_u8, m, l_sum, acc, counts, out, S, H, D ** -0.5,
-                            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-                            v.stride(0), v.stride(1), v.stride(2), smb, sms, out.stride(0), out.stride(1), chunk,
-                            HAS_MASK=mask is not None, BLOCK_S=block_s, ONE_KERNEL=one_kernel, **shape)
+                                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+                                    v.stride(0), v.stride(1), v.stride(2), smb, sms, out.stride(0), out.stride(1),
+                                    chunk, HAS_MASK=mask is not None, BLOCK_S=block_s, ONE_KERNEL=one_kernel,
+                                    **shape)
     if not one_kernel:
         kernels.combine[(rows,)](m, l_sum, acc, out, H, out.stride(0), out.stride(1), **shape)
     return out
