@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start the results file afresh instead of resuming (replaced when the first result "
                         "arrives)")
     t.add_argument("--overlap", type=number(0), default=3.0, help="seconds of overlap between long-audio windows (default: 3)")
+    t.add_argument("--no-speech-threshold", type=number(0), default=None, metavar="P",
+                   help="Whisper: a window whose no-speech probability is above P (0-1; e.g. 0.6) gets no text, "
+                        "instead of what Whisper makes up for silence or noise (\"you\"); default: off")
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     t.add_argument("--timestamps", action=argparse.BooleanOptionalAction, default=False,
                    help="decode with Whisper's timestamp tokens: each line gets \"segments\" "
@@ -476,8 +479,8 @@ def _results(todo: list[Any], args: argparse.Namespace) -> Iterator[dict[str, An
         from polyaccel.core import backends
         from polyaccel.core.ray_local import check_address, starts_private_cluster
 
-        for flag in ("fp8_encoder", "batch_invariant"):
-            if getattr(args, flag, False):
+        for flag in ("fp8_encoder", "batch_invariant", "no_speech_threshold"):
+            if getattr(args, flag, None) not in (None, False):
                 raise UsageError(f"--{flag.replace('_', '-')} does not run with --ray yet: run without --ray")
 
         try:
@@ -525,7 +528,8 @@ def _transcriber(args: argparse.Namespace, batch_size: int | None = None) -> Any
                                            overlap_s=getattr(args, "overlap", 3.0),
                                            timestamps=getattr(args, "timestamps", False),
                                            fp8_encoder=getattr(args, "fp8_encoder", False),
-                                           batch_invariant=getattr(args, "batch_invariant", False))
+                                           batch_invariant=getattr(args, "batch_invariant", False),
+                                           no_speech_threshold=getattr(args, "no_speech_threshold", None))
     except (BackendUnavailable, KeyError, ValueError, OSError, ModuleNotFoundError) as e:  # OSError: not the -o's
         raise _usage_error(e) from None
 

@@ -23,12 +23,15 @@ from polyaccel.core import ops
 @dataclasses.dataclass(slots=True)
 class Hypothesis:
     """One recognized utterance: generated token ids (prompt and ``eos`` excluded), the
-    decoded text, and the mean log-probability of the generated tokens (``eos`` included)."""
+    decoded text, the mean log-probability of the generated tokens (``eos`` included), and the
+    probability the model gave its no-speech token right after the start token (Whisper's
+    ``no_speech_prob``; None unless asked for)."""
 
     tokens: list[int]
     text: str = ""
     avg_logprob: float | None = None
     segments: list[Segment] | None = None
+    no_speech_prob: float | None = None
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -227,7 +230,8 @@ def greedy_decode(step: StepFn, *, batch: int, num_real: int, prompt: Sequence[i
                   max_new_tokens: int, rules: LogitsRules, device: torch.device | str,
                   check_every: int = 8, with_logprobs: bool = True, min_new_tokens: int | None = None,
                   buffers: GreedyBuffers | None = None, advance: AdvanceFn | None = None,
-                  vocab_size: int | None = None, timestamps: TimestampRules | None = None) -> list[Hypothesis]:
+                  vocab_size: int | None = None, timestamps: TimestampRules | None = None,
+                  no_speech_id: int | None = None) -> list[Hypothesis]:
     """Greedy search for ``num_real`` sequences in a batch bucket of ``batch`` rows.
 
     ``step(tokens [B] int64, position [B] int64) -> logits [B, V] fp32`` runs the decoder one
@@ -238,7 +242,9 @@ def greedy_decode(step: StepFn, *, batch: int, num_real: int, prompt: Sequence[i
     whole generated step on ``buffers`` in place (the runner passes a captured graph of
     :func:`greedy_update` over the decoder step); ``step`` then only feeds the prompt.
     ``timestamps``: apply Whisper's timestamp rules (the prompt must then leave out
-    ``<|notimestamps|>``; ``advance`` must apply them too).
+    ``<|notimestamps|>``; ``advance`` must apply them too). ``no_speech_id``: give each
+    hypothesis the probability of that token in the logits after the first prompt token (the
+    prompt must then hold at least two tokens).
     Returns one :class:`Hypothesis` per real row (text left empty: the caller detokenizes).
     """
     if not prompt:
@@ -249,10 +255,14 @@ def greedy_decode(step: StepFn, *, batch: int, num_real: int, prompt: Sequence[i
         rules.eos_id = eos_id
     buf = buffers if buffers is not None else GreedyBuffers.allocate(batch, max_new_tokens, device)
     buf.reset(num_real, eos_id)
-    logits = None
-    for tok in prompt[:-1]:
+    if no_speech_id is not None and len(prompt) < 2:
+        raise ValueError("no_speech_id needs a prompt of at least two tokens")
+    logits = no_speech = None
+    for i, tok in enumerate(prompt[:-1]):
         buf.tokens.fill_(tok)
         logits = step(buf.tokens, buf.position)
+        if i == 0 and no_speech_id is not None:
+            no_speech = torch.softmax(logits[:num_real].float(), dim=-1)[:, no_speech_id]
         buf.position.add_(1)
     buf.tokens.fill_(prompt[-1])
     steps = 0
@@ -268,9 +278,10 @@ def greedy_decode(step: StepFn, *, batch: int, num_real: int, prompt: Sequence[i
 
     tokens = buf.out[:num_real, :steps].tolist()
     avg = (buf.logprob_sum / buf.counted.clamp(min=1)).tolist() if with_logprobs else [None] * num_real
+    no_speech_probs = no_speech.tolist() if no_speech is not None else [None] * num_real
     hyps = []
     for i in range(num_real):
         row = tokens[i]
         end = row.index(eos_id) if eos_id in row else len(row)
-        hyps.append(Hypothesis(row[:end], avg_logprob=avg[i]))
+        hyps.append(Hypothesis(row[:end], avg_logprob=avg[i], no_speech_prob=no_speech_probs[i]))
     return hyps

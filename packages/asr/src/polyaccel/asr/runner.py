@@ -51,13 +51,20 @@ class ASRRunner:
         timestamps: decode with timestamp tokens (Whisper: no ``<|notimestamps|>`` in the
             prompt, the timestamp rules inside the captured greedy step) and give each
             :class:`Hypothesis` its ``segments`` (seconds from the window's start).
+        no_speech_threshold: a window whose no-speech probability (Whisper's
+            ``<|nocaptions|>`` / ``<|nospeech|>`` right after the start token) is above it
+            comes back with no text and no segments (its tokens kept); None: off. Models
+            without such a token: ignored.
     """
 
     def __init__(self, model: ASRModel, backend: str | Backend = "cpu",
                  batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, max_new_tokens: int | None = None,
                  use_graphs: bool = True, check_every: int = 4, min_new_tokens: int = 0,
-                 timestamps: bool = False) -> None:
+                 timestamps: bool = False, no_speech_threshold: float | None = None) -> None:
         self.model = model
+        self.no_speech_threshold = no_speech_threshold
+        no_speech_id = getattr(model, "no_speech_id", None)
+        self._no_speech_id = no_speech_id() if no_speech_threshold is not None and no_speech_id else None
         self.backend = select_backend(backend) if isinstance(backend, str) else backend
         self.buckets = ShapeBuckets({"batch": tuple(batch_buckets)})
         self.timestamps = None
@@ -134,8 +141,12 @@ class ASRRunner:
         hyps = greedy_decode(slot.step, batch=B, num_real=n, prompt=self.prompt, eos_id=self.model.eos_token_id,
                              max_new_tokens=self.max_new_tokens, rules=self._rules, device=self.device,
                              check_every=self.check_every, buffers=slot.buffers, advance=slot.advance,
-                             vocab_size=self.vocab_size, timestamps=self.timestamps)
+                             vocab_size=self.vocab_size, timestamps=self.timestamps,
+                             no_speech_id=self._no_speech_id)
         for h, a in zip(hyps, audio):
+            if h.no_speech_prob is not None and h.no_speech_prob > self.no_speech_threshold:
+                h.text, h.segments = "", [] if self.timestamps is not None else None
+                continue
             h.text = self.model.decode_text(h.tokens)
             if self.timestamps is not None:
                 window_s = min(len(a) / self.model.sample_rate, self.model.max_audio_seconds())

@@ -280,7 +280,7 @@ class Transcriber:
         ``replicas`` defaults to the backend's ``default_replicas()`` (1 on CPU, 2 per GPU) and
         ``batch_size`` to its ``default_batch_size`` (8 on CPU, 64 on a GPU). Replicas on one device
         share the weights; each owns its runner, graphs and caches. ``dtype`` defaults to the
-        backend's. Extra keyword arguments go to the runner (e.g. ``batch_buckets``).
+        backend's. Extra keyword arguments go to the runner (e.g. ``batch_buckets``, ``no_speech_threshold``).
         ``timestamps``: decode with Whisper's timestamp tokens; each result gets ``segments``.
         ``fp8_encoder``: Whisper's encoder GEMMs in FP8 (:mod:`polyaccel.asr.fp8`; tokens may
         differ from bf16's; ``ValueError`` where the device or model cannot).

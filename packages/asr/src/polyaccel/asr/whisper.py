@@ -522,6 +522,16 @@ class WhisperASR(ASRModel):
             ids.append(c.no_timestamps_token_id)
         return ids
 
+    def no_speech_id(self) -> int | None:
+        """The id of the no-speech token (``<|nospeech|>``, ``<|nocaptions|>`` before
+        large-v3), whose probability after the start token says the window holds no speech;
+        None when the tokenizer has neither."""
+        tokenizer = self.load_tokenizer()
+        for name in ("<|nospeech|>", "<|nocaptions|>"):
+            if (i := tokenizer.token_to_id(name)) is not None and i < self.config.vocab_size:
+                return i
+        return None
+
     def timestamp_rules(self) -> TimestampRules | None:
         """Whisper's timestamp rules for this checkpoint (None if it has no timestamp tokens):
         ``<|0.00|>`` is the id after ``<|notimestamps|>``, 0.02 s per id."""
