@@ -203,11 +203,14 @@ def test_ray_job_on_a_local_cluster_matches_in_process(one_thread: None, tmp_pat
 
 
 def test_address_local_starts_a_private_cluster_and_stops_it(one_thread: None, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capfd: pytest.CaptureFixture) -> None:
     """``--address local`` is a private loopback cluster with token auth (core's ``init_local``,
     not Ray's own, which listens on every interface), stopped when the job ends."""
     ray = pytest.importorskip("ray")
+    debug = pytest.importorskip("ray.util.debug")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a user's setting must not open the cluster
+    debug._logged.discard("ray_data_progress_manager_disabled")  # Ray says it once per process
     started = []
     from polyaccel.core import ray_local
 
@@ -218,6 +221,7 @@ def test_address_local_starts_a_private_cluster_and_stops_it(one_thread: None, t
                      "--backend", "cpu", "-q"]) == 0
     assert started and not ray.is_initialized()
     assert [r["error"] for r in _records(out)] == [None]
+    assert "Progress bars disabled" not in capfd.readouterr().err  # the CLI draws its own: no advice to turn Ray's on
 
 
 README_SUBMIT = 'ray job submit --address {url} -- polyaccel-asr transcribe --ray "$PWD/clips" -o "$PWD/out.jsonl" -q'

@@ -196,6 +196,18 @@ def _missing_note(missing: list[int]) -> str:
     return f"; missing rows: {shown}"
 
 
+def _drop_progress_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Progress bars disabled")
+
+
+def _quiet_progress_notice() -> None:
+    """Drop Ray Data's warning that its progress bars are off (they are off because the CLI
+    draws its own; the warning tells the user to turn them on)."""
+    log = logging.getLogger("ray.data._internal.progress")
+    if _drop_progress_notice not in log.filters:
+        log.addFilter(_drop_progress_notice)
+
+
 def transcribe_with_ray(items: Sequence[InputItem], opts: RayJobOptions) -> Iterator[dict[str, Any]]:
     """Run ``items`` through a Ray Data actor pool; yield one output record per item, in
     input order (the same records the in-process path writes)."""
@@ -217,7 +229,8 @@ def transcribe_with_ray(items: Sequence[InputItem], opts: RayJobOptions) -> Iter
         per_call = opts.rows_per_call or max(1, 4 * (opts.batch_size or 8) * (opts.replicas or 1))
         logging.getLogger("ray.data").setLevel(logging.WARNING)  # per-dataset INFO lines are noise here
         ctx.execution_options.preserve_order = True  # results in input order, on the driver
-        ctx.enable_progress_bars = False
+        ctx.enable_progress_bars = False  # the CLI draws its own
+        _quiet_progress_notice()
         rows = [{"idx": i, "path": os.fsencode(it.path), "read_path": os.fsencode(os.path.abspath(it.path)),
                  "ref": it.ref or ""}
                 for i, it in enumerate(items)]
