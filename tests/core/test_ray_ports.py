@@ -151,6 +151,8 @@ def test_start_head_refuses_a_port_another_process_took(flag: str, squatter: Squ
     process binds one before Ray does. Before: the dashboard's clients (``ray job submit``, with
     the token) were pointed at it, or the client server's port was left to it."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    for var in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):  # set by an earlier cluster of this process: a fresh token
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     real = ray_local.free_port
     picks = iter(ray_local.PICKED_PORT_FLAGS)
