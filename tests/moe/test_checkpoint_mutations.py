@@ -14,17 +14,6 @@ import torch
 
 from polyaccel.moe import AutoModelForCausalLM
 from polyaccel.moe import checkpoint as ckpt
-from polyaccel.moe.train import resolve_model_config
-from polyaccel.moe.train_config import preset
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    """A tiny Qwen3-MoE saved by ``save_pretrained`` (the example config's shape)."""
-    path = tmp_path_factory.mktemp("saved") / "model"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(resolve_model_config(preset("qwen3-moe-tiny").model)).save_pretrained(path)
-    return path
 
 
 def _fake_checkpoint(d: Path, step: int) -> Path:

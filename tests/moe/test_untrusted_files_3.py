@@ -27,15 +27,6 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "packages/moe/examples/tiny_synthetic_cpu.yaml"
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    """A tiny Qwen3-MoE saved by ``save_pretrained`` (the example config's shape)."""
-    path = tmp_path_factory.mktemp("saved") / "model"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(resolve_model_config(preset("qwen3-moe-tiny").model)).save_pretrained(path)
-    return path
-
-
 def _finetune(tmp_path: Path, *sets: str) -> int:
     return main(["finetune", str(TINY), *[a for s in ("log.progress_bar=false", "train.max_steps=1",
                                                           f"checkpoint.dir={tmp_path / 'ck'}", *sets)

@@ -21,19 +21,10 @@ from polyaccel.moe import checkpoint as ckpt
 from polyaccel.moe.cli import main
 from polyaccel.moe.data import build_dataset, load_tokenizer
 from polyaccel.moe.train import check_outputs, resolve_model_config
-from polyaccel.moe.train_config import ConfigError, DataConfig, ModelConfig, load_config, preset
+from polyaccel.moe.train_config import ConfigError, DataConfig, ModelConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "packages/moe/examples/tiny_synthetic_cpu.yaml"
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    """A tiny Qwen3-MoE saved by ``save_pretrained`` (the example config's shape, 4 experts)."""
-    path = tmp_path_factory.mktemp("saved") / "model"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(resolve_model_config(preset("qwen3-moe-tiny").model)).save_pretrained(path)
-    return path
 
 
 def _finetune(capsys, tmp_path: Path, *sets: str) -> tuple[int, str]:
