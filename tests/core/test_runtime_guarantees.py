@@ -40,6 +40,20 @@ def _wait_until(condition, timeout: float = 5.0) -> None:
         time.sleep(0.002)
 
 
+class DiesOnce(ToyReplica):
+    """A ToyReplica whose batch dies (``ReplicaDied``) if no replica sharing ``died`` has died yet."""
+
+    def __init__(self, index: int, died: threading.Event) -> None:
+        super().__init__(index)
+        self.died = died
+
+    def process(self, batch):
+        if not self.died.is_set():
+            self.died.set()
+            raise ReplicaDied("device lost")
+        return super().process(batch)
+
+
 class GatedToy(ToyReplica):
     """A ToyReplica that waits at a shared gate before each batch and logs what it ran."""
 
@@ -137,17 +151,10 @@ def test_items_of_a_dead_replica_are_run_by_an_idle_one_while_it_is_rebuilt():
     died = threading.Event()
     builds = itertools.count()
 
-    class DiesOnce(ToyReplica):
-        def process(self, batch):
-            if not died.is_set():
-                died.set()
-                raise ReplicaDied("device lost")
-            return super().process(batch)
-
     def factory(index):
         if next(builds) >= 2:
             release.wait(10)  # a slow rebuild (loading and compiling a model again)
-        return DiesOnce(index)
+        return DiesOnce(index, died)
 
     pool = ReplicaPool(factory, 2, restart_backoff_s=0.0, name=_NAME)
     try:
@@ -321,18 +328,12 @@ def test_every_replica_built_is_closed_once():
     closed: list[object] = []
     died = threading.Event()
 
-    class Closable(ToyReplica):
-        def process(self, batch):
-            if not died.is_set():
-                died.set()
-                raise ReplicaDied("device lost")
-            return super().process(batch)
-
+    class Closable(DiesOnce):
         def close(self):
             closed.append(self)
 
     def factory(index):
-        replica = Closable(index)
+        replica = Closable(index, died)
         built.append(replica)
         return replica
 
