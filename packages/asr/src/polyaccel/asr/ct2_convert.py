@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from polyaccel.asr.config_limits import read_json_object
+from polyaccel.core.files import missing_dirs, remove_empty_dirs
 
 SUPPORTED_BINARY_VERSIONS = (4, 5, 6)
 _DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16, 5: "bfloat16"}
@@ -482,7 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     src = a.src[0] if len(a.src) == 1 else a.src
     out = Path(a.out)
     tmp = None
-    made = _missing_parents(out.absolute().parent)
+    made = missing_dirs(out.absolute().parent)
     try:
         _check_new_dir(out)
         out.absolute().parent.mkdir(parents=True, exist_ok=True)
@@ -501,23 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
         if not out.is_dir():  # failed: no empty folders left by it either
-            _remove_empty(made)
+            remove_empty_dirs(made)
     print(out)
     return 0
 
-
-def _missing_parents(folder: Path) -> list[Path]:
-    """``folder`` and those of its parents that do not exist yet, innermost first."""
-    missing = []
-    while not os.path.lexists(folder) and folder != folder.parent:
-        missing.append(folder)
-        folder = folder.parent
-    return missing
-
-
-def _remove_empty(folders: list[Path]) -> None:
-    for d in folders:  # innermost first; one that holds something now stays, and so do its parents
-        try:
-            os.rmdir(d)
-        except OSError:
-            return

@@ -8,6 +8,8 @@ import os
 import secrets
 import stat
 import tempfile
+from collections.abc import Sequence
+from pathlib import Path
 
 
 def fsync_dir(path: str | os.PathLike | bytes) -> None:
@@ -17,6 +19,25 @@ def fsync_dir(path: str | os.PathLike | bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def missing_dirs(path: str | os.PathLike) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet (what writing into ``path``
+    creates), innermost first: what :func:`remove_empty_dirs` takes away again after a failure."""
+    missing = []
+    for p in (Path(path), *Path(path).parents):
+        if os.path.lexists(p):
+            break
+        missing.append(p)
+    return missing
+
+
+def remove_empty_dirs(dirs: Sequence[str | os.PathLike]) -> None:
+    """Remove each of ``dirs`` (innermost first) that is an empty directory; leave the others
+    (a folder that now holds something, and so every folder above it)."""
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
 
 
 def replace_file(path: str | os.PathLike | bytes, data: bytes) -> None:

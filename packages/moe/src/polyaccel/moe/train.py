@@ -38,7 +38,7 @@ from torch import nn
 
 from polyaccel.core.backend import BackendUnavailable
 from polyaccel.core.clitools import dumps, stdout_gone
-from polyaccel.core.files import replace_file
+from polyaccel.core.files import missing_dirs, remove_empty_dirs, replace_file
 from polyaccel.core.parallel import ParallelPlan
 from polyaccel.moe import checkpoint as ckpt
 from polyaccel.moe import fast_path, grouped_linear
@@ -745,7 +745,7 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                 _check_trained(model, skipped_before + skipped, step, last_saved or resume_from)
             every = cfg.checkpoint.every_steps
             if cfg.checkpoint.dir and ((every and step % every == 0) or step == t.max_steps):
-                created = _missing_dirs(Path(cfg.checkpoint.dir))  # what a failed save removes again
+                created = missing_dirs(Path(cfg.checkpoint.dir))  # what a failed save removes again
                 try:
                     last_saved = ckpt.save_checkpoint(cfg.checkpoint.dir, step, model, optimizer,
                                                       _trainer_extra(cfg, scheduler, batches, model_config,
@@ -1291,7 +1291,7 @@ def _checkpoint_failed(cfg: FinetuneConfig, model: nn.Module, step: int, error: 
                 head += f"; output_dir {cfg.output_dir} could not be written either ({ckpt.describe(e)})"
         return f"{head}. {_rescue(cfg, write, partial.name)}"
     finally:  # after the rescue, which may have gone into one of them (then it stays)
-        _remove_empty_dirs(created)
+        remove_empty_dirs(created)
 
 
 def _rescue(cfg: FinetuneConfig, write_model: Callable[[Path], Any], name: str) -> str:
@@ -1402,7 +1402,7 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     again); other files are left alone. A failed write removes the staging folder and the directories it
     created, then raises."""
     out = Path(cfg.output_dir) if out is None else Path(out)
-    created = _missing_dirs(out)
+    created = missing_dirs(out)
     staging = out / _STAGING
     try:
         shutil.rmtree(staging, ignore_errors=True)
@@ -1415,7 +1415,7 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
             load_tokenizer(tok_dir).save_pretrained(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        _remove_empty_dirs(created)
+        remove_empty_dirs(created)
         raise
     written = sorted(p.name for p in staging.iterdir())
     markers = [n for n in _MODEL_MARKERS if n in written]
@@ -1431,19 +1431,6 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     for name in [n for n in written if n not in markers and n not in weights] + markers:
         os.replace(staging / name, out / name)
     staging.rmdir()
-
-
-def _missing_dirs(path: Path) -> list[Path]:
-    """``path`` and those of its parents that do not exist yet (what writing into ``path``
-    creates), deepest first."""
-    return [p for p in (path, *path.parents) if not p.exists()]
-
-
-def _remove_empty_dirs(dirs: Sequence[Path]) -> None:
-    """Remove each of ``dirs`` (deepest first) that is an empty directory; leave the others."""
-    for p in dirs:
-        with contextlib.suppress(OSError):
-            p.rmdir()
 
 
 def _final_files(checkpoint: Path) -> dict[str, tuple[int, str]]:
