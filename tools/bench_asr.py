@@ -449,8 +449,8 @@ def _cross_attention_splits(args, device, dtype, heads: int, head_dim: int, fram
     for M in (1, 16):
         emit(system="cross_attn_torch", rows=M, us=round(graph_us(
             lambda M=M: ops.decode_attention.reference(q[:M], k[:M], v[:M])), 2))
-    configs = [da.CONFIG] + [da.SplitConfig(n, b, one) for n in (4, 8, 12, 16, 24, 32, 48) for b in (32, 64, 128)
-                             for one in (False, True) if -(-frames // n) >= b // 2]
+    configs = [da.CONFIG] + [da.SplitConfig(n, b) for n in (4, 8, 12, 16, 24, 32, 48) for b in (32, 64, 128)
+                             if -(-frames // n) >= b // 2]
     deadline = time.monotonic() + args.kernels_budget / 4
     for config in dict.fromkeys(configs):
         if time.monotonic() > deadline:

@@ -43,20 +43,18 @@ def test_matches_sdpa_and_rows_are_the_same_at_every_batch_size(S, heads, dim):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("config", [SplitConfig(16, 64, True), SplitConfig(24, 32, True), SplitConfig(12, 128, False)])
+@pytest.mark.parametrize("config", [SplitConfig(16, 64), SplitConfig(24, 32), SplitConfig(8, 64)])
 @torch.inference_mode()
-def test_other_key_splits_are_exact_across_batches_and_one_kernel_equals_two(config):
-    """Launches the benchmark's kernel sweep tries: still the same bits at every batch size,
-    and the pieces combined by the last piece's program give the second kernel's bits."""
+def test_other_key_splits_are_exact_across_batches(config):
+    """Launches the benchmark's kernel sweep tries: still close to the reference, the same bits
+    run after run and at every batch size."""
     g = torch.Generator(device="cuda").manual_seed(config.splits)
     B, H, S, D = 64, 20, 1500, 64
     q, k, v = (torch.randn(B, H, n, D, device="cuda", generator=g).bfloat16() for n in (1, S, S))
     full = decode_attention(q, k, v, config=config)
     want = ops.decode_attention.reference(q.float(), k.float(), v.float())
     assert (full.float() - want).abs().max() < 2e-2
-    if config.one_kernel:
-        assert torch.equal(decode_attention(q, k, v, config=config._replace(one_kernel=False)), full)
-    for _ in range(3):  # which piece finishes last varies from run to run
+    for _ in range(3):
         assert torch.equal(decode_attention(q, k, v, config=config), full)
     for b in (1, 3, 17):
         assert torch.equal(decode_attention(q[:b], k[:b], v[:b], config=config), full[:b]), b

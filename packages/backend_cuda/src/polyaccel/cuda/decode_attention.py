@@ -4,9 +4,8 @@ A decoder step's query attends to S keys (1,500 encoder frames, or the self-atte
 Flash attention splits the keys over more blocks the fewer (batch x heads) there are, so a
 row's result depends on the batch it runs in. Here every (row, head) is cut into the same
 pieces whatever the batch (:class:`SplitConfig`): a program per piece computes its running
-max, sum and weighted values, and the pieces are combined in a fixed order, by a second
-kernel or (``one_kernel``) by the row's last piece to finish. The same bits at every batch
-size, and B x H x splits programs keep the GPU's bandwidth busy at batch 1 too.
+max, sum and weighted values, and a second kernel combines the pieces in a fixed order.
+The same bits at every batch size, and B x H x splits programs keep the GPU's bandwidth busy at batch 1 too.
 """
 
 from __future__ import annotations
@@ -19,17 +18,17 @@ from polyaccel.cuda._triton import cdiv, dependent_launch, triton_kernels, use_t
 
 
 class SplitConfig(NamedTuple):
-    """How a (row, head)'s keys are cut: ``splits`` pieces read ``block_s`` keys at a time;
-    ``one_kernel`` combines the pieces in the last piece's program instead of a second kernel.
-    Chosen by the shape alone, never the batch (a row's bits must not depend on it)."""
+    """How a (row, head)'s keys are cut: ``splits`` pieces read ``block_s`` keys at a time.
+    Never chosen by the batch (a row's bits must not depend on it)."""
 
-    splits: int = 8
-    block_s: int = 64
-    one_kernel: bool = False
+    splits: int = 12
+    block_s: int = 128
 
 
 CONFIG = SplitConfig()
-"""The launch every call takes (``tools/bench_asr.py --sections kernels`` times others)."""
+"""The launch every call takes. ``tools/bench_asr.py --sections kernels`` times others: on an
+H200 over 1,500 keys (20 heads of 64) this one was the fastest of 42 at 1 and at 16 rows
+(docs/asr.md)."""
 
 
 @triton_kernels
@@ -55,14 +54,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         from polyaccel.core.ops import decode_attention as core_op
 
         return core_op.reference(q, k, v, mask)
-    splits, block_s, one_kernel = config or CONFIG
+    splits, block_s = config or CONFIG
     kernels = _kernels()
     block_d = max(16, 1 << (D - 1).bit_length())
     rows = B * H
     m = torch.empty(rows * splits, device=q.device, dtype=torch.float32)
     l_sum = torch.empty_like(m)
     acc = torch.empty(rows * splits * block_d, device=q.device, dtype=torch.float32)
-    counts = torch.zeros(rows, device=q.device, dtype=torch.int32) if one_kernel else m
     out = torch.empty(B, H, 1, D, device=q.device, dtype=q.dtype)
     if mask is not None:
         mask_u8 = mask.view(torch.uint8) if mask.is_contiguous() else mask.to(torch.uint8)
@@ -73,11 +71,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     chunk = cdiv(cdiv(S, splits), block_s) * block_s  # a whole number of blocks per piece
     shape = dict(D=D, BLOCK_D=block_d, SPLITS=splits, SPLITS_P2=1 << (splits - 1).bit_length(),
                  **dependent_launch(q.device))
-    kernels.partial[(rows, splits)](q, k, v, mask_u8, m, l_sum, acc, counts, out, S, H, D ** -0.5,
+    kernels.partial[(rows, splits)](q, k, v, mask_u8, m, l_sum, acc, S, H, D ** -0.5,
                                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-                                    v.stride(0), v.stride(1), v.stride(2), smb, sms, out.stride(0), out.stride(1),
-                                    chunk, HAS_MASK=mask is not None, BLOCK_S=block_s, ONE_KERNEL=one_kernel,
-                                    **shape)
-    if not one_kernel:
-        kernels.combine[(rows,)](m, l_sum, acc, out, H, out.stride(0), out.stride(1), **shape)
+                                    v.stride(0), v.stride(1), v.stride(2), smb, sms, chunk,
+                                    HAS_MASK=mask is not None, BLOCK_S=block_s, **shape)
+    kernels.combine[(rows,)](m, l_sum, acc, out, H, out.stride(0), out.stride(1), **shape)
     return out
