@@ -9,8 +9,8 @@ then, as ``min_new_tokens``), random weights, bf16, greedy.
 Sections (``--sections``):
   ours     our ASRRunner per model and batch (CUDA graphs on cuda; ``--eager`` adds eager rows,
            ``--invariant`` rows with Whisper's batch-invariant kernels, ``--plain-decode`` rows
-           without Whisper's fused decoder step, on by default on CUDA; ``--pdl`` rows with that
-           step's kernels launched early, programmatic dependent launch)
+           without Whisper's fused decoder step, on by default on CUDA; ``--no-pdl`` rows without
+           that step's kernels launched early, programmatic dependent launch, also on by default)
   hf       the free peer from the project itself: Transformers' Whisper ``generate()`` on the same
            shapes (``--hf-modes generate,compile``: as called, and with static cache + torch.compile)
   runtime  ReplicaPool vs a threaded shared-queue loop vs a process pool, same model/graphs
@@ -136,11 +136,11 @@ def section_ours(args, device, dtype):
                 modes.append(("graphs_invariant", True, args.new_tokens))
             if args.plain_decode and hasattr(model, "fused_decode"):  # Whisper without its fused step
                 modes.append(("graphs_plain", True, args.new_tokens))
-            if args.pdl:  # the step's kernels launched early (programmatic dependent launch)
-                modes.append(("graphs_pdl", True, args.new_tokens))
+            if args.no_pdl:  # the step's kernels not launched early (programmatic dependent launch)
+                modes.append(("graphs_no_pdl", True, args.new_tokens))
             for mode, graphs, new_tokens in modes:
                 try:
-                    _set_dependent_launch(mode == "graphs_pdl")
+                    _set_dependent_launch(False if mode == "graphs_no_pdl" else None)
                     model.batch_invariant = mode == "graphs_invariant"
                     if hasattr(model, "fused_decode"):
                         model.fused_decode = False if mode == "graphs_plain" else None
@@ -154,7 +154,7 @@ def section_ours(args, device, dtype):
                     emit(system=f"polyaccel_{mode}", model=name, batch=b, error=repr(e)[:400])
                 finally:
                     runner = None
-                    _set_dependent_launch(False)
+                    _set_dependent_launch(None)
                     model.batch_invariant = False
                     if hasattr(model, "fused_decode"):
                         model.fused_decode = None
@@ -162,13 +162,13 @@ def section_ours(args, device, dtype):
         del model
 
 
-def _set_dependent_launch(on: bool) -> None:
+def _set_dependent_launch(on: bool | None) -> None:
     """Programmatic dependent launch for the CUDA backend's decoder-step kernels (read when a
-    graph is captured)."""
+    graph is captured); ``None``: as ``POLYACCEL_CUDA_PDL`` says (on unless it is 0)."""
     with contextlib.suppress(ImportError):
         from polyaccel.cuda import _triton
 
-        _triton.DEPENDENT_LAUNCH = on
+        _triton.DEPENDENT_LAUNCH = os.environ.get("POLYACCEL_CUDA_PDL", "1") != "0" if on is None else on
 
 
 def section_exact(args, device, dtype):
@@ -946,9 +946,9 @@ def main(argv=None) -> int:
     p.add_argument("--breakdown", action="store_true", help="also time 1-token decoding (encoder share)")
     p.add_argument("--invariant", action="store_true",
                    help="also time Whisper with batch-invariant kernels (polyaccel.asr.batch_invariant)")
-    p.add_argument("--pdl", action="store_true",
-                   help="ours: also rows with the decoder step's kernels launched early (programmatic dependent "
-                        "launch, POLYACCEL_CUDA_PDL=1), polyaccel_graphs_pdl")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="ours: also rows without the decoder step's kernels launched early (programmatic dependent "
+                        "launch, on by default; POLYACCEL_CUDA_PDL=0), polyaccel_graphs_no_pdl")
     p.add_argument("--plain-decode", action="store_true",
                    help="also time Whisper without its fused decoder step (WhisperASR.fused_decode=False)")
     p.add_argument("--backend", default="auto")

@@ -4,9 +4,8 @@ For each case (an MoE shape's expert GEMM, with one or several micro-batches' ro
 process times, after checking each result against ``torch._grouped_mm`` (CUTLASS):
 
 - ``prod``: ``polyaccel.cuda.grouped_wgrad.grouped_mm_wgrad`` as shipped (its autotuner, and
-  the tensor-memory kernel where it applies); ``prod-acc`` the same adding into ``.grad`` (the
-  autotuner picks where the ``.grad`` tile is read), ``prod-acc-grad-last`` / ``-grad-first``
-  with that read forced after / before the main loop (``GRAD_FIRST``);
+  the tensor-memory kernel where it applies); ``prod-acc`` the same adding into ``.grad``, and
+  ``prod-acc-grad-first`` adding with ``GRAD_FIRST`` (the ``.grad`` tile read before the loop);
 - ``ptr(...)``: the pointer kernel at each tile shape of :data:`PTR`;
 - ``tma(...)``: the tensor-memory kernel at each tile of :data:`TMA`, extended here to several
   micro-batches as one pipelined loop per micro-batch (an experiment: slower at windows);
@@ -164,16 +163,18 @@ def run_case(name: str) -> list[dict]:
         print(json.dumps(rec), flush=True)
 
     record("prod", lambda: gw.grouped_mm_wgrad(dys, xs, offs, out=out, accumulate=False))
-    # Adding into .grad, as every micro-batch after the first does: the order the autotuner picks
-    # (shipped), and the tile read after the main loop or before it, forced (GRAD_FIRST).
-    # Repeated calls keep adding, so not checked here (the interpreter and GPU tests check them).
-    accumulate = lambda: gw.grouped_mm_wgrad(dys, xs, offs, out=out, accumulate=True)  # noqa: E731
-    out.zero_()
-    record("prod-acc", accumulate, check=False)
+    # Adding into .grad, as every micro-batch after the first does: the tile read after the main
+    # loop (shipped) or before it (GRAD_FIRST). Repeated calls keep adding, so not checked here
+    # (the interpreter and GPU tests check both).
     for grad_first in (False, True):
-        with gw.forced_order(grad_first):
-            out.zero_()
-            record("prod-acc-grad-first" if grad_first else "prod-acc-grad-last", accumulate, check=False)
+        def accumulate(grad_first=grad_first):
+            gw.GRAD_FIRST = grad_first
+            try:
+                gw.grouped_mm_wgrad(dys, xs, offs, out=out, accumulate=True)
+            finally:
+                gw.GRAD_FIRST = False
+        out.zero_()
+        record("prod-acc-grad-first" if grad_first else "prod-acc", accumulate, check=False)
     dy_all, x_all = torch.cat(dys), torch.cat(xs)
     all_offs = sum(o.diff(prepend=o.new_zeros(1)) for o in offs).cumsum(0).to(torch.int32)
     record("cutlass-concat", lambda d=dy_all, x=x_all: torch._grouped_mm(d.t(), x, offs=all_offs), check=False)

@@ -81,8 +81,11 @@ def check_grouped_wgrad(tma: bool):
         expected = acc.double() + ref
         acc_first = acc.clone()
         grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=acc)
-        with grouped_wgrad.forced_order(True):
+        try:
+            grouped_wgrad.GRAD_FIRST = True
             grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=acc_first)
+        finally:
+            grouped_wgrad.GRAD_FIRST = False
         over = torch.randn(G, 136, 72).half()
         grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=over, accumulate=False)
     errs = rel_err(fresh, ref), rel_err(acc, expected), rel_err(acc_first, expected), rel_err(over, ref)

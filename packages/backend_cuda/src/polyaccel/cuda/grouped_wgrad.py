@@ -26,7 +26,6 @@ several micro-batches it would need one short pipelined loop per source, which m
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Sequence
 
@@ -73,13 +72,12 @@ TMA_CONFIGS = [  # (BLOCK_N, BLOCK_K, BLOCK_T, num_warps, num_stages): the best 
 ]
 """Tile shapes the tensor-memory kernel's autotuner tries."""
 
-GRAD_FIRST: bool | None = None
-"""Where an accumulating tile reads ``.grad``: after the main loop (``False``), or before it,
-starting from its values (``True``), which spreads those reads over the loop instead of every
-program of a wave reading at the same moment, at its end. ``None``: the autotuner times both
-for each shape and keeps the faster (on an H200, Mixtral's gate/up weight: 501 against 467
-TFLOP/s first; its down weight: 429 against 446, so after). A bool forces one order at the
-shapes tuned from then on (:func:`forced_order`: tests and ``tools/bench_wgrad_tiles.py``)."""
+GRAD_FIRST = False
+"""Whether an accumulating tile starts from ``.grad``'s current values, read before the main
+loop, instead of adding them after it (where every program of a wave reads its ``.grad`` tile
+at the same moment). Off: on an H200 (``tools/bench_wgrad_tiles.py``, rows ``prod-acc`` and
+``prod-acc-grad-first``) it measured +7% and -4% on Mixtral's gate/up and down weights in one
+run, -6% on both in the next, within the run-to-run spread of the ``prod`` rows."""
 
 TMA_MIN_ROWS = 512
 """Average token rows per expert from which one micro-batch's gradient takes the
@@ -91,63 +89,28 @@ def _skinny_tile(block_n: int, block_k: int) -> bool:
     return min(block_n, block_k) <= 32
 
 
-def _prune_order(configs, named_args, **kwargs):  # noqa: ANN001, ANN201
-    """The autotuner's early prune, tensor-memory kernel: the ``.grad`` read orders to try
-    (both when adding into ``.grad`` and :data:`GRAD_FIRST` is ``None``, see there)."""
-    if not {**named_args, **kwargs}["ACCUMULATE"]:
-        orders = (False,)
-    else:
-        orders = (False, True) if GRAD_FIRST is None else (GRAD_FIRST,)
-    return [c for c in configs if c.kwargs["GRAD_FIRST"] in orders]
-
-
-def _prune(configs, named_args, **kwargs):  # noqa: ANN001, ANN201
-    """The autotuner's early prune, pointer kernel: tiles that fit the output's shape (see
-    :data:`CONFIGS`), in the read orders of :func:`_prune_order`."""
+def _prune(configs, named_args, **kwargs):  # noqa: ANN001, ANN201, ARG001
+    """The autotuner's early prune: tiles that fit the output's shape (see :data:`CONFIGS`)."""
     skinny = min(named_args["N"], named_args["K"]) <= SKINNY
-    configs = _prune_order(configs, named_args, **kwargs)
     kept = [c for c in configs if _skinny_tile(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) == skinny]
     return kept or configs
-
-
-@contextlib.contextmanager
-def forced_order(grad_first: bool):
-    """Within the block, accumulating launches read ``.grad`` in one order (see
-    :data:`GRAD_FIRST`); the autotuners forget what they chose on entry and on exit."""
-    global GRAD_FIRST
-    before = GRAD_FIRST
-    _forget_tuning()
-    GRAD_FIRST = grad_first
-    try:
-        yield
-    finally:
-        GRAD_FIRST = before
-        _forget_tuning()
-
-
-def _forget_tuning() -> None:
-    for kernels in (_kernel, _tma_kernel):
-        if kernels.cache_info().currsize:  # built already
-            kernels()[1].cache.clear()
 
 
 @triton_kernels
 def _kernel():
     from polyaccel.cuda import _grouped_wgrad_triton as k  # imports Triton
 
-    return k.grouped_wgrad, _autotuned(k.grouped_wgrad, CONFIGS, ["N", "K", "ROWS", "SOURCES", "ACCUMULATE"],
+    return k.grouped_wgrad, _autotuned(k.grouped_wgrad, CONFIGS, ["N", "K", "ROWS", "SOURCES", "ACCUMULATE", "GRAD_FIRST"],
                                        prune_configs_by={"early_config_prune": _prune})
 
 
 def _autotuned(kernel, configs: list[tuple[int, ...]], key: list[str], **kwargs):  # noqa: ANN001, ANN202
-    """``kernel`` under Triton's autotuner over ``configs`` (BLOCK_N, BLOCK_K, BLOCK_T, warps,
-    stages), each in both ``.grad`` read orders (:data:`GRAD_FIRST`)."""
+    """``kernel`` under Triton's autotuner over ``configs`` (BLOCK_N, BLOCK_K, BLOCK_T, warps, stages)."""
     import triton
 
     return triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GRAD_FIRST": first},
-                               num_warps=w, num_stages=s)
-                 for bn, bk, bt, w, s in configs for first in (False, True)],
+        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt}, num_warps=w, num_stages=s)
+                 for bn, bk, bt, w, s in configs],
         key=key,
         restore_value=["OUT"],  # trial runs add into OUT: put it back after each
         **kwargs,
@@ -158,8 +121,8 @@ def _autotuned(kernel, configs: list[tuple[int, ...]], key: list[str], **kwargs)
 def _tma_kernel():
     from polyaccel.cuda import _grouped_wgrad_triton as k  # imports Triton
 
-    return k.grouped_wgrad_tma, _autotuned(k.grouped_wgrad_tma, TMA_CONFIGS, ["N", "K", "ROWS", "ACCUMULATE"],
-                                           prune_configs_by={"early_config_prune": _prune_order})
+    return k.grouped_wgrad_tma, _autotuned(k.grouped_wgrad_tma, TMA_CONFIGS, ["N", "K", "ROWS", "ACCUMULATE",
+                                                                            "GRAD_FIRST"])
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:  # noqa: ARG001
@@ -255,13 +218,12 @@ def _launch(dys: list[torch.Tensor], xs: list[torch.Tensor], offs: list[torch.Te
     rows = [min(d.shape[0], x.shape[0]) for d, x in zip(dys, xs, strict=True)]
     args = (*pad(dys), *pad(xs), *pad(offs), *pad(rows), out, N, K,
             _rows_key(sum(t.shape[0] for t in dys)), dys[0].stride(0), xs[0].stride(0))
-    flags = dict(SOURCES=n, ACCUMULATE=accumulate)
+    flags = dict(SOURCES=n, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST)
     if dys[0].is_cuda:
         tuned[grid](*args, **flags)
     else:  # Triton's CPU interpreter (tests): no timing, the first tile shape
         bn, bk, bt, _, _ = CONFIGS[0]
-        plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, **flags, GRAD_FIRST=bool(GRAD_FIRST),
-                                                     BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt)
+        plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, **flags, BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt)
 
 
 def _launch_tma(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, *, accumulate: bool) -> None:
@@ -274,8 +236,8 @@ def _launch_tma(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torc
 
     args = (dy, x, offs, min(dy.shape[0], x.shape[0]), out, N, K, _rows_key(dy.shape[0]), dy.stride(0), x.stride(0))
     if dy.is_cuda:
-        tuned[grid](*args, ACCUMULATE=accumulate)
+        tuned[grid](*args, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST)
     else:  # Triton's CPU interpreter (tests): the first tile shape
         bn, bk, bt, _, _ = TMA_CONFIGS[0]
-        plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, ACCUMULATE=accumulate, GRAD_FIRST=bool(GRAD_FIRST),
+        plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST,
                                                      BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt)
