@@ -22,7 +22,7 @@ from polyaccel.core import ops  # noqa: E402
 from polyaccel.core.kernels import registry  # noqa: E402
 from polyaccel.cuda import fused_decode  # noqa: E402
 
-ROWS = {torch.float32: (1, 3, 16), torch.float16: (16,)}  # fp16 at 16 rows: its prefixes check 1 and 15
+ROWS = {torch.float32: (1, 5), torch.float16: (16,)}  # fp16 at 16 rows (the most the step takes): its prefixes check 1 and 15
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 

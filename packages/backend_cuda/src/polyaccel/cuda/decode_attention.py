@@ -55,6 +55,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
         return core_op.reference(q, k, v, mask)
     splits, block_s = config or CONFIG
+    splits = min(splits, cdiv(S, block_s))  # no piece without a key (short caches)
     kernels = _kernels()
     block_d = max(16, 1 << (D - 1).bit_length())
     rows = B * H
