@@ -298,7 +298,7 @@ def test_a_second_run_on_the_same_output_is_refused(loads: list[str], tmp_path: 
         assert _run(str(wav), "-o", str(out)) == 2
         assert f"another run (pid {os.getpid()}) is writing {out}" in capsys.readouterr().err
     assert not out.exists() and loads == []
-    (tmp_path / "out.jsonl.lock").write_text("12345\n")  # left behind by a kill -9: no lock held on it
+    (tmp_path / "out.jsonl.lock").write_text("polyaccel-asr lock, pid 12345\n")  # left by a kill -9: not held
     assert _run(str(wav), "-o", str(out)) == 0
     assert not (tmp_path / "out.jsonl.lock").exists() and len(_results(out)) == 1
 

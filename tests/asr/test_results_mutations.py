@@ -80,15 +80,26 @@ def test_a_last_line_of_non_json_whitespace_is_repaired_before_appending(tmp_pat
 # ---- the lock ------------------------------------------------------------------------------------------
 
 
-def test_a_long_file_of_digits_on_the_lock_path_is_not_taken_for_a_lock_file(tmp_path: Path) -> None:
-    """A lock file of ours holds one process id. A user's file at ``out.jsonl.lock`` that only
-    starts like one (a long number, a list of ids) is left alone, not truncated to our pid."""
+@pytest.mark.parametrize("data", [b"1234567890" * 10 + b"\n" + b"42\n", b"12345\n", b"12345",
+                                  b"polyaccel-asr lock, pid 12\n34\n"])
+def test_a_file_of_digits_on_the_lock_path_is_not_taken_for_a_lock_file(tmp_path: Path, data: bytes) -> None:
+    """A lock file of ours names itself and holds one process id. A user's file at
+    ``out.jsonl.lock`` that holds only a number (or starts like a lock file) is left alone,
+    not truncated to our pid nor removed."""
     lock = tmp_path / "out.jsonl.lock"
-    data = b"1234567890" * 10 + b"\n" + b"42\n"
     lock.write_bytes(data)
     with pytest.raises(OSError, match="not a lock file of ours"):
         OutputLock(tmp_path / "out.jsonl").acquire()
     assert lock.read_bytes() == data
+
+
+def test_a_stale_lock_file_of_ours_is_taken_over(tmp_path: Path) -> None:
+    lock = tmp_path / "out.jsonl.lock"
+    lock.write_text("polyaccel-asr lock, pid 999999\n")  # its run was killed: no flock held on it
+    with OutputLock(tmp_path / "out.jsonl") as held:
+        assert lock.read_text() == f"polyaccel-asr lock, pid {os.getpid()}\n"
+        assert "pid" in held._holder()
+    assert not lock.exists()
 
 
 def test_a_lock_being_released_cannot_be_taken_before_its_file_is_gone(tmp_path: Path,

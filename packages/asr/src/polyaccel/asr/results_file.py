@@ -305,6 +305,11 @@ def _same_inode(path: str, st: os.stat_result) -> bool:
     return (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino)
 
 
+LOCK_HEADER = "polyaccel-asr lock, pid "
+"""How a lock file starts (then the holder's process id): a file on the lock path that does
+not is a user's, never truncated or removed."""
+
+
 class OutputLock:
     """An exclusive ``flock`` on ``<output>.lock`` for the length of one run; removed on
     release. Raises :class:`OutputBusy` if another run holds it (never waits)."""
@@ -333,17 +338,18 @@ class OutputLock:
                 raise
             if self._still_linked(fd):
                 os.ftruncate(fd, 0)
-                _write_all(fd, f"{os.getpid()}\n".encode())
+                _write_all(fd, f"{LOCK_HEADER}{os.getpid()}\n".encode())
                 self._fd = fd
                 return self
             os.close(fd)  # the holder removed the file between our open and flock: retry
 
     def _refuse_foreign(self, fd: int) -> None:
         """Raise OSError when the lock path holds something other than a lock file a run left
-        (empty, or one process id): truncating it would destroy a user's file."""
+        (empty, or :data:`LOCK_HEADER` and one process id): truncating it would destroy a
+        user's file, even one that holds only a number."""
         st = os.fstat(fd)
         head = os.pread(fd, 64, 0) if stat.S_ISREG(st.st_mode) and st.st_size <= 64 else b"?"
-        if not stat.S_ISREG(st.st_mode) or not re.fullmatch(rb"(\d+\n?)?", head):
+        if not stat.S_ISREG(st.st_mode) or not re.fullmatch(rb"(" + LOCK_HEADER.encode() + rb"\d+\n?)?", head):
             raise OSError(errno.EEXIST, f"{self.path} exists and is not a lock file of ours; "
                                         "remove it or choose another output")
 
@@ -357,8 +363,8 @@ class OutputLock:
 
     def _holder(self) -> str:
         try:
-            pid = self.path.read_text().strip()
-        except OSError:
+            pid = self.path.read_text().removeprefix(LOCK_HEADER).strip()
+        except (OSError, UnicodeDecodeError):
             pid = ""
         return f"pid {pid}" if pid.isdigit() else "another process"
 
