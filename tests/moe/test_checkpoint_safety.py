@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from polyaccel.core import clitools
 from polyaccel.moe import checkpoint as ckpt
 from polyaccel.moe import train
 from polyaccel.moe.cli import main
@@ -154,6 +155,35 @@ def test_a_save_clears_what_a_killed_save_left_in_its_temporary_folder(tmp_path)
     assert not leftover.exists() and not (step2 / "stale.bin").exists()
     assert "stale.bin" not in json.loads((step2 / ckpt.MANIFEST).read_text())["files"]
     assert ckpt.verify_checkpoint(step2) is None
+
+
+def test_a_later_save_removes_what_killed_saves_of_earlier_steps_left(tmp_path):
+    """A kill mid-save of step 1 leaves ``step_00000001.tmp``; the next save (step 2) removes
+    it; a leftover of a later step (a run resumed from before it) stays until that step."""
+    older, later = tmp_path / "ck/step_00000001.tmp", tmp_path / "ck/step_00000009.tmp"
+    for d in (older, later):
+        d.mkdir(parents=True)
+        (d / "stale.bin").write_bytes(b"junk")
+    finetune(_tiny(tmp_path))
+    assert not older.exists() and later.exists()
+    assert ckpt.verify_checkpoint(tmp_path / "ck/step_00000002") is None
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, clitools.Terminated])
+def test_an_interrupted_save_leaves_no_temporary_folder(tmp_path, monkeypatch, interrupt):
+    """Ctrl-C (or SIGTERM) while the weights are written: the exception goes on, the
+    ``.tmp`` folder is gone, the earlier checkpoint is untouched."""
+    model, opt = _small_model_and_optimizer()
+    first = ckpt.save_checkpoint(tmp_path / "ck", 1, model, opt, {})
+
+    def interrupted(*args, **kwargs):
+        raise interrupt
+
+    monkeypatch.setattr(type(model), "save_pretrained", interrupted)
+    with pytest.raises(interrupt):
+        ckpt.save_checkpoint(tmp_path / "ck", 2, model, opt, {})
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [first.name]
+    assert ckpt.verify_checkpoint(first) is None
 
 
 @pytest.mark.parametrize("damage", ["trainer_state_truncated", "trainer_state_empty", "safetensors_truncated",
@@ -501,3 +531,12 @@ def test_resume_restores_the_rng_streams_and_the_optimizer(tmp_path):
     assert float(restored["step"]) == 1.0
     for k in ("exp_avg", "exp_avg_sq"):
         assert moments[k].abs().sum() > 0 and torch.equal(restored[k], moments[k]), k
+
+
+def _small_model_and_optimizer():
+    from polyaccel.moe import AutoModelForCausalLM, BackendConfig, FlatAdamW
+    from polyaccel.moe.presets import tiny
+
+    model = AutoModelForCausalLM.from_config(tiny("qwen3_moe"), backend=BackendConfig(backend="cpu"),
+                                             dtype=torch.float32)
+    return model, FlatAdamW(model.parameters(), lr=1e-2)

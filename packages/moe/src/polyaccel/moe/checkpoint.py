@@ -13,8 +13,8 @@ A checkpoint is written to ``step_N.tmp``; once every file is written (and synce
 manifest is written atomically (temporary file, then ``os.replace``) and the directory is
 renamed to ``step_N`` (rename is atomic on one file system); what follows the rename (syncing
 its parent directory, pruning old checkpoints) cannot fail the save: a failure there is a
-warning naming the path. A crash mid-save leaves only a ``.tmp`` that resume ignores and the
-next save clears; a ``step_N`` without a valid manifest, or whose files no longer match it,
+warning naming the path. A Ctrl-C or SIGTERM mid-save removes its ``.tmp``; a crash leaves
+one that resume ignores and the next save clears (of its own step, or any later one); a ``step_N`` without a valid manifest, or whose files no longer match it,
 is not resumed from (:func:`find_resume` falls back to the newest intact one). Everything is
 loaded with ``torch.load(weights_only=True)``: tensors and plain containers only, never code.
 With several ranks the directory must be on a shared file system.
@@ -357,12 +357,22 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
         experts); resuming then needs the same layout. Otherwise rank 0 saves the full state.
     :returns: the final checkpoint directory.
     """
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    try:
+        return _save(root, final, tmp, step, model, optimizer, extra, keep_last, per_rank_optimizer)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (clitools.Terminated) mid-save: no half folder left
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _save(root: str | Path, final: Path, tmp: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+          extra: dict[str, Any], keep_last: int, per_rank_optimizer: bool) -> Path:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     from polyaccel.moe.ep_checkpoint import full_state_dict
 
-    final = step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
     rank = _rank()
     error = None  # a failed write; the ranks agree on it at each _settle (no rank left waiting)
     if rank == 0:
@@ -396,6 +406,7 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
             error = e
         else:  # the checkpoint is in place: what fails from here on is a warning, not a failed save
             _sync_dir(final)
+            _remove_older_partials(root, step)
             if keep_last > 0:
                 _prune(root, final, keep_last)
     _settle(error)
@@ -409,6 +420,17 @@ def _sync_dir(final: Path) -> None:
     except Exception as e:
         logger.warning("polyaccel.moe: checkpoint %s is written, but its directory %s could not be synced (%s): "
                        "a power loss now could undo the rename", final, final.parent, describe(e))
+
+
+def _remove_older_partials(root: str | Path, step: int) -> None:
+    """Remove the ``step_N.tmp`` folders of steps before ``step`` that killed saves left; one
+    that cannot be removed is a warning naming it."""
+    for p in Path(root).iterdir():
+        if _PARTIAL_DIR.match(p.name) and int(p.name[5:-4]) < step:
+            try:
+                shutil.rmtree(p)
+            except OSError as e:
+                logger.warning("polyaccel.moe: could not remove %s, left by an interrupted save (%s)", p, describe(e))
 
 
 def _prune(root: str | Path, final: Path, keep_last: int) -> None:
