@@ -483,7 +483,8 @@ def asr_two_runs(ctx: Ctx, c: Checks) -> None:
     cmd = [*ctx.asr, "transcribe", "clips", "-o", "out.jsonl", "--batch-size", "1", *ctx.asr_args()]
     lock = d / "out.jsonl.lock"
     first = ctx.start(cmd, d, "first")
-    held = ctx.wait_for(lambda: lock.exists() and lock.read_text().strip().isdigit(), first)
+    held = ctx.wait_for(lambda: lock.exists() and lock.read_text().startswith("polyaccel-asr lock, pid ")
+                        and lock.read_text().endswith("\n"), first)
     if not c(held and first.poll() is None, f"first run (pid {first.pid}) holds {lock.name}" if held
              else f"first run ended (exit {first.poll()}) before it could be raced"):
         return
@@ -507,15 +508,15 @@ def asr_lock_not_ours(ctx: Ctx, c: Checks) -> None:
     (clip,) = ctx.clips(d / "clips", 1)
     (d / "notes.txt").write_text("the user's notes\n")
     before = _snapshot(d)
-    for label, make in (("a symlink to the user's notes", lambda lock: lock.symlink_to(d / "notes.txt")),
-                        ("a file of the user's", lambda lock: lock.write_text("not a pid\n"))):
+    for label, text in (("a symlink to the user's notes", None), ("a file of the user's", "not a pid\n"),
+                        ("a file of the user's holding a number", "12345\n")):
         lock = d / "out.jsonl.lock"
-        make(lock)
+        lock.symlink_to(d / "notes.txt") if text is None else lock.write_text(text)
         p = ctx.run([*ctx.asr, "transcribe", str(clip), "-o", "out.jsonl", *ctx.asr_args()], d)
         said = "not a lock file of ours" in p.err
         c(p.rc == 2 and said, f"out.jsonl.lock {label}: exit {p.rc}, "
           + ("'not a lock file of ours'" if said else f"stderr: {_tail(p.err, 160)!r}"))
-        kept = os.path.lexists(lock) and (lock.is_symlink() or lock.read_text() == "not a pid\n")
+        kept = os.path.lexists(lock) and (lock.is_symlink() if text is None else lock.read_text() == text)
         c(kept, "the lock path left as it was" if kept else "the lock path was changed")
         _no_traceback(c, p, f"{label}: ")
         lock.unlink()
