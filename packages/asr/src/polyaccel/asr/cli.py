@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -373,7 +373,8 @@ def _usage_error(e: Exception) -> UsageError:
 
 def _check_made_alike(kept: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Raise the usage error a run would raise at its first record if ``kept`` was made another
-    way, for a run with nothing left to transcribe (its model is named, not loaded)."""
+    way, for a run with nothing left to transcribe (its model is named, not loaded: its dtype
+    is compared only when --dtype names it)."""
     from polyaccel.asr.weights import model_provenance
 
     try:
@@ -384,6 +385,11 @@ def _check_made_alike(kept: list[dict[str, Any]], args: argparse.Namespace) -> N
         mine["encoder_gemms"] = "fp8"
     if getattr(args, "batch_invariant", False):
         mine["batch_invariant"] = True
+    if args.dtype:  # unset: the backend's, not known until the model loads, so not compared
+        mine["dtype"] = args.dtype
+    mine["overlap_s"] = args.overlap
+    if getattr(args, "no_speech_threshold", None) is not None:
+        mine["no_speech_threshold"] = args.no_speech_threshold
     clash = _made_differently(kept, mine, args.timestamps)
     if clash:
         raise UsageError(_made_differently_message(args.output, clash))
@@ -394,10 +400,15 @@ def _made_differently_message(output: str, clash: str) -> str:
             "and its records are not what this command makes: use --overwrite to start it afresh, or another -o")
 
 
+_SETTINGS = ("dtype", "overlap_s", "no_speech_threshold")  # settings that change the text, besides the model's
+
+
 def _made_differently(kept: list[dict[str, Any]], first: dict[str, Any], timestamps: bool) -> str | None:
     """Why the records a resume keeps were not made as this run makes ``first`` (another model
-    or weights, timestamps on or off, FP8 encoder GEMMs, batch invariance), or None. A record
-    from before records named their weights is taken to be this model's."""
+    or weights, timestamps on or off, FP8 encoder GEMMs, batch invariance, dtype, window
+    overlap, no-speech threshold), or None. A record from before records named their weights
+    is taken to be this model's; one from before they named their dtype, or their overlap (and
+    no-speech threshold), is taken to match in those; so is a dtype ``first`` does not name."""
     mine = _how_made(first, timestamps)
     for rec in kept:
         theirs = _how_made(rec, "segments" in rec)
@@ -405,23 +416,41 @@ def _made_differently(kept: list[dict[str, Any]], first: dict[str, Any], timesta
             theirs.update(model=mine["model"], weights_sha256=mine["weights_sha256"])
         elif theirs["weights_sha256"] and theirs["weights_sha256"] == mine["weights_sha256"]:
             theirs["model"] = mine["model"]  # the same weights under another name (a moved folder)
+        if "dtype" not in rec or "dtype" not in first:
+            theirs["dtype"] = mine["dtype"]
+        if "overlap_s" not in rec or "overlap_s" not in first:  # the threshold is written only when on
+            theirs.update(overlap_s=mine["overlap_s"], no_speech_threshold=mine["no_speech_threshold"])
         if theirs != mine:
-            return f"{rec['path']}: {_describe(theirs)}; this run: {_describe(mine)}"
+            differ = {k for k in _SETTINGS if theirs[k] != mine[k]}  # named only when they differ
+            return f"{rec['path']}: {_describe(theirs, differ)}; this run: {_describe(mine, differ)}"
     return None
 
 
 def _how_made(rec: dict[str, Any], timestamps: bool) -> dict[str, Any]:
     return {"model": rec.get("model"), "weights_sha256": rec.get("weights_sha256"), "timestamps": bool(timestamps),
-            "encoder_gemms": rec.get("encoder_gemms"), "batch_invariant": bool(rec.get("batch_invariant"))}
+            "encoder_gemms": rec.get("encoder_gemms"), "batch_invariant": bool(rec.get("batch_invariant")),
+            "dtype": rec.get("dtype"), "overlap_s": rec.get("overlap_s"),
+            "no_speech_threshold": rec.get("no_speech_threshold")}
 
 
-def _describe(how: dict[str, Any]) -> str:
+def _describe(how: dict[str, Any], settings: Collection[str] = ()) -> str:
+    """The model, timestamps, FP8 and batch invariance ``how`` says, and those of ``settings`` (dtype, ...)."""
     sha = how["weights_sha256"]
     parts = [f"model {how['model']}" + (f" (weights {sha[:12]})" if isinstance(sha, str) else ""),
              "timestamps" if how["timestamps"] else "no timestamps"]
     parts += ["FP8 encoder GEMMs"] if how["encoder_gemms"] else []
     parts += ["batch-invariant"] if how["batch_invariant"] else []
+    parts += [f"dtype {how['dtype']}" if how["dtype"] else "the backend's dtype"] if "dtype" in settings else []
+    parts += [f"overlap {_seconds(how['overlap_s'])} s"] if "overlap_s" in settings else []
+    if "no_speech_threshold" in settings:
+        nst = how["no_speech_threshold"]
+        parts.append(f"no-speech threshold {'off' if nst is None else _seconds(nst)}")
     return ", ".join(parts)
+
+
+def _seconds(x: Any) -> str:
+    """A number as typed (3, 0.5); anything else (a hand-edited line) as it is."""
+    return f"{x:g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else repr(x)
 
 
 def _finish(rec: dict[str, Any], item: Any) -> dict[str, Any]:
@@ -505,8 +534,12 @@ def _local_records(tr: Any, todo: list[Any], model: str) -> Iterator[dict[str, A
 
     try:
         for r in tr.transcribe_iter(todo):
-            extra: dict[str, Any] = {"model": tr.model_name or model, "weights_sha256": tr.weights_sha256,
-                                     "rtfx": round(tr.running_rtfx(), 2)}
+            extra: dict[str, Any] = {"model": tr.model_name or model, "weights_sha256": tr.weights_sha256}
+            if tr.dtype_name is not None:  # (None: a model plugged in as a replica factory)
+                extra["dtype"] = tr.dtype_name
+            extra.update(overlap_s=tr.overlap_s, rtfx=round(tr.running_rtfx(), 2))
+            if tr.no_speech_threshold is not None:
+                extra["no_speech_threshold"] = tr.no_speech_threshold
             if tr.fp8_encoder:
                 extra["encoder_gemms"] = "fp8"  # not bf16's exact tokens: say so in each record
             if tr.batch_invariant:

@@ -221,7 +221,9 @@ class Transcriber:
 
     ``model_name`` is the model's resolved name (``whisper-tiny.en`` for ``openai/whisper-tiny.en``,
     a directory's absolute path) and ``weights_sha256`` the hash of its weight files (set by
-    :meth:`from_pretrained`; None for a model plugged in as a replica factory).
+    :meth:`from_pretrained`; None for a model plugged in as a replica factory), as are
+    ``dtype_name``, the dtype the weights were loaded in (``"bfloat16"``), and
+    ``no_speech_threshold`` (None: off).
 
     Build one with :meth:`from_pretrained`; the constructor takes a ready replica factory,
     which is also how another model (or a fake, in tests) is plugged in.
@@ -254,6 +256,8 @@ class Transcriber:
         self.weights_sha256: str | None = None
         self.fp8_encoder = False  # Whisper encoder GEMMs in FP8 (set by from_pretrained)
         self.batch_invariant = False  # Whisper's batch-invariant kernels (set by from_pretrained)
+        self.dtype_name: str | None = None  # "bfloat16", ... (set by from_pretrained)
+        self.no_speech_threshold: float | None = None  # Whisper's, None: off (set by from_pretrained)
         self.backend_name = backend_name
         self.metrics = TranscribeMetrics()
         self.last_metrics = TranscribeMetrics()
@@ -372,6 +376,8 @@ class Transcriber:
         tr.weights_sha256 = sha  # the weights loaded (checked above), not whatever is there now
         tr.fp8_encoder = fp8_encoder
         tr.batch_invariant = batch_invariant
+        tr.dtype_name = str(dtype).removeprefix("torch.")  # what the weights were loaded in
+        tr.no_speech_threshold = runner_options.get("no_speech_threshold")
         return tr
 
     # ---- running ---------------------------------------------------------------------------
