@@ -343,6 +343,14 @@ def _gemm_candidates(N: int, K: int):
                 yield GemmConfig(block_n, block_k, split, 4, 4)
                 if block_k == 512:
                     yield GemmConfig(block_n, block_k, split, 8, 3)
+    # then other warps and pipeline depths around the usual tiles
+    for split in (1, 2, 4, 8):
+        for block_n in widths:
+            for block_k in (128, 256):
+                if split > 1 and (N > 8192 or -(-K // split) < block_k // 2):
+                    continue
+                for warps, stages in ((2, 4), (8, 4), (4, 2), (4, 3), (4, 6)):
+                    yield GemmConfig(block_n, block_k, split, warps, stages)
 
 
 def section_kernels(args, device, dtype):
