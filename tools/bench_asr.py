@@ -344,7 +344,7 @@ def _gemm_candidates(N: int, K: int):
                 if block_k == 512:
                     yield GemmConfig(block_n, block_k, split, 8, 3)
     # then other warps and pipeline depths around the usual tiles
-    for split in (1, 2, 4, 8):
+    for split in (1, 8) if K > 2 * N else (1,):
         for block_n in widths:
             for block_k in (128, 256):
                 if split > 1 and (N > 8192 or -(-K // split) < block_k // 2):
