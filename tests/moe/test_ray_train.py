@@ -23,6 +23,13 @@ from polyaccel.moe.train_config import load_config  # noqa: E402
 TINY = Path(__file__).resolve().parents[2] / "packages/moe/examples/tiny_synthetic_cpu.yaml"
 
 
+FAST_RAY_TRAIN = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+"""Test-speed settings of Ray Train (2.60), nothing these tests check: the controller polls the
+workers every 0.5 s (2 s by default: a finished run or a dead worker is seen up to 2 s late),
+and no preemption-watcher actor (one more process to start per worker group; it watches for
+node drains, which never happen here)."""
+
+
 def _start_private_cluster() -> None:
     from polyaccel.core.ray_local import init_local
 
@@ -44,6 +51,8 @@ def ray_driver():
     Whether ``address="local"`` stops the cluster it starts itself is tests/moe/test_ray_exposure.py's."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")  # inherited by the cluster's workers
+        for k, v in FAST_RAY_TRAIN.items():
+            mp.setenv(k, v)
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=_start_private_cluster) as pool:
             yield pool
