@@ -104,9 +104,11 @@ def test_tiny_en_fp8_encoder_on_real_speech():
         pytest.skip(str(e))
     audio = [sf.read(f, dtype="float32")[0] for f in sorted(glob.glob(f"{folder}/*.wav"))]
     model = WhisperASR.from_pretrained(path, dtype=torch.bfloat16)
-    bf16 = ASRRunner(model, backend="cpu", batch_buckets=(8,)).recognize(audio)
+    # one batch of exactly the five clips: padding rows would cost a bf16 encoder pass each
+    # (seconds apiece on CPUs without bf16 instructions) and compare nothing
+    bf16 = ASRRunner(model, backend="cpu", batch_buckets=(5,)).recognize(audio)
     fp8.fp8_encoder(model)
-    got = ASRRunner(model, backend="cpu", batch_buckets=(8,)).recognize(audio)
+    got = ASRRunner(model, backend="cpu", batch_buckets=(5,)).recognize(audio)
     from polyaccel.asr.text import wer
 
     assert sum(a.tokens == b.tokens for a, b in zip(bf16, got, strict=True)) >= 3

@@ -30,11 +30,13 @@ SETTINGS = LoraSettings(r=4, alpha=8, router=True)
 ARCHS = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"]
 
 
-def _pair(tmp_path, backend: BackendConfig, settings: LoraSettings = SETTINGS, arch: str = "qwen3_moe"):
+def _pair(tmp_path, backend: BackendConfig, settings: LoraSettings = SETTINGS, arch: str = "qwen3_moe",
+          **config):
     """(ours + PEFT, plain Transformers + PEFT) with the same random base and random adapters
-    (``init_lora_weights=False``: B is not zero, so every path contributes)."""
+    (``init_lora_weights=False``: B is not zero, so every path contributes); ``config``
+    overrides the tiny preset's fields."""
     torch.manual_seed(0)
-    ours = AutoModelForCausalLM.from_config(presets.tiny(arch), backend=backend)
+    ours = AutoModelForCausalLM.from_config(presets.tiny(arch, **config), backend=backend)
     ours.save_pretrained(tmp_path / "base")
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     config = settings.peft_config()
@@ -105,10 +107,17 @@ def _compiled_layers(model, backend: str = "aot_eager") -> None:
         layer.compile(backend=backend)
 
 
+# The compiled-layer tests run two layers, an MoE one and a dense one (qwen3_moe's tiny preset has a
+# second MoE layer after them: one more compile of the first's code, ~5 s on CPU, nothing new).
+TWO_LAYERS = dict(num_hidden_layers=2, mlp_only_layers=[1])
+
+
 @pytest.mark.parametrize("grad_accumulation", ["fused", "autograd"])
 def test_compile_with_lora_runs_forward_and_backward(tmp_path, grad_accumulation):
     torch._dynamo.reset()
-    ours, ref = _pair(tmp_path, BackendConfig(compile=True, loss="standard", grad_accumulation=grad_accumulation))
+    ours, ref = _pair(tmp_path, BackendConfig(compile=True, loss="standard", grad_accumulation=grad_accumulation),
+                      **TWO_LAYERS)
+    assert [hasattr(layer.mlp, "experts") for layer in ours.base_model.model.model.layers] == [True, False]
     _compiled_layers(ours)  # BackendConfig(compile=True) compiled with inductor; aot_eager is quicker on CPU
     ids = _ids()
     for _ in range(2):  # the second call runs the compiled graphs
@@ -417,7 +426,9 @@ def test_compiled_selective_layer_compiles_with_its_checkpoint(tmp_path, sync_fr
     counters.clear()
     # grad_accumulation="fused" (the default) used to route the experts through a
     # torch.compiler.disable'd call: a graph break that sends the whole checkpoint to eager
-    ours, ref = _pair(tmp_path, BackendConfig(compile=False, loss="standard", grad_accumulation="fused"))
+    ours, ref = _pair(tmp_path, BackendConfig(compile=False, loss="standard", grad_accumulation="fused"),
+                      **TWO_LAYERS)
+    assert [hasattr(layer.mlp, "experts") for layer in ours.base_model.model.model.layers] == [True, False]
     ours.train()
     lora.enable_selective_recompute(ours)
     graphs = []
