@@ -34,6 +34,17 @@ _WORKER = textwrap.dedent("""
         t = torch.tensor([rank])
         dist.all_reduce(t, group=m.moe["ep"].get_group())
         out[name]["ep_rank_sum"] = int(t)
+        # A norm over a tensor sharded on both MoE dims (as a gradient norm is): one collective
+        # over the flattened mesh, so DTensor does not warn about two in a row.
+        import logging
+        from torch.distributed.tensor import Shard, distribute_tensor
+        said = []
+        handler = logging.Handler()
+        handler.emit = lambda record: said.append(record.getMessage())
+        logging.getLogger("torch.distributed.tensor._redistribute").addHandler(handler)
+        x = distribute_tensor(torch.arange(16.0).reshape(4, 4), m.moe, [Shard(0), Shard(1)])
+        out[name]["norm"] = float(torch.linalg.vector_norm(x).full_tensor())
+        out[name]["norm_warnings"] = [w for w in said if "sequential" in w]
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -83,6 +94,8 @@ def test_meshes_on_four_gloo_ranks(tmp_path):
         assert ep2["ep_shard_group"] == [r % 2, r % 2 + 2]
         assert ep2["dp_shard_group"] == [0, 1, 2, 3]
         assert ep2["ep_rank_sum"] == sum(ep2["ep_group"])
+        for plan in ("ep2", "hsdp"):
+            assert abs(got[plan]["norm"] - 1240 ** 0.5) < 1e-4 and got[plan]["norm_warnings"] == [], got[plan]
 
         hsdp = got["hsdp"]
         assert hsdp["dp_shape"] == [2, 2] and hsdp["dp_names"] == ["dp_replicate", "dp_shard"]

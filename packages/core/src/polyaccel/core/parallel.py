@@ -100,4 +100,14 @@ class ParallelPlan:
         else:
             dp_mesh = init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
         moe_mesh = init_device_mesh(device_type, (self.ep_shard, self.ep), mesh_dim_names=("ep_shard", "ep"))
+        for mesh in (dp_mesh, moe_mesh):
+            _flatten(mesh)
         return ParallelMeshes(dp=dp_mesh, moe=moe_mesh)
+
+
+def _flatten(mesh) -> None:  # noqa: ANN001
+    """Give a 2-D mesh a flattened view of its two dims, so a reduction over both (a gradient
+    norm) is one collective, not two in a row (which DTensor warns about at every first use)."""
+    names = mesh.mesh_dim_names or ()
+    if len(names) == 2 and hasattr(mesh, "_flatten"):
+        mesh[names]._flatten("_".join(names))
