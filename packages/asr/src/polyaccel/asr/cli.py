@@ -534,16 +534,8 @@ def _local_records(tr: Any, todo: list[Any], model: str) -> Iterator[dict[str, A
 
     try:
         for r in tr.transcribe_iter(todo):
-            extra: dict[str, Any] = {"model": tr.model_name or model, "weights_sha256": tr.weights_sha256}
-            if tr.dtype_name is not None:  # (None: a model plugged in as a replica factory)
-                extra["dtype"] = tr.dtype_name
-            extra.update(overlap_s=tr.overlap_s, rtfx=round(tr.running_rtfx(), 2))
-            if tr.no_speech_threshold is not None:
-                extra["no_speech_threshold"] = tr.no_speech_threshold
-            if tr.fp8_encoder:
-                extra["encoder_gemms"] = "fp8"  # not bf16's exact tokens: say so in each record
-            if tr.batch_invariant:
-                extra["batch_invariant"] = True
+            extra: dict[str, Any] = {"model": tr.model_name or model, **tr.made_with(),
+                                     "rtfx": round(tr.running_rtfx(), 2)}
             if r.ref is not None and r.ok:
                 extra["wer"] = round(wer([r.ref], [r.text]), 4)
             yield r.to_record(**extra)

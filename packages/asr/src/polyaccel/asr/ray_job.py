@@ -80,11 +80,8 @@ class TranscribeActor:
         records = []
         for shown, r in zip(batch["path"], self.transcriber.transcribe(items)):
             extra: dict[str, Any] = {"model": self.transcriber.model_name or self.model,
-                                     "weights_sha256": self.transcriber.weights_sha256}
-            if self.transcriber.dtype_name is not None:  # as the local path writes them
-                extra["dtype"] = self.transcriber.dtype_name
-            extra.update(overlap_s=self.transcriber.overlap_s, rtfx=round(self.transcriber.last_metrics.rtfx, 2),
-                         actor=os.getpid())
+                                     **self.transcriber.made_with(),
+                                     "rtfx": round(self.transcriber.last_metrics.rtfx, 2), "actor": os.getpid()}
             if r.ref is not None and r.ok:
                 extra["wer"] = round(wer([r.ref], [r.text]), 4)
             r.path = os.fsdecode(shown)

@@ -380,6 +380,22 @@ class Transcriber:
         tr.no_speech_threshold = runner_options.get("no_speech_threshold")
         return tr
 
+    def made_with(self) -> dict[str, Any]:
+        """What each result record says of how it was made, besides the model's name: the
+        weights' hash, dtype and window overlap, and the options that change the text when on
+        (no-speech threshold, FP8 encoder GEMMs, batch invariance); what a resume compares."""
+        made: dict[str, Any] = {"weights_sha256": self.weights_sha256}
+        if self.dtype_name is not None:  # (None: a model plugged in as a replica factory)
+            made["dtype"] = self.dtype_name
+        made["overlap_s"] = self.overlap_s
+        if self.no_speech_threshold is not None:
+            made["no_speech_threshold"] = self.no_speech_threshold
+        if self.fp8_encoder:
+            made["encoder_gemms"] = "fp8"  # not bf16's exact tokens: say so in each record
+        if self.batch_invariant:
+            made["batch_invariant"] = True
+        return made
+
     # ---- running ---------------------------------------------------------------------------
 
     def transcribe(self, inputs: Iterable[AudioInput]) -> list[TranscriptResult]:
