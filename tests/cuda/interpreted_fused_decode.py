@@ -213,23 +213,36 @@ def check_cached_decode_attention() -> None:
 
 def check_greedy_pick() -> None:
     """The first largest column of logits + bias and its log-probability, over a vocabulary of
-    three parts (the last partial): ties within a block, across blocks and across parts take
-    the first; suppressed (-inf) columns; a row whose only finite value is in the last part;
-    a row alone is the same bits as in a batch."""
-    V, B = 2 * fused_decode.PICK_PART + 777, 6
+    three parts (the last partial), at the shipped part width and at twice it (two blocks a
+    part): ties within a block, across blocks and across parts take the first; suppressed
+    (-inf) columns; a row whose only finite value is in the last part; a row alone is the same
+    bits as in a batch."""
+    shipped = fused_decode.PICK_PART
+    try:
+        for part in (shipped, 2 * shipped):
+            fused_decode.PICK_PART = part
+            _check_greedy_pick(part)
+    finally:
+        fused_decode.PICK_PART = shipped
+
+
+def _check_greedy_pick(P: int) -> None:
+    V, B = 2 * P + 777, 6
+    block = min(P, 1024)  # the kernel's BLOCK_V
+    a, b, c, d, e, f = 17, 40, P + 52, 2 * P + 404, 700, max(block, P - 248)
     for dtype in (torch.float32, torch.float16):
         logits = (3 * torch.randn(B, V)).to(dtype)
         bias = torch.zeros(V)
         bias[torch.randperm(V)[:300]] = float("-inf")
-        planted = [17, 40, 2100, 4500, 700, 1800]  # the ties below stay allowed columns
+        planted = [a, b, c, d, e, f]  # the ties below stay allowed columns
         bias[planted] = 0.0
-        logits[0, 17] = logits[0, 40] = 50  # a tie in one block
-        logits[1, 2100] = logits[1, 4500] = 50  # a tie across parts
-        logits[2, 700] = logits[2, 1800] = 50  # a tie across blocks of one part
+        logits[0, a] = logits[0, b] = 50  # a tie in one block
+        logits[1, c] = logits[1, d] = 50  # a tie across parts
+        logits[2, e] = logits[2, f] = 50  # a tie across blocks of one part (or parts, at P = block)
         logits[3, 100] = 50  # suppressed: not the answer
         bias[100] = float("-inf")
         row4 = torch.full((V,), float("-inf"))
-        row4[4500] = 0.0
+        row4[d] = 0.0
         logits[4] = row4.to(dtype)
 
         def pick(sl, logits=logits, bias=bias):
@@ -240,9 +253,9 @@ def check_greedy_pick() -> None:
         want_best, want_lp = ops.greedy_pick.reference(logits, bias)
         assert best.dtype == torch.int64 and lp.dtype == torch.float32
         assert torch.equal(best, want_best), (best, want_best)
-        assert best[:3].tolist() == [17, 2100, 700] and best[4].item() == 4500 and best[3].item() != 100
+        assert best[:3].tolist() == [a, c, e] and best[4].item() == d and best[3].item() != 100
         assert torch.allclose(lp, want_lp, atol=1e-5, rtol=1e-5), (lp, want_lp)
-        print(f"greedy_pick {dtype}: {best.tolist()}")
+        print(f"greedy_pick part {P} {dtype}: {best.tolist()}")
         same_rows_alone(pick, B, "greedy_pick")
 
 

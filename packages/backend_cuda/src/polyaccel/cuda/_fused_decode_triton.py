@@ -24,16 +24,17 @@ def dependent_start(PDL: tl.constexpr):
 
 
 @triton.jit
-def ln_stats(X, rm, row_mask, K, sxm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    # mean and 1 / std of rows rm over K in fp32: two passes in a fixed order
+def ln_stats(X, rm, row_mask, sxm, eps, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # mean and 1 / std of rows rm over K in fp32: two passes in a fixed order, each unrolled
+    # (K is a constant) so that its loads are issued together rather than one latency each
     total = tl.zeros((BLOCK_M,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.static_range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(X + rm[:, None] * sxm + rk[None, :], mask=row_mask[:, None] & (rk < K)[None, :], other=0.0)
         total += tl.sum(x.to(tl.float32), axis=1)
     mean = total / K
     squares = tl.zeros((BLOCK_M,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.static_range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         xmask = row_mask[:, None] & (rk < K)[None, :]
         x = tl.load(X + rm[:, None] * sxm + rk[None, :], mask=xmask, other=0.0)
@@ -44,15 +45,15 @@ def ln_stats(X, rm, row_mask, K, sxm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.co
 
 @triton.jit
 def ln_gemm_tile(X, LNW, LNB, W, M, N, K, eps, sxm, swn, pid_m, pid_n, k_start, k_end, HAS_LN: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 LN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # acc [BLOCK_M, BLOCK_N] fp32 = layer_norm(X)[rm, k_start:k_end] @ W[rn, k_start:k_end].T,
-    # LayerNorm (statistics over all of K) rounded to X's dtype
+    # LayerNorm (statistics over all LN_K columns) rounded to X's dtype
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rm < M
     col_mask = rn < N
     if HAS_LN:
-        mean, rstd = ln_stats(X, rm, row_mask, K, sxm, eps, BLOCK_M, BLOCK_K)
+        mean, rstd = ln_stats(X, rm, row_mask, sxm, eps, LN_K, BLOCK_M, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -88,7 +89,7 @@ def linear_epilogue(acc, rm, rn, row_mask, col_mask, X, BIAS, RES, OUT, srm, som
 def linear(X, LNW, LNB, W, BIAS, RES, OUT, PARTS, COUNTS, M, N, K, eps, sxm, swn, srm, som,
            HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GELU: tl.constexpr,
            SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-           PDL: tl.constexpr = False):
+           LN_K: tl.constexpr = 0, PDL: tl.constexpr = False):
     dependent_start(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -96,7 +97,7 @@ def linear(X, LNW, LNB, W, BIAS, RES, OUT, PARTS, COUNTS, M, N, K, eps, sxm, swn
     k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per
     acc, rm, rn, row_mask, col_mask = ln_gemm_tile(X, LNW, LNB, W, M, N, K, eps, sxm, swn, pid_m, pid_n,
-                                                   k_start, tl.minimum(k_start + k_per, K), HAS_LN,
+                                                   k_start, tl.minimum(k_start + k_per, K), HAS_LN, LN_K,
                                                    BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_K == 1:
         linear_epilogue(acc, rm, rn, row_mask, col_mask, X, BIAS, RES, OUT, srm, som, HAS_BIAS, HAS_RES, GELU)
@@ -122,7 +123,7 @@ def linear(X, LNW, LNB, W, BIAS, RES, OUT, PARTS, COUNTS, M, N, K, eps, sxm, swn
 def qkv_into_cache(X, LNW, LNB, WQ, WK, WV, BQ, BK, BV, Q, CK, CV, POS, M, N, K, C, HEAD_D, eps,
                    sxm, sqm, sckb, sckh, sckc, scvb, scvh, scvc,
                    HAS_BQ: tl.constexpr, HAS_BK: tl.constexpr, HAS_BV: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LN_K: tl.constexpr,
                    PDL: tl.constexpr = False):
     dependent_start(PDL)
     part = tl.program_id(1)  # 0: q, 1: k, 2: v
@@ -132,7 +133,7 @@ def qkv_into_cache(X, LNW, LNB, WQ, WK, WV, BQ, BK, BV, Q, CK, CV, POS, M, N, K,
     elif part == 2:
         W = WV
     acc, rm, rn, row_mask, col_mask = ln_gemm_tile(X, LNW, LNB, W, M, N, K, eps, sxm, K,
-                                                   tl.program_id(2), tl.program_id(0), 0, K, True,
+                                                   tl.program_id(2), tl.program_id(0), 0, K, True, LN_K,
                                                    BLOCK_M, BLOCK_N, BLOCK_K)
     head = rn // HEAD_D
     d = rn % HEAD_D
@@ -199,7 +200,7 @@ def cached_attention(Q, K, V, POS, OUT, H, C, scale, sqb, sqh, skb, skh, sks, sv
 @triton.jit
 def greedy_pick(LOGITS, BIAS, PARTS, COUNTS, BEST, LOGPROB, TOKENS, POSITION, FINISHED, LOGPROB_SUM, COUNTED,
                 OUT, STEP, V, slb, sob, T, eos_id, ADVANCE: tl.constexpr, PART_V: tl.constexpr,
-                BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
+                BLOCK_V: tl.constexpr, PARTS_P2: tl.constexpr, PDL: tl.constexpr = False):
     dependent_start(PDL)
     # Program (row, part) scans columns [part * PART_V, +PART_V) of logits + bias: its largest
     # value, that value's first column, and the sum of exp(value - largest). The row's last
@@ -229,18 +230,16 @@ def greedy_pick(LOGITS, BIAS, PARTS, COUNTS, BEST, LOGPROB, TOKENS, POSITION, FI
     tl.store(PARTS + slot + 2, total)
     tl.debug_barrier()
     if tl.atomic_add(COUNTS + row, 1, sem="acq_rel") == parts - 1:
-        best = tl.full((), float("-inf"), tl.float32)
-        where = tl.full((), 0, tl.int32)
-        total = tl.zeros((), tl.float32)
-        for p in range(0, parts):
-            b = tl.load(PARTS + (row * parts + p) * 3, cache_modifier=".cg")
-            w = tl.load(PARTS + (row * parts + p) * 3 + 1, cache_modifier=".cg").to(tl.int32)
-            t = tl.load(PARTS + (row * parts + p) * 3 + 2, cache_modifier=".cg")
-            top = tl.maximum(best, b)
-            total = (total * tl.where(best == top, 1.0, tl.exp(best - top))
-                     + t * tl.where(b == top, 1.0, tl.exp(b - top)))
-            where = tl.where(b > best, w, where)
-            best = top
+        # all parts at once (one load latency, not one per part): the largest value, the first
+        # column holding it (parts are in column order), the sum of exp rescaled to it
+        p = tl.arange(0, PARTS_P2)
+        slots = PARTS + (row * parts + p) * 3
+        b = tl.load(slots, mask=p < parts, other=float("-inf"), cache_modifier=".cg")
+        w = tl.load(slots + 1, mask=p < parts, other=0.0, cache_modifier=".cg").to(tl.int32)
+        t = tl.load(slots + 2, mask=p < parts, other=0.0, cache_modifier=".cg")
+        best = tl.max(b, axis=0)
+        where = tl.min(tl.where((b == best) & (p < parts), w, 2**30), axis=0)
+        total = tl.sum(t * tl.where(b == best, 1.0, tl.exp(b - best)), axis=0)
         logprob = -tl.log(total)
         chosen = where.to(tl.int64)
         if ADVANCE:

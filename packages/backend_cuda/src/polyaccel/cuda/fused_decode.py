@@ -157,7 +157,7 @@ def _linear(x_MK: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         residual.stride(0) if residual is not None else 0, out.stride(0),
         HAS_LN=ln is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, GELU=gelu,
         SPLIT_K=config.split_k, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        **_launch_options(config, x_MK.device))
+        LN_K=K if ln is not None else 0, **_launch_options(config, x_MK.device))
     return out
 
 
@@ -189,7 +189,8 @@ def ln_qkv_into_cache_(x: torch.Tensor, ln_weight: torch.Tensor | None, ln_bias:
         position, B, N, K, C, D, float(eps), x_MK.stride(0), q.stride(0),
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), cache_v.stride(0), cache_v.stride(1), cache_v.stride(2),
         HAS_BQ=bq is not None, HAS_BK=bk is not None, HAS_BV=bv is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, **_launch_options(config, x.device))
+        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, LN_K=K,
+        **_launch_options(config, x.device))
     return q.view(B, H, 1, D)
 
 
@@ -216,9 +217,10 @@ def cached_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: tor
     return out
 
 
-PICK_PART = 2048
+PICK_PART = 1024
 """Columns of a row that one program of :func:`greedy_pick` scans (a vocabulary of 51,866 is
-26 programs per row)."""
+51 programs per row, which the row's last program combines in one load each). On an H200 at
+Whisper's vocabulary: 4.5 / 6.1 µs at 1 / 16 rows, against 5.4 / 6.4 for 2,048 (docs/benchmarks.md)."""
 
 
 def _pick_ok(logits: torch.Tensor, bias: torch.Tensor) -> bool:
@@ -237,7 +239,8 @@ def _pick(logits: torch.Tensor, bias: torch.Tensor, best: torch.Tensor, logprob:
                                                                               best, best)
     pick[(B, parts)](logits, bias, partial, counts, best, logprob, tokens, position, finished, logprob_sum, counted,
                      out, step, V, logits.stride(0), out.stride(0), out.shape[-1], eos_id, ADVANCE=advance is not None,
-                     PART_V=PICK_PART, BLOCK_V=min(PICK_PART, 1024), **dependent_launch(logits.device))
+                     PART_V=PICK_PART, BLOCK_V=min(PICK_PART, 1024), PARTS_P2=max(2, 1 << (parts - 1).bit_length()),
+                     **dependent_launch(logits.device))
 
 
 def greedy_pick(logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
