@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def model_args(sp: argparse.ArgumentParser) -> None:
+    def model_args(sp: argparse.ArgumentParser, batch_size_help: str | None = None) -> None:
         sp.add_argument("--model", default="whisper-tiny.en",
                         help="model directory (Hugging Face or CTranslate2) or known name "
                              "(whisper-tiny.en, whisper-base; default: %(default)s)")
@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--replicas", type=integer(1), default=None,
                         help="model replicas (default: the backend's: one on the CPU, two per GPU)")
         sp.add_argument("--batch-size", type=integer(1), default=None,
-                        help="items per replica batch (default: the backend's: 8 on the CPU, 64 on a GPU)")
+                        help=batch_size_help or "items per replica batch (default: the backend's: 8 on the CPU, "
+                                                "64 on a GPU)")
         sp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="model dtype (default: the backend's)")
         sp.add_argument("--batch-invariant", action="store_true",
@@ -126,10 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "[{start, end, text}] in seconds (for `export --format srt|vtt`; default: off)")
     t.add_argument("--ray", action="store_true", help="run as a Ray Data job (an actor per device)")
     t.add_argument("--address", default=None,
-                   help="Ray cluster address (default: RAY_ADDRESS, the job's cluster under `ray job submit`, "
+                   help="with --ray: Ray cluster address (default: RAY_ADDRESS, the job's cluster under `ray job submit`, "
                         "else, or with 'local', a private in-process cluster on loopback; 'auto' is refused: "
                         "it joins whatever cluster a local user advertises)")
-    t.add_argument("--num-actors", type=integer(1), default=None, help="Ray actors (default: one per device/node)")
+    t.add_argument("--num-actors", type=integer(1), default=None, help="with --ray: Ray actors (default: one per device/node)")
 
     w = sub.add_parser("wer", help="word error rate of a results file against references")
     w.add_argument("--refs", required=True, help="JSONL {path|id, text} or Sphinx transcription file")
@@ -138,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="RTFx at several batch sizes (one JSON line each)")
     b.add_argument("inputs", nargs="+", metavar="INPUT", help="audio files, directories or manifests")
-    model_args(b)
-    b.add_argument("--batch-sizes", default="1,4,8", help="comma-separated (default: %(default)s)")
+    model_args(b, batch_size_help=argparse.SUPPRESS)  # refused: --batch-sizes says which sizes run
+    b.add_argument("--batch-sizes", default="1,4,8",
+                   help="comma-separated batch sizes to run, one JSON line each (default: %(default)s)")
     b.add_argument("--repeat", type=integer(1), default=1, help="use the inputs this many times (fills large batches)")
 
     c = sub.add_parser("compile", help="compile every shape bucket ahead of time")
@@ -203,6 +205,10 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     from polyaccel.asr.manifest import attach_refs, read_refs
     from polyaccel.asr.results_file import completed, path_key, printable, record_path
 
+    ray_only = [flag for flag, value in (("--address", args.address), ("--num-actors", args.num_actors))
+                if value is not None]
+    if ray_only and not args.ray:  # else silently a local run with one process
+        raise UsageError(f"{' and '.join(ray_only)} only appl{'ies' if len(ray_only) == 1 else 'y'} to a Ray job: add --ray, or leave them out")
     items = _gather(args.inputs)
     if args.refs is not None:
         attach_refs(items, _read_refs(args.refs, read_refs))

@@ -86,7 +86,7 @@ def read_manifest(path: str | os.PathLike) -> list[InputItem]:
     """Read a NeMo-style JSONL manifest: ``{"audio_filepath" | "path": str, "text"?: str}``."""
     path = Path(path)
     items = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
+    for lineno, line in enumerate(_text_lines(path), 1):
         if not line.strip():
             continue
         try:
@@ -110,6 +110,17 @@ def read_manifest(path: str | os.PathLike) -> list[InputItem]:
     return items
 
 
+def _text_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 text file (a leading byte order mark dropped); a file that is not
+    UTF-8 (audio or a Latin-1 file given by mistake) is a ``ValueError`` naming it and the line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig").splitlines()
+    except UnicodeDecodeError as e:
+        lineno = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 _SPHINX_LINE = re.compile(r"^\s*(?:<s>)?\s*(?P<text>.*?)\s*(?:</s>)?\s*\((?P<id>[^()]+)\)\s*$")
 
 
@@ -117,7 +128,7 @@ def read_refs(path: str | os.PathLike) -> dict[str, str]:
     """Reference texts keyed by path and by id (file stem): JSONL ``{"path"|"audio_filepath"|
     "id", "text"}`` lines or Sphinx ``<s> text </s> (id)`` lines (detected per line)."""
     refs: dict[str, str] = {}
-    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):
+    for lineno, line in enumerate(_text_lines(Path(path)), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
@@ -125,6 +136,8 @@ def read_refs(path: str | os.PathLike) -> dict[str, str]:
                 rec = json.loads(line)
             except RecursionError:
                 raise ValueError(f"{path}:{lineno}: nested too deeply to be a reference") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
             key = rec.get("path") or rec.get("audio_filepath") or rec.get("id")
             if key is None or "text" not in rec:
                 raise ValueError(f"{path}:{lineno}: a reference needs 'path' or 'id' and 'text'")

@@ -325,6 +325,29 @@ def weight_files(path: Path) -> list[Path]:
     return sorted(Path(path).glob("*.safetensors"))
 
 
+def loaded_weight_files(path: Path) -> list[Path]:
+    """The weight files a Hugging Face model directory is loaded from, as Transformers picks
+    them: the shards ``model.safetensors.index.json`` names, else ``model.safetensors``, else
+    every ``*.safetensors`` (sorted). Another ``*.safetensors`` beside ``model.safetensors`` (a
+    ``model.fp32.safetensors`` variant, a user's backup) is not loaded: its tensors would
+    silently replace the model's. An index naming a file outside the folder is a ``ValueError``."""
+    from polyaccel.asr.config_limits import read_json_object
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no 'weight_map' naming the shards")
+        names = sorted(set(weight_map.values()), key=str)
+        for name in names:
+            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+                raise ValueError(f"{index} names the shard {name!r}, not a file in {path}; refused")
+        return [path / name for name in names]
+    single = path / "model.safetensors"
+    return [single] if single.is_file() else weight_files(path)
+
+
 def file_sha256(path: Path, *, cache: str | os.PathLike | None = None) -> str:
     """sha256 of a file, remembered in ``<cache root>/weights_sha256.json`` under its real path,
     size, mtime, inode and ctime: a file that has not changed is not read again."""

@@ -445,24 +445,30 @@ class WhisperASR(ASRModel):
     def from_pretrained(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu",
                         dtype: torch.dtype | None = None, language: str = "en",
                         task: str = "transcribe") -> WhisperASR:
-        """Load a Hugging Face Whisper directory (``config.json``, ``*.safetensors``,
-        ``generation_config.json``, ``tokenizer.json``) onto ``device`` in ``dtype`` (default:
+        """Load a Hugging Face Whisper directory (``config.json``, ``model.safetensors`` or the
+        shards its index names, ``generation_config.json``, ``tokenizer.json``) onto ``device`` in ``dtype`` (default:
         the checkpoint's, fp32 for converted ones). A known
         name (``whisper-tiny.en``) or a CTranslate2 directory is converted first (cached)."""
         from safetensors.torch import load_file
 
-        from polyaccel.asr.weights import resolve_model
+        from polyaccel.asr.weights import loaded_weight_files, resolve_model
 
         path = resolve_model(path)
         config = WhisperConfig.from_pretrained(path)
         with torch.device("meta"):
             model = cls(config, path / "tokenizer.json", language=language, task=task)
         state: dict[str, torch.Tensor] = {}
-        files = sorted(path.glob("*.safetensors"))
+        files = loaded_weight_files(path)
         if not files:
             raise FileNotFoundError(f"{path}: no *.safetensors weights")
+        source: dict[str, Path] = {}
         for f in files:
-            state.update(load_file(str(f)))
+            for k, v in load_file(str(f)).items():
+                if k in source:  # a later file's tensor would silently replace the earlier one's
+                    raise ValueError(f"{path}: the tensor {k} is in both {source[k].name} and {f.name}; keep one "
+                                     "model's weights in the folder (or name the shards in "
+                                     "model.safetensors.index.json)")
+                source[k], state[k] = f, v
         state = {k.removeprefix("model."): v for k, v in state.items() if k != "proj_out.weight"}
         check_weights_fit({k: v.shape for k, v in model.state_dict().items()}, {k: v.shape for k, v in state.items()},
                           path)

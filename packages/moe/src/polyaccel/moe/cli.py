@@ -20,7 +20,8 @@ _EPILOG = """examples:
 
 config precedence: --set key=value > the YAML file > the preset named by model.preset.
 outputs: finetune needs output_dir (the final model) or checkpoint.dir, else it refuses to start
-(exit 2): nothing else would keep what it trains. Output locations are proven writable first.
+(exit 2): nothing else would keep what it trains. Output locations are proven writable first,
+and locked for the run (a <folder>.lock beside each): a second run on them exits 2.
 exit status: 0 done (also: the run had already finished), 1 another error, named in one line
 (a pipe other than stdout broke), 2 configuration or checkpoint error (nothing trained; with --ray also a run summary
 Ray hands back unreadable, the run itself finished), 3 a non-finite loss or gradient norm
@@ -51,6 +52,11 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 def _finetune(args: argparse.Namespace) -> int:
     from polyaccel.moe.train_config import ConfigError, load_config
 
+    ray_only = [flag for flag, value in (("--workers", args.workers), ("--address", args.address),
+                                         ("--storage-path", args.storage_path)) if value is not None]
+    if ray_only and not args.ray:  # else silently one process, not the workers asked for
+        raise ConfigError(f"{' and '.join(ray_only)} only appl{'ies' if len(ray_only) == 1 else 'y'} with --ray (Ray Train workers); add --ray, or "
+                          "use torchrun for several processes without Ray")
     cfg = load_config(args.config, _overrides(args))
     args.loaded_config = cfg  # for the line an interrupt prints
     if not cfg.output_dir and not cfg.checkpoint.dir:
@@ -66,7 +72,7 @@ def _finetune(args: argparse.Namespace) -> int:
                 check_address(args.address)
             except ValueError as e:
                 raise ConfigError(f"--address: {e}") from None
-        summary = run_with_ray(cfg, workers=args.workers, address=args.address,
+        summary = run_with_ray(cfg, workers=args.workers or 1, address=args.address,
                                storage_path=args.storage_path)
         print(dumps(summary))
         return 0
@@ -132,10 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override one config key, e.g. --set train.lr=2e-5 (repeatable)")
     f.add_argument("--ray", action="store_true", help="run on Ray Train workers")
-    f.add_argument("--workers", type=integer(1), default=1, help="Ray Train workers (one GPU each when GPUs exist)")
-    f.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a private local cluster on "
+    f.add_argument("--workers", type=integer(1), default=None,
+                   help="with --ray: Ray Train workers (one GPU each when GPUs exist; default: 1)")
+    f.add_argument("--address", help="with --ray: Ray cluster address (default: RAY_ADDRESS, else a private local cluster on "
                    "loopback; 'auto' is refused: it joins whatever cluster a local user advertises)")
-    f.add_argument("--storage-path", help="Ray Train run storage: shared storage on several nodes (default: a "
+    f.add_argument("--storage-path", help="with --ray: Ray Train run storage: shared storage on several nodes (default: a "
                    "private temporary folder on a local cluster, else ~/ray_results)")
     f.add_argument("--peak-tflops", type=number(0, strict=True), help="peak bf16 TFLOP/s per device for MFU (default: datasheet)")
     f.set_defaults(fn=_finetune)

@@ -505,12 +505,112 @@ def finetune(cfg: FinetuneConfig, *, device: torch.device | None = None,
     if not cfg.log.progress_bar or rt.rank != 0:  # nor Transformers' loading/saving bars
         hf_logging.disable_progress_bar()
     try:
-        return _finetune(cfg, rt, stop_after)
+        with _RunLocks(cfg, rt.rank):
+            return _finetune(cfg, rt, stop_after)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
         if rt.owns_process_group:
             dist.destroy_process_group()
+
+
+_LOCK_HEADER = b"polyaccel-moe lock, pid "
+"""How a run's lock file starts (then its process id); a file on a lock path that does not
+is a user's: refused, never truncated or removed."""
+
+
+class _RunLocks:
+    """An exclusive ``flock`` on ``<folder>.lock`` beside ``checkpoint.dir`` and ``output_dir``
+    for the length of a run (rank 0 takes them; every rank learns the verdict): a second run
+    writing the same folders (the same command started twice, a requeued job whose first
+    copy still runs) is a :class:`ConfigError` before it loads anything, instead of removing
+    the first run's checkpoint in progress or mixing their files. Lock files are removed on
+    release; one a ``kill -9`` left is harmless (the kernel drops its lock)."""
+
+    def __init__(self, cfg: FinetuneConfig, rank: int):
+        self.folders = [(key, Path(folder)) for key, folder in (("checkpoint.dir", cfg.checkpoint.dir),
+                                                                  ("output_dir", cfg.output_dir)) if folder]
+        self.rank, self.held, self.made = rank, [], []
+
+    def __enter__(self) -> None:
+        failure = None
+        if self.rank == 0:
+            try:
+                for key, folder in self.folders:
+                    self._acquire(key, folder)
+            except ConfigError as e:
+                self.release()
+                failure = str(e)
+        if dist.is_initialized():
+            box = [failure]
+            dist.broadcast_object_list(box, src=0)
+            failure = box[0]
+        if failure is not None:
+            raise ConfigError(failure)
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _acquire(self, key: str, folder: Path) -> None:
+        import errno
+        import fcntl
+
+        path = _lock_path(folder)
+        if path in (p for _, p in self.held):  # output_dir and checkpoint.dir one folder: refused later
+            return
+        _writable_dir(key, folder)  # what check_outputs says of a folder that cannot be made, said first
+        self.made += [d for d in missing_dirs(path.parent) if d not in self.made]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise ConfigError(f"{key}: cannot make its lock file {path} ({e.strerror or e})", key=key) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            head = os.pread(fd, 64, 0)
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                pid = head.removeprefix(_LOCK_HEADER).strip().decode(errors="replace")
+                raise ConfigError(f"{key} {folder} is being written by another run ({f'pid {pid}' if pid.isdigit() else path}); "
+                                  "wait for it to end, or choose another folder", key=key) from None
+            raise ConfigError(f"{key}: cannot lock {path} ({e.strerror or e})", key=key) from None
+        head = os.pread(fd, 64, 0)
+        if head and not re.fullmatch(rb"polyaccel-moe lock, pid \d+\n?", head):
+            os.close(fd)
+            raise ConfigError(f"{key}: {path} exists and is not a lock file of polyaccel-moe; remove it or choose "
+                              "another folder", key=key)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, _LOCK_HEADER + f"{os.getpid()}\n".encode(), 0)
+        self.held.append((fd, path))
+
+    def release(self) -> None:
+        """Remove the lock files (then drop the locks) and the folders made for them, if empty."""
+        while self.held:
+            fd, path = self.held.pop()
+            with contextlib.suppress(OSError):
+                path.unlink()
+            os.close(fd)
+        remove_empty_dirs(sorted(self.made, key=lambda d: len(d.parts), reverse=True))
+        self.made = []
+
+
+def _lock_path(folder: Path) -> Path:
+    """The lock file of an output folder: ``<folder>.lock`` beside it."""
+    folder = Path(os.path.abspath(folder))
+    return folder.with_name(folder.name + ".lock")
+
+
+def _is_run_lock(path: Path) -> bool:
+    """Whether ``path`` is a run's lock file (a ``checkpoint.dir`` kept inside ``output_dir``
+    has its lock there)."""
+    if not path.name.endswith(".lock") or path.is_symlink():
+        return False
+    try:
+        with path.open("rb") as f:
+            return f.read(len(_LOCK_HEADER)) in (_LOCK_HEADER, b"")
+    except OSError:
+        return False
 
 
 def check_config(cfg: FinetuneConfig, *, world_size: int, device: torch.device | None) -> tuple[Any, Path | None]:
@@ -976,6 +1076,32 @@ def check_outputs(cfg: FinetuneConfig) -> None:
     if cfg.output_dir:
         _writable_dir("output_dir", Path(cfg.output_dir))
         _check_output_dir(cfg, Path(cfg.output_dir))
+        _check_saved_tokenizer(cfg)
+
+
+def _saved_tokenizer(cfg: FinetuneConfig) -> str | None:
+    """The tokenizer directory whose tokenizer ``output_dir`` gets beside the model, or None."""
+    tok_dir = cfg.data.tokenizer or cfg.model.path
+    return tok_dir if tok_dir and any(Path(tok_dir).glob("tokenizer*")) else None
+
+
+def _check_saved_tokenizer(cfg: FinetuneConfig) -> None:
+    """Load the tokenizer the final save copies into ``output_dir`` now, before training: one
+    that cannot be loaded (a cut-off ``tokenizer.json``) would otherwise fail that save, and
+    every fallback folder, after training (pre-tokenized data never loads it earlier)."""
+    tok_dir = _saved_tokenizer(cfg)
+    if tok_dir is None:
+        return
+    from polyaccel.moe.data import load_tokenizer
+
+    try:
+        load_tokenizer(tok_dir)
+    except Exception as e:  # ConfigError, or what the tokenizers library raises for a damaged file
+        why = str(e).removeprefix(f"cannot load a tokenizer from {tok_dir}: ")
+        raise ConfigError(f"output_dir: the final save copies the tokenizer in {tok_dir}, which cannot be loaded "
+                          f"({' '.join(why.split())[:300]}); repair or remove its tokenizer files, or set "
+                          "data.tokenizer to a tokenizer that loads (checked before training, not after)",
+                          key="data.tokenizer" if cfg.data.tokenizer else "model.path") from None
 
 
 def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
@@ -990,7 +1116,8 @@ def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
         raise ConfigError(f"output_dir: {out} is inside checkpoint.dir {cfg.checkpoint.dir}, where it would change "
                           "or be pruned with the checkpoints. Choose a directory outside it")
     if out.is_dir():
-        names = sorted(p.name for p in out.iterdir() if not p.is_dir() and not _is_metrics_log(cfg, p))
+        names = sorted(p.name for p in out.iterdir()
+                       if not p.is_dir() and not _is_metrics_log(cfg, p) and not _is_run_lock(p))
         if ckpt.MANIFEST in names or ckpt.TRAINER_STATE in names:  # another run's, or checkpoint.resume
             raise ConfigError(f"output_dir: {out} is a training checkpoint; saving there would change its weights, "
                               "so it could no longer be resumed from. Choose another output_dir")
@@ -1319,7 +1446,7 @@ def _rescue(cfg: FinetuneConfig, write_model: Callable[[Path], Any], name: str) 
             seen.add(key)
             folder = Path(tempfile.mkdtemp(prefix=f"polyaccel-moe-rescue-{name}-{time.strftime('%Y%m%d-%H%M%S')}-",
                                            dir=parent))
-            _write_output(cfg, write_model, out=folder)
+            _write_output(cfg, write_model, out=folder, tokenizer_optional=True)
         except Exception as e:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -1392,7 +1519,8 @@ earlier save's that this save lacks are deleted; any other file (``model.fp16.sa
 ``model.orig.safetensors``, a user's) is left alone."""
 
 
-def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: Path | None = None) -> None:
+def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: Path | None = None, *,
+                  tokenizer_optional: bool = False) -> None:
     """Write the final model into ``out`` (default ``cfg.output_dir``): first whole into a
     staging folder inside it (a kill leaves the folder as it was), then each file moved in
     with ``os.replace``, the config that makes the folder load as a model last, after the
@@ -1400,7 +1528,8 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     (a kill between the moves leaves a folder that does not load, never new weights beside old
     ones under the old config or old weights under the new one; a rerun may write there
     again); other files are left alone. A failed write removes the staging folder and the directories it
-    created, then raises."""
+    created, then raises. ``tokenizer_optional`` (a rescue): a tokenizer that cannot be loaded
+    any more is left out (a warning) instead of failing the write of the weights."""
     out = Path(cfg.output_dir) if out is None else Path(out)
     created = missing_dirs(out)
     staging = out / _STAGING
@@ -1408,11 +1537,19 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         write_model(staging)
-        tok_dir = cfg.data.tokenizer or cfg.model.path
-        if tok_dir and any(Path(tok_dir).glob("tokenizer*")):
+        tok_dir = _saved_tokenizer(cfg)
+        if tok_dir is not None:
             from polyaccel.moe.data import load_tokenizer
 
-            load_tokenizer(tok_dir).save_pretrained(staging)
+            try:
+                tokenizer = load_tokenizer(tok_dir)
+            except Exception as e:
+                if not tokenizer_optional:
+                    raise
+                logger.warning("polyaccel.moe: the tokenizer in %s cannot be loaded (%s): the weights are saved "
+                               "without it", tok_dir, ckpt.describe(e))
+            else:
+                tokenizer.save_pretrained(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         remove_empty_dirs(created)
