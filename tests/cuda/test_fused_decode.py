@@ -171,5 +171,5 @@ def test_launch_shapes_depend_on_the_weights_alone():
     assert fused_decode._config(D, D, bf16, parts=3) == fused_decode.GemmConfig(32, 256)  # q|k|v
     assert fused_decode._config(FFN, D, bf16) == fused_decode.GemmConfig(32, 256)  # fc1
     assert fused_decode._config(D, FFN, bf16) == fused_decode.GemmConfig(32, 128, 8)  # fc2: K in 8 parts
-    assert fused_decode._config(V, D, bf16) == fused_decode.GemmConfig(64, 128, num_warps=8)  # the vocabulary
+    assert fused_decode._config(V, D, bf16) == fused_decode.GemmConfig(64, 256, num_stages=3)  # the vocabulary
     assert fused_decode._config(D, FFN, torch.float32).block_k == 64

@@ -64,15 +64,16 @@ def _config(N: int, K: int, dtype: torch.dtype, parts: int = 1) -> GemmConfig:
 
     Few rows read each weight once, so a launch wants enough programs to keep the memory
     system busy: column blocks as wide as still give about 100 of them (16 to 64; a weight
-    that would have 100 of 128 columns, a vocabulary, takes 64 with 8 warps); a K more
-    than twice N is split into parts of about :data:`SPLIT_ROWS` (at most 8), as 1,280 output
-    columns alone give too few programs. Measured on one H200 for Whisper large-v3-turbo's
-    decoder (``tools/bench_asr.py --sections kernels``, docs/benchmarks.md)."""
+    that would have 100 of 128 columns, a vocabulary, takes 64 with a 3-stage pipeline); a K
+    more than twice N is split into parts of about :data:`SPLIT_ROWS` (at most 8), as 1,280
+    output columns alone give too few programs. Measured on one H200 for Whisper
+    large-v3-turbo's decoder, each call reading its weights from memory as a decoder step does
+    (``tools/bench_asr.py --sections kernels``, docs/benchmarks.md)."""
     step = 64 if dtype == torch.float32 else 256
     if K > 2 * N and K >= 2 * SPLIT_ROWS:
         return GemmConfig(32, min(step, 128), min(8, K // SPLIT_ROWS))
-    if cdiv(N * parts, 128) >= 100:  # a vocabulary projection: 64 columns, 8 warps measured best
-        return GemmConfig(64, min(step, 128), num_warps=8)
+    if cdiv(N * parts, 128) >= 100:  # a vocabulary projection
+        return GemmConfig(64, step, num_stages=3)
     block_n = 16
     for width in (32, 64):
         if cdiv(N * parts, width) >= 100:
