@@ -866,13 +866,12 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
             metrics_file.close()
 
     if cfg.output_dir and step == t.max_steps:
-        if replaced:
-            logger.warning("polyaccel.moe: output_dir %s holds a saved model (%s) that %s; this run's final model "
-                           "replaces it (its weight files and config; other files are kept). Use another "
-                           "output_dir to keep both", cfg.output_dir, replaced,
-                           f"no checkpoint in this run's checkpoint.dir {cfg.checkpoint.dir} matches (another run's?)"
-                           if cfg.checkpoint.dir else "this run did not write (it has no checkpoint.dir)")
-        save_final(model, cfg, rt, step=step, final_checkpoint=last_saved)
+        foreign = None
+        if replaced:  # warned by the save, once it knows the files it writes (what it replaces, what it keeps)
+            foreign = (f"output_dir {cfg.output_dir} holds a saved model ({replaced}) that "
+                       + (f"no checkpoint in this run's checkpoint.dir {cfg.checkpoint.dir} matches (another run's?)"
+                          if cfg.checkpoint.dir else "this run did not write (it has no checkpoint.dir)"))
+        save_final(model, cfg, rt, step=step, final_checkpoint=last_saved, foreign=foreign)
     measured = times[1:] or times
     tok_s_dev = tokens_per_step / statistics.median(measured) / rt.world_size if measured else None
     return TrainResult(
@@ -1065,6 +1064,12 @@ def check_outputs(cfg: FinetuneConfig) -> None:
             if folder and metrics.resolve() == Path(folder).resolve():
                 raise ConfigError(f"log.metrics_jsonl: {metrics} is {key}, a directory this run writes; "
                                   "name a file (e.g. metrics.jsonl inside it)", key="log.metrics_jsonl")
+        if cfg.output_dir and (name := _saved_name(metrics, Path(cfg.output_dir))) is not None:
+            raise ConfigError(f"log.metrics_jsonl: {metrics} is {name} in output_dir {cfg.output_dir}, a file the "
+                              "final save writes (or deletes, or a folder it removes); the save would destroy the "
+                              "metrics log. Name another file for log.metrics_jsonl (e.g. "
+                              f"{Path(cfg.output_dir) / 'metrics.jsonl'}) or choose another output_dir",
+                              key="log.metrics_jsonl")
         if metrics.is_dir():
             raise ConfigError(f"log.metrics_jsonl: {metrics} is a directory, not a file")
         if (line := _foreign_line(metrics)) is not None:
@@ -1077,6 +1082,30 @@ def check_outputs(cfg: FinetuneConfig) -> None:
         _writable_dir("output_dir", Path(cfg.output_dir))
         _check_output_dir(cfg, Path(cfg.output_dir))
         _check_saved_tokenizer(cfg)
+
+
+_SAVED_NAMES = frozenset({"config.json", "adapter_config.json", "generation_config.json", "README.md",
+                          "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
+                          "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json",
+                          "preprocessor_config.json", "processor_config.json"})
+"""Names of files the final save writes besides the weights (:data:`_WEIGHT_FILE`) and
+``tokenizer*``: Transformers' config and generation config, PEFT's adapter config and
+``README.md``, a tokenizer's or processor's other files."""
+
+
+def _saved_name(path: Path, out: Path) -> str | None:
+    """How ``path`` is named in ``out`` when the final save to ``out`` writes, deletes or
+    removes it (a name it saves, an earlier weight file, anything in its staging folder),
+    else None. Both ``path`` as given and where its links lead are checked."""
+    real_out = out.resolve()
+    for p in (Path(os.path.abspath(path)), path.resolve()):
+        full = p.parent.resolve() / p.name
+        if full.is_relative_to(real_out / _STAGING):
+            return str(full.relative_to(real_out))
+        if full.parent == real_out and (p.name in _SAVED_NAMES or p.name.startswith("tokenizer")
+                                        or _WEIGHT_FILE.match(p.name)):
+            return p.name
+    return None
 
 
 def _saved_tokenizer(cfg: FinetuneConfig) -> str | None:
@@ -1347,18 +1376,20 @@ class SaveError(RuntimeError):
 
 
 def save_final(model: nn.Module, cfg: FinetuneConfig, rt: Runtime, *, step: int | None = None,
-               final_checkpoint: Path | None = None) -> None:
+               final_checkpoint: Path | None = None, foreign: str | None = None) -> None:
     """``save_pretrained`` the trained model (and the tokenizer, if there is one) to
     ``cfg.output_dir`` through :func:`_write_output`; collective when distributed (rank 0
     writes). When that fails (a full disk...), nothing partial is left in ``output_dir`` and a
     :class:`SaveError` (on every rank) says where the trained weights are: in
     ``final_checkpoint`` (this run's checkpoint of the final step), else in a fallback folder
-    the weights are written to instead (:func:`_rescue`)."""
+    the weights are written to instead (:func:`_rescue`). ``foreign``: ``output_dir`` holds
+    a saved model this run did not write, so described (the save warns, naming the files it
+    replaces and those it keeps)."""
     write = _model_writer(model)
     failure = None
     if rt.rank == 0:
         try:
-            _write_output(cfg, write)
+            _write_output(cfg, write, foreign=foreign)
         except Exception as e:
             head = (f"training finished{f' (step {step})' if step else ''}, but the final model could not be "
                     f"written to output_dir {cfg.output_dir} ({ckpt.describe(e)}); nothing partial was left there")
@@ -1520,7 +1551,7 @@ earlier save's that this save lacks are deleted; any other file (``model.fp16.sa
 
 
 def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: Path | None = None, *,
-                  tokenizer_optional: bool = False) -> None:
+                  tokenizer_optional: bool = False, foreign: str | None = None) -> None:
     """Write the final model into ``out`` (default ``cfg.output_dir``): first whole into a
     staging folder inside it (a kill leaves the folder as it was), then each file moved in
     with ``os.replace``, the config that makes the folder load as a model last, after the
@@ -1529,7 +1560,11 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     ones under the old config or old weights under the new one; a rerun may write there
     again); other files are left alone. A failed write removes the staging folder and the directories it
     created, then raises. ``tokenizer_optional`` (a rescue): a tokenizer that cannot be loaded
-    any more is left out (a warning) instead of failing the write of the weights."""
+    any more is left out (a warning) instead of failing the write of the weights. ``foreign``
+    (the start of a sentence: ``out`` holds a saved model this run did not write): once the
+    save is staged, a warning names the files of ``out`` it overwrites (every file the save
+    writes: weights, ``config.json``, ``generation_config.json``, the tokenizer's files...),
+    the earlier weight files it deletes and the files it keeps."""
     out = Path(cfg.output_dir) if out is None else Path(out)
     created = missing_dirs(out)
     staging = out / _STAGING
@@ -1555,6 +1590,13 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
         remove_empty_dirs(created)
         raise
     written = sorted(p.name for p in staging.iterdir())
+    if foreign:
+        try:
+            what = _replacement(out, written)
+        except OSError as e:  # only a warning: never a reason not to save
+            what = f"the files of the names it writes (its listing failed: {ckpt.describe(e)})"
+        logger.warning("polyaccel.moe: %s; this run's final model replaces it: %s. Use another output_dir to keep "
+                       "both", foreign, what)
     markers = [n for n in _MODEL_MARKERS if n in written]
     weights = [n for n in written if _WEIGHT_FILE.match(n)]
     for name in markers:
@@ -1568,6 +1610,29 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     for name in [n for n in written if n not in markers and n not in weights] + markers:
         os.replace(staging / name, out / name)
     staging.rmdir()
+
+
+def _replacement(out: Path, written: Sequence[str]) -> str:
+    """What :func:`_write_output` of the files ``written`` does to those already in ``out``:
+    which it overwrites (those of the same names), which it deletes (the earlier weight files
+    it does not write) and which it keeps (all others), named for a warning."""
+    present = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir()
+                     if p.name != _STAGING and not _is_run_lock(p))
+    overwritten = [n for n in present if n in written]
+    deleted = [n for n in present if n not in written and _WEIGHT_FILE.match(n)]
+    kept = [n for n in present if n not in overwritten and n not in deleted]
+    parts = [f"overwrites {_names(overwritten)} (files of the names it writes)" if overwritten
+             else "overwrites no file"]
+    if deleted:
+        parts.append(f"deletes {_names(deleted)} (earlier weight files it does not write)")
+    parts.append(f"keeps {_names(kept)} (files it neither writes nor deletes)" if kept else "keeps no other file "
+                 "(there is none)")
+    return "; ".join(parts)
+
+
+def _names(names: Sequence[str], limit: int = 8) -> str:
+    """``names`` joined for a message, the first ``limit`` and how many there are in all."""
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
 def _final_files(checkpoint: Path) -> dict[str, tuple[int, str]]:
