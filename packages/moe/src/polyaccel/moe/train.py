@@ -541,11 +541,7 @@ class _RunLocks:
             except ConfigError as e:
                 self.release()
                 failure = str(e)
-        if dist.is_initialized():
-            box = [failure]
-            dist.broadcast_object_list(box, src=0)
-            failure = box[0]
-        if failure is not None:
+        if (failure := _rank0_verdict(failure)) is not None:
             raise ConfigError(failure)
 
     def __exit__(self, *exc: object) -> None:
@@ -1411,14 +1407,19 @@ def _model_writer(model: nn.Module) -> Callable[[Path], Any]:
     return lambda staging: model.save_pretrained(staging, state_dict=state)
 
 
-def _raise_on_any_rank(failure: str | None) -> None:
-    """Rank 0's verdict to every rank (collective when distributed): raise :class:`SaveError`
-    with ``failure`` unless it is None."""
+def _rank0_verdict(failure: str | None) -> str | None:
+    """Rank 0's ``failure`` (None: none), on every rank (collective when distributed)."""
     if dist.is_initialized():
         box = [failure]
         dist.broadcast_object_list(box, src=0)
         failure = box[0]
-    if failure is not None:
+    return failure
+
+
+def _raise_on_any_rank(failure: str | None) -> None:
+    """Rank 0's verdict to every rank (collective when distributed): raise :class:`SaveError`
+    with ``failure`` unless it is None."""
+    if (failure := _rank0_verdict(failure)) is not None:
         raise SaveError(failure)
 
 
