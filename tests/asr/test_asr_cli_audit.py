@@ -139,13 +139,14 @@ def test_an_unreadable_manifest_reference_file_or_folder_is_a_usage_error(tmp_pa
     refs = tmp_path / "refs.txt"
     refs.write_text("<s> hi </s> (a)\n")
     denied = {str(manifest), str(refs), str(tmp_path / "clips" / "private")}
-    read_text, scandir = Path.read_text, os.scandir
+    read_text, read_bytes, scandir = Path.read_text, Path.read_bytes, os.scandir
 
     def deny(path: object) -> None:
         if os.fspath(path) in denied:
             raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
 
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: deny(self) or read_text(self, *a, **k))
+    monkeypatch.setattr(Path, "read_bytes", lambda self: deny(self) or read_bytes(self))
     monkeypatch.setattr(os, "scandir", lambda path=".": deny(path) or scandir(path))
     out = tmp_path / "out.jsonl"
     for argv, what in [([str(manifest)], manifest), ([str(wav), "--refs", str(refs)], refs),

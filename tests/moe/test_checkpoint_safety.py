@@ -439,7 +439,7 @@ def test_a_failed_final_save_leaves_the_earlier_output_as_it_was(finished, tmp_p
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     original = train._write_output
 
-    def interrupted(cfg, write_model):
+    def interrupted(cfg, write_model, **kwargs):
         def write_then_die(staging):
             write_model(staging)
             raise KeyboardInterrupt("killed after writing the staged model")
