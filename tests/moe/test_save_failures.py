@@ -30,7 +30,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers.modeling_utils
-from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from polyaccel.moe import train
@@ -47,18 +46,6 @@ def _cli(capsys, *sets: str, config: Path = TINY, extra: tuple[str, ...] = ()) -
     return code, out, err
 
 
-def _full_disk(monkeypatch, disk: Path) -> None:
-    """Every safetensors file written under ``disk`` fails as on a full disk."""
-    real = transformers.modeling_utils.safe_save_file
-
-    def save(tensors, filename, *args, **kwargs):
-        if Path(filename).resolve().is_relative_to(disk.resolve()):
-            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-        return real(tensors, filename, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", save)
-
-
 def _private_tmpdir(monkeypatch, path: Path) -> Path:
     path.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(path))  # what $TMPDIR sets
@@ -71,11 +58,11 @@ def _error_line(err: str) -> str:
     return lines[0]
 
 
-def test_a_final_save_that_fails_without_checkpoints_rescues_the_weights(tmp_path, capsys, monkeypatch):
+def test_a_final_save_that_fails_without_checkpoints_rescues_the_weights(full_disk, tmp_path, capsys, monkeypatch):
     disk = tmp_path / "disk"
     disk.mkdir()
     tmp = _private_tmpdir(monkeypatch, tmp_path / "tmp")
-    _full_disk(monkeypatch, disk)
+    full_disk(disk)
     code, out, err = _cli(capsys, f"output_dir={disk / 'final'}", "checkpoint.dir=null")
     line = _error_line(err)
     assert code == 4 and "start_step" not in out, err  # no summary of a run whose save failed
@@ -89,12 +76,12 @@ def test_a_final_save_that_fails_without_checkpoints_rescues_the_weights(tmp_pat
     assert model.config.num_hidden_layers == 2
 
 
-def test_a_rescue_goes_on_when_the_temporary_directory_cannot_be_found(tmp_path, capsys, monkeypatch):
+def test_a_rescue_goes_on_when_the_temporary_directory_cannot_be_found(full_disk, tmp_path, capsys, monkeypatch):
     """On a full disk finding $TMPDIR itself can fail (every candidate unwritable): the rescue
     must go on to the working directory, not end with a traceback and the weights lost."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    _full_disk(monkeypatch, disk)
+    full_disk(disk)
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
@@ -109,11 +96,11 @@ def test_a_rescue_goes_on_when_the_temporary_directory_cannot_be_found(tmp_path,
     assert code == 4 and len(rescued) == 1 and f"saved instead to {rescued[0]}" in line, err
 
 
-def test_a_final_save_that_fails_names_the_final_checkpoint_and_a_rerun_writes_it(tmp_path, capsys, monkeypatch):
+def test_a_final_save_that_fails_names_the_final_checkpoint_and_a_rerun_writes_it(full_disk, tmp_path, capsys, monkeypatch):
     disk = tmp_path / "disk"
     disk.mkdir()
     tmp = _private_tmpdir(monkeypatch, tmp_path / "tmp")
-    _full_disk(monkeypatch, disk)
+    full_disk(disk)
     sets = [f"checkpoint.dir={tmp_path / 'ck'}", f"output_dir={disk / 'final'}"]
     code, _, err = _cli(capsys, *sets)
     line = _error_line(err)
@@ -126,10 +113,10 @@ def test_a_final_save_that_fails_names_the_final_checkpoint_and_a_rerun_writes_i
             == load_file(tmp_path / "ck/step_00000002/model.safetensors").keys())
 
 
-def test_a_checkpoint_that_cannot_be_written_stops_with_the_weights_rescued(tmp_path, capsys, monkeypatch):
+def test_a_checkpoint_that_cannot_be_written_stops_with_the_weights_rescued(full_disk, tmp_path, capsys, monkeypatch):
     disk = tmp_path / "disk"
     tmp = _private_tmpdir(monkeypatch, tmp_path / "tmp")
-    _full_disk(monkeypatch, disk)
+    full_disk(disk)
     code, _, err = _cli(capsys, f"checkpoint.dir={disk / 'ck'}", f"output_dir={disk / 'out'}",
                         "train.max_steps=4", "checkpoint.every_steps=2")
     line = _error_line(err)
@@ -318,7 +305,7 @@ def _model_with_tokenizer(path: Path) -> Path:
     return path
 
 
-def test_the_rescue_folder_holds_the_tokenizer_as_output_dir_would(tmp_path, capsys, monkeypatch):
+def test_the_rescue_folder_holds_the_tokenizer_as_output_dir_would(full_disk, tmp_path, capsys, monkeypatch):
     from transformers import AutoTokenizer
 
     base = _model_with_tokenizer(tmp_path / "base")
@@ -331,7 +318,7 @@ def test_the_rescue_folder_holds_the_tokenizer_as_output_dir_would(tmp_path, cap
     disk = tmp_path / "disk"
     disk.mkdir()
     tmp = _private_tmpdir(monkeypatch, tmp_path / "tmp")
-    _full_disk(monkeypatch, disk)
+    full_disk(disk)
     code, _, err = _cli(capsys, f"output_dir={disk / 'final'}", "checkpoint.dir=null", config=config)
     line = _error_line(err)
     rescued = list(tmp.glob("polyaccel-moe-rescue-final-*"))
@@ -342,14 +329,14 @@ def test_the_rescue_folder_holds_the_tokenizer_as_output_dir_would(tmp_path, cap
 
 
 @pytest.mark.parametrize("fs", ["ext4", "tmpfs"])
-def test_the_rescue_line_says_the_folder_is_private_and_when_a_reboot_deletes_it(tmp_path, capsys, monkeypatch, fs):
+def test_the_rescue_line_says_the_folder_is_private_and_when_a_reboot_deletes_it(full_disk, tmp_path, capsys, monkeypatch, fs):
     disk = tmp_path / "disk"
     disk.mkdir()
     tmp = _private_tmpdir(monkeypatch, tmp_path / "tmp")
     mounts = tmp_path / "mounts"
     mounts.write_text(f"/dev/vda / ext4 rw 0 0\n{fs} {tmp.resolve()} {fs} rw 0 0\n")
     monkeypatch.setattr(train, "_MOUNTS", mounts)
-    _full_disk(monkeypatch, disk)
+    full_disk(disk)
     code, _, err = _cli(capsys, f"output_dir={disk / 'final'}", "checkpoint.dir=null")
     line = _error_line(err)
     rescued = list(tmp.glob("polyaccel-moe-rescue-final-*"))
@@ -380,9 +367,9 @@ def test_an_in_memory_file_system_is_the_mount_with_the_longest_mount_point(tmp_
 
 # -- a failed checkpoint write removes the directories it created, and only those -------------
 
-def test_a_failed_checkpoint_removes_the_directories_it_created(tmp_path, capsys, monkeypatch):
+def test_a_failed_checkpoint_removes_the_directories_it_created(full_disk, tmp_path, capsys, monkeypatch):
     _private_tmpdir(monkeypatch, tmp_path / "tmp")
-    _full_disk(monkeypatch, tmp_path / "new")
+    full_disk(tmp_path / "new")
     code, _, err = _cli(capsys, f"checkpoint.dir={tmp_path / 'new/a/ck'}", f"output_dir={tmp_path / 'out'}")
     line = _error_line(err)
     assert code == 4 and "the checkpoint could not be written" in line and "written to output_dir" in line
@@ -391,13 +378,13 @@ def test_a_failed_checkpoint_removes_the_directories_it_created(tmp_path, capsys
 
 
 @pytest.mark.parametrize("before", ["empty checkpoint.dir", "checkpoint.dir with a file", "empty parent"])
-def test_a_failed_checkpoint_keeps_directories_that_were_there(tmp_path, capsys, monkeypatch, before):
+def test_a_failed_checkpoint_keeps_directories_that_were_there(full_disk, tmp_path, capsys, monkeypatch, before):
     _private_tmpdir(monkeypatch, tmp_path / "tmp")
     ck = tmp_path / "old/ck"
     (ck if before != "empty parent" else ck.parent).mkdir(parents=True)
     if before == "checkpoint.dir with a file":
         (ck / "notes.txt").write_text("mine")
-    _full_disk(monkeypatch, ck)
+    full_disk(ck)
     code, _, err = _cli(capsys, f"checkpoint.dir={ck}", f"output_dir={tmp_path / 'out'}")
     assert code == 4 and "the checkpoint could not be written" in _error_line(err)
     expected = {"empty checkpoint.dir": [], "checkpoint.dir with a file": ["notes.txt"]}
@@ -407,10 +394,10 @@ def test_a_failed_checkpoint_keeps_directories_that_were_there(tmp_path, capsys,
         assert ck.parent.is_dir() and not ck.exists()  # old/ was there; ck/ was made by the save
 
 
-def test_a_rescue_in_a_directory_the_failed_checkpoint_created_is_kept(tmp_path, capsys, monkeypatch):
+def test_a_rescue_in_a_directory_the_failed_checkpoint_created_is_kept(full_disk, tmp_path, capsys, monkeypatch):
     tmp = _private_tmpdir(monkeypatch, tmp_path / "tmp")
     runs = tmp_path / "runs"  # made by the checkpoint save; the rescue then goes next to output_dir, into it
-    _full_disk(monkeypatch, runs / "ck")
+    full_disk(runs / "ck")
     code, _, err = _cli(capsys, f"checkpoint.dir={runs / 'ck'}", f"output_dir={runs / 'final'}",
                         "train.max_steps=4", "checkpoint.every_steps=2")
     line = _error_line(err)
