@@ -1086,7 +1086,8 @@ _SAVED_NAMES = frozenset({"config.json", "adapter_config.json", "generation_conf
                           "preprocessor_config.json", "processor_config.json"})
 """Names of files the final save writes besides the weights (:data:`_WEIGHT_FILE`) and
 ``tokenizer*``: Transformers' config and generation config, PEFT's adapter config and
-``README.md``, a tokenizer's or processor's other files."""
+``README.md`` (only where there is none: :data:`_KEPT_NAMES`), a tokenizer's or processor's
+other files."""
 
 
 def _saved_name(path: Path, out: Path) -> str | None:
@@ -1545,6 +1546,10 @@ def _print_metrics(line: str) -> None:
 _STAGING = ".polyaccel-partial"
 _MODEL_MARKERS = ("config.json", "adapter_config.json")
 """The files that make a folder load as a model (Transformers) or as adapters (PEFT)."""
+_KEPT_NAMES = ("README.md",)
+"""Names the final save writes only into a folder without such a file: PEFT's model card. It is
+no part of the model (nothing loads it), and a ``README.md`` already in ``output_dir``, the
+user's own or an earlier save's card, possibly edited, is kept byte for byte."""
 _WEIGHT_FILE = re.compile(r"^(model|adapter_model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
 """The names Transformers and PEFT give weights (one file, numbered shards, their index): an
 earlier save's that this save lacks are deleted; any other file (``model.fp16.safetensors``,
@@ -1559,7 +1564,8 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     earlier save's config is removed and its weight files that this save lacks are deleted
     (a kill between the moves leaves a folder that does not load, never new weights beside old
     ones under the old config or old weights under the new one; a rerun may write there
-    again); other files are left alone. A failed write removes the staging folder and the directories it
+    again); other files are left alone, and so is a file of a name in :data:`_KEPT_NAMES` (the
+    save's own is then dropped, never written over it). A failed write removes the staging folder and the directories it
     created, then raises. ``tokenizer_optional`` (a rescue): a tokenizer that cannot be loaded
     any more is left out (a warning) instead of failing the write of the weights. ``foreign``
     (the start of a sentence: ``out`` holds a saved model this run did not write): once the
@@ -1586,6 +1592,9 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
                                "without it", tok_dir, ckpt.describe(e))
             else:
                 tokenizer.save_pretrained(staging)
+        for name in _KEPT_NAMES:
+            if os.path.lexists(out / name) and os.path.lexists(staging / name):
+                (staging / name).unlink()
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         remove_empty_dirs(created)
