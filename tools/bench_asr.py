@@ -128,39 +128,58 @@ def time_it(fn, repeats: int) -> float:
 def section_ours(args, device, dtype):
     for name in args.models.split(","):
         model = build_model(name, device, dtype)
-        for b in [int(x) for x in args.batches.split(",")]:
-            audio = waveforms(b)
-            modes = [("graphs", True, args.new_tokens)] + ([("eager", False, args.new_tokens)] if args.eager else [])
-            if args.breakdown:  # one decode step: encoder + features + setup, the rest is decoding
-                modes.append(("graphs_1tok", True, 1))
-            if args.invariant:  # what batch invariance costs
-                modes.append(("graphs_invariant", True, args.new_tokens))
-            if args.plain_decode and hasattr(model, "fused_decode"):  # Whisper without its fused step
-                modes.append(("graphs_plain", True, args.new_tokens))
-            if args.no_pdl:  # the step's kernels not launched early (programmatic dependent launch)
-                modes.append(("graphs_no_pdl", True, args.new_tokens))
-            for mode, graphs, new_tokens in modes:
-                try:
-                    _set_dependent_launch(False if mode == "graphs_no_pdl" else None)
-                    model.batch_invariant = mode == "graphs_invariant"
-                    if hasattr(model, "fused_decode"):
-                        model.fused_decode = False if mode == "graphs_plain" else None
-                    runner = make_runner(model, args.backend, b, new_tokens, graphs)
-                    hyps = []
-                    dt = time_it(lambda r=runner, a=audio, h=hyps: h.append(r.recognize(a)), args.repeats)
-                    ntok = len(hyps[-1][0].tokens)
-                    emit(system=f"polyaccel_{mode}", model=name, batch=b, new_tokens=ntok, wall_s=round(dt, 4),
-                         rtfx=round(AUDIO_S * b / dt, 1), features_included=True, device=_device_name())
-                except Exception as e:  # keep the sweep going; the error is the result
-                    emit(system=f"polyaccel_{mode}", model=name, batch=b, error=repr(e)[:400])
-                finally:
-                    runner = None
-                    _set_dependent_launch(None)
-                    model.batch_invariant = False
-                    if hasattr(model, "fused_decode"):
-                        model.fused_decode = None
-                    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        _ours_rows(args, name, model, "")
+        if args.fp8 and _encoder_to_fp8(name, model):
+            _ours_rows(args, name, model, "_fp8")
         del model
+
+
+def _encoder_to_fp8(name, model) -> bool:
+    """``--fp8``: the model's encoder GEMMs in FP8; False (an error row) where it cannot be."""
+    from polyaccel.asr.fp8 import fp8_encoder
+
+    try:
+        fp8_encoder(model)
+    except ValueError as e:  # not Whisper, or no FP8 on this GPU
+        emit(system="polyaccel_graphs_fp8", model=name, error=str(e)[:400])
+        return False
+    return True
+
+
+def _ours_rows(args, name, model, suffix: str) -> None:
+    """The ``ours`` rows of one model, every batch size and mode; ``suffix`` ends each system name."""
+    for b in [int(x) for x in args.batches.split(",")]:
+        audio = waveforms(b)
+        modes = [("graphs", True, args.new_tokens)] + ([("eager", False, args.new_tokens)] if args.eager else [])
+        if args.breakdown:  # one decode step: encoder + features + setup, the rest is decoding
+            modes.append(("graphs_1tok", True, 1))
+        if args.invariant:  # what batch invariance costs
+            modes.append(("graphs_invariant", True, args.new_tokens))
+        if args.plain_decode and hasattr(model, "fused_decode"):  # Whisper without its fused step
+            modes.append(("graphs_plain", True, args.new_tokens))
+        if args.no_pdl:  # the step's kernels not launched early (programmatic dependent launch)
+            modes.append(("graphs_no_pdl", True, args.new_tokens))
+        for mode, graphs, new_tokens in modes:
+            try:
+                _set_dependent_launch(False if mode == "graphs_no_pdl" else None)
+                model.batch_invariant = mode == "graphs_invariant"
+                if hasattr(model, "fused_decode"):
+                    model.fused_decode = False if mode == "graphs_plain" else None
+                runner = make_runner(model, args.backend, b, new_tokens, graphs)
+                hyps = []
+                dt = time_it(lambda r=runner, a=audio, h=hyps: h.append(r.recognize(a)), args.repeats)
+                ntok = len(hyps[-1][0].tokens)
+                emit(system=f"polyaccel_{mode}{suffix}", model=name, batch=b, new_tokens=ntok, wall_s=round(dt, 4),
+                     rtfx=round(AUDIO_S * b / dt, 1), features_included=True, device=_device_name())
+            except Exception as e:  # keep the sweep going; the error is the result
+                emit(system=f"polyaccel_{mode}{suffix}", model=name, batch=b, error=repr(e)[:400])
+            finally:
+                runner = None
+                _set_dependent_launch(None)
+                model.batch_invariant = False
+                if hasattr(model, "fused_decode"):
+                    model.fused_decode = None
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
 def _set_dependent_launch(on: bool | None) -> None:
@@ -971,6 +990,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eager", action="store_true", help="also time the eager (no graphs) path")
+    p.add_argument("--fp8", action="store_true",
+                   help="ours: then every row again with Whisper's encoder GEMMs in FP8 (--fp8-encoder), systems *_fp8")
     p.add_argument("--breakdown", action="store_true", help="also time 1-token decoding (encoder share)")
     p.add_argument("--invariant", action="store_true",
                    help="also time Whisper with batch-invariant kernels (polyaccel.asr.batch_invariant)")

@@ -16,6 +16,7 @@ import sys
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
+from e4m3_check import check_rows_to_fp8 as compare_rows_to_fp8  # noqa: E402
 
 from polyaccel.core import ops  # noqa: E402
 from polyaccel.cuda import (  # noqa: E402
@@ -29,6 +30,7 @@ from polyaccel.cuda import (  # noqa: E402
     triton_rmsnorm,
 )
 from polyaccel.cuda.cross_entropy import linear_cross_entropy  # noqa: E402
+from polyaccel.cuda.fp8_rows import rows_to_fp8  # noqa: E402
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -277,6 +279,21 @@ def check_grouped_lowrank():
     assert torch.equal(buffer[8:], before[8:]), "rows past the output were written"
 
 
+def check_rows_to_fp8():
+    """Rows in e4m3 with their scales: whole rows in one block or several rows a program, a
+    width not a power of two, a zero row, strided rows; without a prologue the same bits as
+    core's reference, after a LayerNorm or GELU (torch's fp32 math vs NumPy's) one step at most."""
+    for rows, k, dtype in ((37, 96, torch.float32), (5, 40, torch.float16), (9, 1280, torch.float32)):
+        x = 3 * torch.randn(rows, k).to(dtype)
+        x[2] = 0
+        w, b = torch.randn(k).to(dtype), torch.randn(k).to(dtype)
+        print(compare_rows_to_fp8(rows_to_fp8, x, "none", exact=True, max_moved=0))
+        print(compare_rows_to_fp8(rows_to_fp8, x, "gelu", exact=False, max_moved=0.1))
+        print(compare_rows_to_fp8(rows_to_fp8, x, "layer_norm", exact=False, max_moved=0.01, ln_weight=w, ln_bias=b))
+    wide = torch.randn(6, 2 * 96)[:, :96]  # rows 192 apart
+    print(compare_rows_to_fp8(rows_to_fp8, wide, "none", exact=True, max_moved=0))
+
+
 def main() -> None:
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
@@ -300,6 +317,7 @@ def main() -> None:
     check_add_scaled()
     check_adamw()
     check_decode_attention()
+    check_rows_to_fp8()
 
 
 if __name__ == "__main__":

@@ -11,18 +11,24 @@ differ from bf16 on some inputs (measured agreement: docs/asr_whisper.md).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
-_ALIGN = 16  # _scaled_mm wants every dimension a multiple of 16
+from polyaccel.asr.whisper import WhisperASR, WhisperEncoderLayer
+from polyaccel.core import ops
+from polyaccel.core.ops import E4M3_MAX
+
+__all__ = ["E4M3_MAX", "Fp8Linear", "Fp8Rows", "Fp8WhisperEncoderLayer", "fp8_encoder", "fp8_supported"]
+_ALIGN = 16  # _scaled_mm wants K and N multiples of 16
 
 
-def _rowwise_fp8(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x / scale as e4m3, scale [M, 1] fp32) with each row's amax mapped to the e4m3 maximum."""
-    scale = x_MK.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
-    return (x_MK.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+class Fp8Rows(NamedTuple):
+    """An FP8 GEMM's input already in e4m3 (``ops.rows_to_fp8``): values [M, K], scales [M, 1]."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
 
 
 class Fp8Linear(nn.Module):
@@ -34,30 +40,44 @@ class Fp8Linear(nn.Module):
         if in_features % _ALIGN or out_features % _ALIGN:
             raise ValueError(f"FP8 GEMMs need dimensions that are multiples of {_ALIGN}; "
                              f"this layer is {in_features} -> {out_features}")
-        w_fp8, w_scale = _rowwise_fp8(linear.weight.detach())
+        w_fp8, w_scale = ops.rows_to_fp8.reference(linear.weight.detach())
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight_fp8", w_fp8)
         self.register_buffer("weight_scale", w_scale.reshape(1, -1))  # [1, N]
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_MK = x.reshape(-1, self.in_features)
-        M = x_MK.shape[0]
-        pad = -M % _ALIGN
-        if pad:
-            x_MK = F.pad(x_MK, (0, 0, 0, pad))
-        x_fp8, x_scale = _rowwise_fp8(x_MK)
+    def forward(self, x: torch.Tensor | Fp8Rows, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x`` [..., K] -> [..., N] in ``x.dtype`` (each row quantized here), or rows already
+        quantized (:class:`Fp8Rows`) -> [M, N] in ``out_dtype`` (default bf16)."""
+        if isinstance(x, Fp8Rows):
+            (x_fp8, x_scale), lead, dtype = x, x.values.shape[:1], out_dtype or torch.bfloat16
+        else:
+            (x_fp8, x_scale), lead, dtype = ops.rows_to_fp8(x), x.shape[:-1], out_dtype or x.dtype
         # CUDA's row-wise-scaled kernels write bf16 only; cast after (fp16 / fp32 models)
-        out_dtype = x.dtype if x.device.type == "cpu" else torch.bfloat16
+        mm_dtype = dtype if x_fp8.device.type == "cpu" else torch.bfloat16
+        bias = None if self.bias is None else self.bias.to(mm_dtype)
         y = torch._scaled_mm(x_fp8, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale,
-                             out_dtype=out_dtype)
-        y = (y[:M] if pad else y).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+                             bias=bias, out_dtype=mm_dtype)
+        return y.to(dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 row-wise"
+
+
+class Fp8WhisperEncoderLayer(WhisperEncoderLayer):
+    """A Whisper encoder layer whose linear layers are :class:`Fp8Linear`: each LayerNorm and
+    the GELU write e4m3 rows and their scales in one op (``ops.rows_to_fp8``), so q, k and v
+    share one quantized input and only the attention output is quantized on its own."""
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        attn, ln1, ln2 = self.self_attn, self.self_attn_layer_norm, self.final_layer_norm
+        h = Fp8Rows(*ops.rows_to_fp8(x_BSD, "layer_norm", ln1.weight, ln1.bias, ln1.eps))
+        q, k, v = (attn._heads(proj(h, x_BSD.dtype).view(B, S, D)) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        x_BSD = x_BSD + attn.attend(q, k, v)
+        h = Fp8Rows(*ops.rows_to_fp8(x_BSD, "layer_norm", ln2.weight, ln2.bias, ln2.eps))
+        g = Fp8Rows(*ops.rows_to_fp8(self.fc1(h, x_BSD.dtype), "gelu"))
+        return x_BSD + self.fc2(g, x_BSD.dtype).view(B, S, D)
 
 
 def fp8_supported(device: torch.device | str) -> tuple[bool, str]:
@@ -80,8 +100,6 @@ def fp8_encoder(model: nn.Module) -> int:
     """Swap every ``nn.Linear`` inside ``model.encoder`` for an :class:`Fp8Linear` (weights
     quantized once, in place); returns how many. Raises ``ValueError`` where the device cannot
     run FP8 GEMMs or a layer's shape does not fit them."""
-    from polyaccel.asr.whisper import WhisperASR
-
     if not isinstance(model, WhisperASR):
         raise ValueError(f"FP8 encoder GEMMs are built for Whisper; {type(model).__name__} reads its "
                          "encoder weights directly")
@@ -92,4 +110,6 @@ def fp8_encoder(model: nn.Module) -> int:
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
         setattr(parent, name, Fp8Linear(child))
+    for layer in model.encoder.layers:
+        layer.__class__ = Fp8WhisperEncoderLayer  # the same module and state dict, the FP8 forward
     return len(targets)

@@ -286,7 +286,7 @@ def _fused_mlp(ln: nn.LayerNorm, fc1: nn.Linear, fc2: nn.Linear, x: torch.Tensor
 
 
 def _mlp(fc1: nn.Module, fc2: nn.Module, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-    if invariant or not isinstance(fc1, nn.Linear):  # FP8 layers (polyaccel.asr.fp8) run their own GEMMs
+    if invariant:
         return _proj(fc2, F.gelu(_proj(fc1, x, invariant)), invariant)
     return ops.ffn(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, activation="gelu")
 

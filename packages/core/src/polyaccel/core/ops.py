@@ -204,6 +204,32 @@ def greedy_advance_(logits: torch.Tensor, bias: torch.Tensor, tokens: torch.Tens
     position.add_(1)
 
 
+E4M3_MAX = 448.0
+"""The largest finite ``float8_e4m3fn`` value: each row's absolute maximum maps onto it."""
+
+
+@registry.define
+def rows_to_fp8(x: torch.Tensor, prologue: str = "none", ln_weight: torch.Tensor | None = None,
+                ln_bias: torch.Tensor | None = None, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` [..., K] in e4m3 with its own scale, for an FP8 GEMM's input: ->
+    (q [M, K] ``float8_e4m3fn``, scale [M, 1] fp32) with ``q * scale`` about the row, M the
+    number of rows. ``prologue`` is applied first, in fp32: ``"none"``, ``"gelu"`` (exact, erf)
+    or ``"layer_norm"`` (with ``ln_weight``/``ln_bias``, ``eps``). The scale maps the row's
+    absolute maximum to :data:`E4M3_MAX` (an all-zero row: a tiny scale, zeros)."""
+    xf = x.reshape(-1, x.shape[-1]).float()
+    if prologue == "layer_norm":
+        w, b = (None if t is None else t.float() for t in (ln_weight, ln_bias))
+        xf = F.layer_norm(xf, (xf.shape[-1],), w, b, eps)
+    elif prologue == "gelu":
+        xf = F.gelu(xf)
+    elif prologue != "none":
+        raise ValueError(f"unknown prologue {prologue!r}; known: none, gelu, layer_norm")
+    # times the fp32 reciprocals, never divided: division by a scalar is a multiplication on
+    # some devices and a division on others, and a kernel should be able to match either bit for bit
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) * (1 / E4M3_MAX)
+    return (xf * scale.reciprocal()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
 @registry.define
 def depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      padding: int | None = None) -> torch.Tensor:
