@@ -27,8 +27,15 @@ def affine(y, W, B, cols, cmask, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
 
 @triton.jit
 def gelu(x):
-    """Exact (erf) GELU in fp32."""
-    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    """Erf GELU in fp32, ``0.5 x (1 + erf(x / sqrt 2))``, with erf by Abramowitz & Stegun 7.1.26
+    (absolute error <= 1.5e-7, five orders below e4m3's resolution; a third less time than
+    libdevice's erf, which made this pass compute-bound) and ``1 + erf`` of a negative
+    argument taken as ``erfc`` of its magnitude, without cancellation."""
+    z = tl.abs(x) * 0.7071067811865476
+    t = 1.0 / (1.0 + 0.3275911 * z)
+    erfc = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    erfc = erfc * tl.exp(-z * z)
+    return 0.5 * x * tl.where(x >= 0, 2.0 - erfc, erfc)
 
 
 @triton.jit
