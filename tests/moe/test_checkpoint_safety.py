@@ -406,8 +406,10 @@ def test_final_save_replaces_an_earlier_model_and_keeps_other_files(tmp_path):
     (out / "model-00001-of-00002.safetensors").write_text("stale")
     (out / "model.safetensors.index.json").write_text("{}")
     finetune(_tiny(tmp_path, "train.max_steps=1", "checkpoint.every_steps=0"))
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                    "notes.txt"]
+    aside = [p.name for p in out.glob("config.json.bak-*")]  # not an earlier save's own (none recorded): kept
+    assert sorted(p.name for p in out.iterdir()) == [train._RECORD, "config.json", *aside, "generation_config.json",
+                                                    "model.safetensors", "notes.txt"]
+    assert len(aside) == 1 and (out / aside[0]).read_text() == "{}"
     assert (out / "notes.txt").read_text() == "mine"
     assert (out / "model.safetensors").read_bytes() == (tmp_path / "ck/step_00000001/model.safetensors").read_bytes()
 
@@ -425,7 +427,8 @@ def test_rerun_writes_the_final_output_a_kill_left_unwritten(finished, tmp_path,
     with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
         code, _, _ = _cli(capsys, root)
     assert code == 0 and "does not hold the final model" in caplog.text
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [train._RECORD, "config.json", "generation_config.json",
+                                                    "model.safetensors"]
     assert (out / "model.safetensors").read_bytes() == (final / "model.safetensors").read_bytes()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):

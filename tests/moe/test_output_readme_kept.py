@@ -85,7 +85,7 @@ def test_any_save_keeps_a_readme_it_finds_and_writes_one_only_where_there_is_non
     (out / "README.md").write_bytes(MINE)
     train._write_output(cfg, write)
     assert (out / "README.md").read_bytes() == MINE and (out / "config.json").read_bytes() == b"new"
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [train._RECORD, "README.md", "config.json", "model.safetensors"]
 
     target = tmp_path / "notes.md"
     target.write_bytes(MINE)

@@ -544,7 +544,7 @@ def test_a_save_cut_before_its_config_never_leaves_the_old_weights_beside_the_ne
     assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
     monkeypatch.undo()
     _save_into(out, shards)
-    assert sorted(p.name for p in out.iterdir()) == sorted(shards)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*shards, train._RECORD])
 
 
 def test_an_adapter_save_leaves_a_config_json_it_does_not_write(tmp_path):
@@ -568,7 +568,7 @@ def test_a_save_deletes_only_weight_files_named_as_a_save_names_them(tmp_path):
     for name, data in mine.items():
         (out / name).write_bytes(data)
     _save_into(out, {"model.safetensors": b"new", "config.json": b'{"new": 1}'})
-    assert sorted(p.name for p in out.iterdir()) == sorted(["model.safetensors", "config.json", *mine])
+    assert sorted(p.name for p in out.iterdir()) == sorted(["model.safetensors", "config.json", train._RECORD, *mine])
     assert all((out / name).read_bytes() == data for name, data in mine.items())
 
 

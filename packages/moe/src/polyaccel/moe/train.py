@@ -1099,8 +1099,8 @@ def _saved_name(path: Path, out: Path) -> str | None:
         full = p.parent.resolve() / p.name
         if full.is_relative_to(real_out / _STAGING):
             return str(full.relative_to(real_out))
-        if full.parent == real_out and (p.name in _SAVED_NAMES or p.name.startswith("tokenizer")
-                                        or _WEIGHT_FILE.match(p.name)):
+        if full.parent == real_out and (p.name in _SAVED_NAMES or p.name == _RECORD
+                                        or p.name.startswith("tokenizer") or _WEIGHT_FILE.match(p.name)):
             return p.name
     return None
 
@@ -1142,8 +1142,8 @@ def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
         raise ConfigError(f"output_dir: {out} is inside checkpoint.dir {cfg.checkpoint.dir}, where it would change "
                           "or be pruned with the checkpoints. Choose a directory outside it")
     if out.is_dir():
-        names = sorted(p.name for p in out.iterdir()
-                       if not p.is_dir() and not _is_metrics_log(cfg, p) and not _is_run_lock(p))
+        names = sorted(p.name for p in out.iterdir() if not p.is_dir() and p.name != _RECORD
+                       and not _is_metrics_log(cfg, p) and not _is_run_lock(p))
         if ckpt.MANIFEST in names or ckpt.TRAINER_STATE in names:  # another run's, or checkpoint.resume
             raise ConfigError(f"output_dir: {out} is a training checkpoint; saving there would change its weights, "
                               "so it could no longer be resumed from. Choose another output_dir")
@@ -1554,6 +1554,9 @@ _WEIGHT_FILE = re.compile(r"^(model|adapter_model|pytorch_model)(-\d{5}-of-\d{5}
 """The names Transformers and PEFT give weights (one file, numbered shards, their index): an
 earlier save's that this save lacks are deleted; any other file (``model.fp16.safetensors``,
 ``model.orig.safetensors``, a user's) is left alone."""
+_RECORD = ".polyaccel-saved.json"
+"""The sha256 of each file the final save wrote into its folder besides the weights (what a
+later save there checks for the user's edits: :func:`_edited`)."""
 
 
 def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: Path | None = None, *,
@@ -1565,8 +1568,10 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     (a kill between the moves leaves a folder that does not load, never new weights beside old
     ones under the old config or old weights under the new one; a rerun may write there
     again); other files are left alone, and so is a file of a name in :data:`_KEPT_NAMES` (the
-    save's own is then dropped, never written over it). A failed write removes the staging folder and the directories it
-    created, then raises. ``tokenizer_optional`` (a rescue): a tokenizer that cannot be loaded
+    save's own is then dropped, never written over it). A file it writes over that was edited
+    since the earlier save (:func:`_edited`) is first renamed ``<name>.bak-<time>`` (a
+    warning); the hashes of what it wrote go to :data:`_RECORD`, moved in last. A failed
+    write removes the staging folder and the directories it created, then raises. ``tokenizer_optional`` (a rescue): a tokenizer that cannot be loaded
     any more is left out (a warning) instead of failing the write of the weights. ``foreign``
     (the start of a sentence: ``out`` holds a saved model this run did not write): once the
     save is staged, a warning names the files of ``out`` it overwrites (every file the save
@@ -1595,11 +1600,14 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
         for name in _KEPT_NAMES:
             if os.path.lexists(out / name) and os.path.lexists(staging / name):
                 (staging / name).unlink()
+        written = sorted(p.name for p in staging.iterdir())
+        digests = {n: ckpt._digest(staging / n)[1] for n in written if not _WEIGHT_FILE.match(n)}
+        edited = _edited(out, digests)
+        (staging / _RECORD).write_text(json.dumps({"files": digests}, indent=1) + "\n")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         remove_empty_dirs(created)
         raise
-    written = sorted(p.name for p in staging.iterdir())
     if foreign:
         try:
             what = _replacement(out, written)
@@ -1607,6 +1615,12 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
             what = f"the files of the names it writes (its listing failed: {ckpt.describe(e)})"
         logger.warning("polyaccel.moe: %s; this run's final model replaces it: %s. Use another output_dir to keep "
                        "both", foreign, what)
+    if edited:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        moved = [f"{n} -> {_move_aside(out, n, stamp)}" for n in edited]
+        logger.warning("polyaccel.moe: output_dir %s: files this save writes were changed since the earlier save "
+                       "wrote them (edited?) and are kept, renamed: %s; this save's files take their names (a "
+                       "config.json must match the weights). Copy back the edits you want", out, ", ".join(moved))
     markers = [n for n in _MODEL_MARKERS if n in written]
     weights = [n for n in written if _WEIGHT_FILE.match(n)]
     for name in markers:
@@ -1617,9 +1631,42 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     for old in out.iterdir():  # before the new config: never the old weights under it
         if old.name not in written and _WEIGHT_FILE.match(old.name) and old.is_file():
             old.unlink()
-    for name in [n for n in written if n not in markers and n not in weights] + markers:
+    for name in [n for n in written if n not in markers and n not in weights] + markers + [_RECORD]:
         os.replace(staging / name, out / name)
     staging.rmdir()
+
+
+def _edited(out: Path, digests: dict[str, str]) -> list[str]:
+    """The files of ``out`` that a save of files of these ``digests`` (name -> sha256) writes
+    over and that hold neither what the earlier save wrote there (its :data:`_RECORD`) nor
+    what this one writes: edited by the user (or not written by a save that keeps a record)."""
+    try:
+        recorded = json.loads((out / _RECORD).read_bytes())["files"]
+        recorded = recorded if isinstance(recorded, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = {}
+    edited = []
+    for name, new in digests.items():
+        path = out / name
+        if not os.path.lexists(path):
+            continue
+        try:
+            old = None if path.is_symlink() else ckpt._digest(path)[1]  # a link: the user's
+        except OSError:
+            old = None
+        if old is None or old not in (new, recorded.get(name)):
+            edited.append(name)
+    return edited
+
+
+def _move_aside(out: Path, name: str, stamp: str) -> str:
+    """Rename ``out/name`` to a free ``<name>.bak-<stamp>[-N]``; the new name."""
+    for i in range(1, 1000):
+        aside = f"{name}.bak-{stamp}" + (f"-{i}" if i > 1 else "")
+        if not os.path.lexists(out / aside):
+            os.rename(out / name, out / aside)
+            return aside
+    raise FileExistsError(f"{out / name}.bak-{stamp}-*: no free name to keep the edited file under")
 
 
 def _replacement(out: Path, written: Sequence[str]) -> str:
@@ -1627,7 +1674,7 @@ def _replacement(out: Path, written: Sequence[str]) -> str:
     which it overwrites (those of the same names), which it deletes (the earlier weight files
     it does not write) and which it keeps (all others), named for a warning."""
     present = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir()
-                     if p.name != _STAGING and not _is_run_lock(p))
+                     if p.name not in (_STAGING, _RECORD) and not _is_run_lock(p))
     overwritten = [n for n in present if n in written]
     deleted = [n for n in present if n not in written and _WEIGHT_FILE.match(n)]
     kept = [n for n in present if n not in overwritten and n not in deleted]

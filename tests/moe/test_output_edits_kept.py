@@ -1,0 +1,202 @@
+"""A file the final save writes besides the weights (``generation_config.json``,
+``chat_template.jinja``, the tokenizer's files, ``config.json``) that the user edited in
+``output_dir`` after an earlier save there is not lost when a later save (a resumed run, a
+rerun, the rewrite from the final checkpoint) writes that name again: it is renamed
+``<name>.bak-<time>``, with a warning naming both, and the save's own takes its place (the
+folder stays one consistent model). Files unchanged since the earlier save (by the hashes it
+recorded in ``.polyaccel-saved.json``) are replaced silently. They used to be replaced
+silently, edits and all."""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyaccel.moe import train
+from polyaccel.moe.train import finetune
+from polyaccel.moe.train_config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "packages/moe/examples/tiny_synthetic_cpu.yaml"
+GEN = b'{"temperature": 0.2, "top_p": 0.9}\n'
+TEMPLATE = b"{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+WARNING = "were changed since the earlier save wrote them (edited?) and are kept, renamed: "
+
+
+@pytest.fixture
+def base(tmp_path: Path, saved: Path) -> Path:
+    """The tiny saved model with a tiny tokenizer (and chat template) beside it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    base = tmp_path / "base"
+    shutil.copytree(saved, base)
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "a": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    fast.save_pretrained(base)
+    return base
+
+
+def _run(tmp_path: Path, base: Path, caplog, *sets: str) -> str:
+    """A tiny finetune from ``base`` into ``tmp_path/out`` (checkpoints in ``tmp_path/ck``); its warnings."""
+    cfg = load_config(TINY, [f"model.path={base}", f"output_dir={tmp_path / 'out'}", f"checkpoint.dir={tmp_path / 'ck'}",
+                             "checkpoint.every_steps=1", "log.progress_bar=false", "train.seq_len=8",
+                             "train.grad_accum=1", "train.max_steps=1", *sets])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+        finetune(cfg)
+    return caplog.text
+
+
+def _aside(out: Path, name: str) -> list[Path]:
+    return sorted(p for p in out.iterdir() if re.fullmatch(re.escape(name) + r"\.bak-\d{8}-\d{6}(-\d+)?", p.name))
+
+
+def _loads(out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from polyaccel.moe import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert torch.isfinite(model(torch.tensor([[1, 2, 1]])).logits).all()
+    assert AutoTokenizer.from_pretrained(out).eos_token == "</s>"
+
+
+def test_edits_to_generation_config_and_chat_template_survive_a_resumed_run(tmp_path, base, caplog):
+    assert WARNING not in _run(tmp_path, base, caplog)
+    out = tmp_path / "out"
+    before = {n: (out / n).read_bytes() for n in ("generation_config.json", "chat_template.jinja", "config.json",
+                                                   "tokenizer.json")}
+    (out / "generation_config.json").write_bytes(GEN)
+    (out / "chat_template.jinja").write_bytes(TEMPLATE)
+    text = _run(tmp_path, base, caplog, "train.max_steps=2")  # resumes from step 1, saves again
+    gen, chat = _aside(out, "generation_config.json"), _aside(out, "chat_template.jinja")
+    assert len(gen) == 1 and gen[0].read_bytes() == GEN
+    assert len(chat) == 1 and chat[0].read_bytes() == TEMPLATE
+    assert f"output_dir {out}: files this save writes {WARNING}" in text
+    assert f"chat_template.jinja -> {chat[0].name}, generation_config.json -> {gen[0].name}; " in text
+    # the save's own in their places; the unedited ones replaced without a word or a backup
+    assert all((out / n).read_bytes() == data for n, data in before.items())
+    assert not _aside(out, "config.json") and not _aside(out, "tokenizer.json")
+    _loads(out)
+
+
+def test_files_unchanged_since_the_earlier_save_are_replaced_silently(tmp_path, base, caplog):
+    _run(tmp_path, base, caplog, "checkpoint.dir=null")
+    out = tmp_path / "out"
+    names = sorted(p.name for p in out.iterdir())
+    assert train._RECORD in names and "generation_config.json" in names and "chat_template.jinja" in names
+    weights = (out / "model.safetensors").read_bytes()
+    text = _run(tmp_path, base, caplog, "checkpoint.dir=null", "train.seed=1")  # another run: its weights differ
+    assert WARNING not in text and ".bak-" not in text
+    assert sorted(p.name for p in out.iterdir()) == names and (out / "model.safetensors").read_bytes() != weights
+    assert train._RECORD not in text  # the record is not named among the files a replaced model's save keeps
+    _loads(out)
+
+
+def test_an_edited_config_json_is_backed_up_and_the_new_one_matches_the_weights(tmp_path, base, caplog):
+    _run(tmp_path, base, caplog)
+    out = tmp_path / "out"
+    original = (out / "config.json").read_text()
+    mine = original.replace('"use_cache": true', '"use_cache": false')
+    assert mine != original
+    (out / "config.json").write_text(mine)
+    text = _run(tmp_path, base, caplog, "train.max_steps=2")
+    aside = _aside(out, "config.json")
+    assert len(aside) == 1 and aside[0].read_text() == mine and f"config.json -> {aside[0].name}" in text
+    assert (out / "config.json").read_text() == original
+    _loads(out)
+
+
+def test_rewriting_output_dir_from_the_final_checkpoint_keeps_an_edited_file(tmp_path, base, caplog):
+    """A rerun of a finished run whose output_dir lacks the final weights copies the checkpoint's files in."""
+    _run(tmp_path, base, caplog)
+    out = tmp_path / "out"
+    (out / "generation_config.json").write_bytes(GEN)
+    weights = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(weights[:-8])
+    text = _run(tmp_path, base, caplog)
+    assert "does not hold the final model" in text and WARNING in text
+    assert (out / "model.safetensors").read_bytes() == weights
+    [gen] = _aside(out, "generation_config.json")
+    assert gen.read_bytes() == GEN
+    _loads(out)
+
+
+def _save(out: Path, files: dict[str, bytes], caplog, foreign: str | None = None) -> str:
+    cfg = load_config(TINY, [f"output_dir={out}", "checkpoint.dir=null"])
+
+    def write(staging: Path) -> None:
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+        train._write_output(cfg, write, foreign=foreign)
+    return caplog.text
+
+
+def test_without_a_record_only_files_unlike_the_new_ones_are_kept_aside(tmp_path, caplog):
+    """A folder an earlier version (or another tool) saved has no record: a file of the bytes the
+    save writes is replaced silently, any other one, a link included, is kept aside."""
+    out = tmp_path / "out"
+    out.mkdir()
+    target = tmp_path / "shared_template.jinja"
+    target.write_bytes(TEMPLATE)
+    (out / "chat_template.jinja").symlink_to(target)
+    for name, data in {"config.json": b"c", "generation_config.json": b"mine", "model.safetensors": b"old"}.items():
+        (out / name).write_bytes(data)
+    new = {"config.json": b"c", "generation_config.json": b"g", "chat_template.jinja": b"t", "model.safetensors": b"w"}
+    text = _save(out, new, caplog)
+    [gen], [chat] = _aside(out, "generation_config.json"), _aside(out, "chat_template.jinja")
+    assert gen.read_bytes() == b"mine" and chat.is_symlink() and target.read_bytes() == TEMPLATE
+    assert not _aside(out, "config.json") and not _aside(out, "model.safetensors") and WARNING in text
+    assert all((out / n).read_bytes() == data and not (out / n).is_symlink() for n, data in new.items())
+    # now recorded: the same save again replaces them without a word; a second edit gets its own backup
+    assert _save(out, new, caplog) == ""
+    (out / "generation_config.json").write_bytes(b"mine again")
+    _save(out, new, caplog)
+    assert [p.read_bytes() for p in _aside(out, "generation_config.json")] == [b"mine", b"mine again"]
+
+
+def test_a_damaged_record_is_no_record(tmp_path, caplog):
+    out = tmp_path / "out"
+    new = {"config.json": b"c", "generation_config.json": b"g", "model.safetensors": b"w"}
+    _save(out, new, caplog)
+    (out / "generation_config.json").write_bytes(b"mine")
+    for record in (b'{"files": ["generation_config.json"]}', b"{cut off", b"[]"):
+        (out / train._RECORD).write_bytes(record)
+        _save(out, new, caplog)
+        assert (out / "generation_config.json").read_bytes() == b"g"
+        (out / "generation_config.json").write_bytes(b"mine")
+    assert [p.read_bytes() for p in _aside(out, "generation_config.json")] == [b"mine"] * 3
+
+
+def test_an_edited_adapter_config_is_backed_up_by_a_lora_run_continuing(tmp_path, caplog):
+    pytest.importorskip("peft")
+
+    def run(steps: int) -> str:
+        cfg = load_config(REPO / "packages/moe/examples/lora_tiny_cpu.yaml", [
+            f"output_dir={tmp_path / 'out'}", f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every_steps=1",
+            "log.progress_bar=false", f"train.max_steps={steps}", "train.seq_len=8", "train.grad_accum=1"])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+            finetune(cfg)
+        return caplog.text
+
+    run(1)
+    out = tmp_path / "out"
+    mine = (out / "adapter_config.json").read_text().replace('"inference_mode": true', '"inference_mode": false')
+    (out / "adapter_config.json").write_text(mine)
+    (out / "README.md").write_text("mine")
+    assert WARNING in run(2)
+    [aside] = _aside(out, "adapter_config.json")
+    assert aside.read_text() == mine and '"inference_mode": true' in (out / "adapter_config.json").read_text()
+    assert (out / "README.md").read_text() == "mine" and not _aside(out, "README.md")
