@@ -1,6 +1,11 @@
-"""Fixtures shared by the ASR tests: real speech and Transformers' Whisper, loaded once per session."""
+"""Fixtures shared by the ASR tests: real speech and Transformers' Whisper, loaded once per session,
+and ``asr_cli``, the helpers of the ``polyaccel-asr`` CLI tests. (Test files cannot import a sibling
+module here: pytest runs with ``--import-mode=importlib``.)"""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,3 +42,37 @@ def hf_whisper():
         return loaded[key]
 
     return get
+
+
+class AsrCli:
+    """What the CLI tests repeat: write a small WAV file, run ``polyaccel-asr transcribe -q``, read
+    a results file."""
+
+    SR = 16000
+
+    @staticmethod
+    def wav(path: Path | bytes, seconds: float = 0.1, value: float = 0.1) -> Path | bytes:
+        """``seconds`` of the constant ``value`` as a 16 kHz mono WAV file at ``path`` (WAV whatever
+        its name: a name that is not ``.wav`` or not UTF-8 bytes is written too); returns ``path``."""
+        import soundfile as sf
+
+        sf.write(path, np.full(int(AsrCli.SR * seconds), value, np.float32), AsrCli.SR, format="WAV")
+        return path
+
+    @staticmethod
+    def run(*argv: str) -> int:
+        """``polyaccel-asr transcribe ARGV -q`` in this process; its exit status."""
+        from polyaccel.asr import cli
+
+        return cli.main(["transcribe", *argv, "-q"])
+
+    @staticmethod
+    def results(path: Path) -> list[dict]:
+        """Every line of a JSONL results file, parsed."""
+        return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def asr_cli() -> AsrCli:
+    """``asr_cli.wav(path)``, ``asr_cli.run(*argv)``, ``asr_cli.results(path)``: see ``AsrCli``."""
+    return AsrCli()

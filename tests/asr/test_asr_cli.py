@@ -57,10 +57,6 @@ def _wavs(folder: Path, n: int) -> list[str]:
     return paths
 
 
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
-
-
 # ---- help and exit codes ---------------------------------------------------------------------------
 
 
@@ -120,13 +116,14 @@ def test_usage_errors_exit_2_with_a_message(tmp_path: Path, capsys: pytest.Captu
 # ---- outputs and resuming -------------------------------------------------------------------------------
 
 
-def test_per_file_errors_do_not_fail_the_job(fake: None, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_per_file_errors_do_not_fail_the_job(asr_cli, fake: None, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture) -> None:
     wavs = _wavs(tmp_path / "d" / "sub", 3)
     (tmp_path / "d" / "broken.wav").write_text("not audio")
     out = tmp_path / "out.jsonl"
     rc = cli.main(["transcribe", str(tmp_path / "d"), str(tmp_path / "missing.flac"), "-o", str(out)])
     assert rc == 1, "some files failed: the job runs to the end and says so"
-    recs = _lines(out)
+    recs = asr_cli.results(out)
     assert [Path(r["path"]).name for r in recs] == ["broken.wav", "clip00.wav", "clip01.wav", "clip02.wav",
                                                     "missing.flac"]
     by_name = {Path(r["path"]).name: r for r in recs}
@@ -141,7 +138,7 @@ def test_per_file_errors_do_not_fail_the_job(fake: None, tmp_path: Path, capsys:
     assert wavs
 
 
-def test_resume_after_kill_and_torn_line(fake: None, tmp_path: Path) -> None:
+def test_resume_after_kill_and_torn_line(asr_cli, fake: None, tmp_path: Path) -> None:
     """Kill a real CLI process mid-run, tear its last line, rerun: nothing lost, no duplicates."""
     wavs = _wavs(tmp_path / "clips", 12)
     out = tmp_path / "out.jsonl"
@@ -164,34 +161,34 @@ def test_resume_after_kill_and_torn_line(fake: None, tmp_path: Path) -> None:
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(timeout=30)
-    done_before = _lines(out)
+    done_before = asr_cli.results(out)
     assert 3 <= len(done_before) < 12
     with open(out, "a") as f:  # what a kill during a write leaves behind
         f.write('{"path": "' + wavs[-1] + '", "text": "half a li')
 
     assert cli.main(["transcribe", str(tmp_path / "clips"), "-o", str(out), "-q"]) == 0
-    recs = _lines(out)  # every line parses: the torn one was repaired
+    recs = asr_cli.results(out)  # every line parses: the torn one was repaired
     assert sorted(r["path"] for r in recs) == sorted(wavs)
     assert recs[:len(done_before)] == done_before, "earlier results are kept as they were"
     assert all(r["text"] == f"{SR // 10 * (int(Path(r['path']).stem[4:]) + 1)} samples" for r in recs)
 
 
-def test_failed_files_are_retried_and_overwrite_starts_afresh(fake: None, tmp_path: Path,
+def test_failed_files_are_retried_and_overwrite_starts_afresh(asr_cli, fake: None, tmp_path: Path,
                                                               capsys: pytest.CaptureFixture) -> None:
     wavs = _wavs(tmp_path / "c", 2)
     late = tmp_path / "late.wav"
     out = tmp_path / "out.jsonl"
     args = ["transcribe", *wavs, str(late), "-o", str(out), "-q"]
     assert cli.main(args) == 1
-    assert [r["error"] for r in _lines(out)] == [None, None, "missing file"]
+    assert [r["error"] for r in asr_cli.results(out)] == [None, None, "missing file"]
     sf.write(late, np.zeros(SR, np.float32), SR)  # the missing file shows up
     assert cli.main(args) == 0
     assert "1 ok, 0 failed, 2 skipped" in capsys.readouterr().err
-    recs = _lines(out)
+    recs = asr_cli.results(out)
     assert len(recs) == 3 and all(r["error"] is None for r in recs)
     assert cli.main([*args, "--overwrite"]) == 0
     assert "3 ok, 0 failed, 0 skipped" in capsys.readouterr().err
-    assert len(_lines(out)) == 3
+    assert len(asr_cli.results(out)) == 3
 
 
 def test_bench_prints_json_lines(fake: None, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -207,7 +204,8 @@ def test_bench_prints_json_lines(fake: None, tmp_path: Path, capsys: pytest.Capt
 # ---- the real model: manifest with references -> WER ----------------------------------------------------
 
 
-def test_manifest_with_refs_gives_wer(one_thread: None, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_manifest_with_refs_gives_wer(asr_cli, one_thread: None, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture) -> None:
     clips = sorted(LIBRIVOX.glob("*.wav"))
     if not clips:
         pytest.skip("apt-get install pocketsphinx-testdata")
@@ -222,7 +220,7 @@ def test_manifest_with_refs_gives_wer(one_thread: None, tmp_path: Path, capsys: 
                                 for c in picked) + json.dumps({"audio_filepath": "gone.wav", "text": "x"}) + "\n")
     out = tmp_path / "out.jsonl"
     assert cli.main(["transcribe", str(manifest), "-o", str(out), "--backend", "cpu", "-q"]) == 1  # gone.wav
-    recs = _lines(out)
+    recs = asr_cli.results(out)
     assert [r["error"] for r in recs] == [None, None, "missing file"]
     assert all(0.0 <= r["wer"] <= 0.3 for r in recs[:2])
     assert recs[1]["text"].lower().startswith("he might even have been made amiable")
@@ -240,7 +238,7 @@ def test_manifest_with_refs_gives_wer(one_thread: None, tmp_path: Path, capsys: 
 # ---- batch-invariant kernels ------------------------------------------------------------------------
 
 
-def test_batch_invariant_flag_reaches_the_model_and_each_record(fake: None, tmp_path: Path,
+def test_batch_invariant_flag_reaches_the_model_and_each_record(asr_cli, fake: None, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[dict] = []
     plain = Transcriber.from_pretrained
@@ -256,10 +254,10 @@ def test_batch_invariant_flag_reaches_the_model_and_each_record(fake: None, tmp_
     out = tmp_path / "o.jsonl"
     assert cli.main(["transcribe", *wavs, "-o", str(out), "--batch-invariant", "-q"]) == 0
     assert seen[-1]["batch_invariant"] is True
-    assert all(r["batch_invariant"] is True for r in _lines(out))
+    assert all(r["batch_invariant"] is True for r in asr_cli.results(out))
     assert cli.main(["transcribe", *wavs, "-o", str(tmp_path / "p.jsonl"), "-q"]) == 0
     assert seen[-1]["batch_invariant"] is False
-    assert all("batch_invariant" not in r for r in _lines(tmp_path / "p.jsonl"))
+    assert all("batch_invariant" not in r for r in asr_cli.results(tmp_path / "p.jsonl"))
     assert cli.main(["transcribe", *wavs, "-o", str(tmp_path / "r.jsonl"), "--batch-invariant", "--ray"]) == 2
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import soundfile as sf
 
 from polyaccel.asr import cli
 from polyaccel.asr.decoding import Segment
@@ -21,11 +20,6 @@ from polyaccel.asr.timestamps import TimedText
 from polyaccel.asr.transcriber import Transcriber
 
 SR = 16000
-
-
-def _wav(path: Path, seconds: float = 0.1) -> Path:
-    sf.write(path, np.full(int(SR * seconds), 0.1, np.float32), SR, format="WAV")
-    return path
 
 
 def _fake(monkeypatch: pytest.MonkeyPatch, name: str, sha: str | None) -> None:
@@ -45,22 +39,22 @@ def _fake(monkeypatch: pytest.MonkeyPatch, name: str, sha: str | None) -> None:
 # ---- a resume never mixes two models (or settings) in one results file ------------------------------
 
 
-def _transcribed_by_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+def _transcribed_by_tiny(asr_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
     """clips/a.wav transcribed into out.jsonl by a fake whisper-tiny.en (weights "aa" * 32)."""
     clips = tmp_path / "clips"
     clips.mkdir()
-    _wav(clips / "a.wav")
+    asr_cli.wav(clips / "a.wav")
     out = tmp_path / "out.jsonl"
     _fake(monkeypatch, "whisper-tiny.en", "aa" * 32)
     assert cli.main(["transcribe", str(clips), "-o", str(out), "-q"]) == 0
     return clips, out
 
 
-def test_resume_refuses_results_of_another_model_or_with_other_timestamps(tmp_path: Path,
+def test_resume_refuses_results_of_another_model_or_with_other_timestamps(asr_cli, tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch,
                                                                           capsys: pytest.CaptureFixture) -> None:
-    clips, out = _transcribed_by_tiny(tmp_path, monkeypatch)
-    _wav(clips / "b.wav")  # a new file: the rerun has something to do
+    clips, out = _transcribed_by_tiny(asr_cli, tmp_path, monkeypatch)
+    asr_cli.wav(clips / "b.wav")  # a new file: the rerun has something to do
     before = out.read_bytes()
     _fake(monkeypatch, "whisper-base", "bb" * 32)
     assert cli.main(["transcribe", str(clips), "-o", str(out), "-q", "--model", "whisper-base"]) == 2
@@ -80,7 +74,7 @@ def test_resume_refuses_results_of_another_model_or_with_other_timestamps(tmp_pa
     assert {json.loads(x)["model"] for x in out.read_text().splitlines()} == {"whisper-base"}
 
 
-def test_a_rerun_with_nothing_left_still_refuses_results_made_another_way(tmp_path: Path,
+def test_a_rerun_with_nothing_left_still_refuses_results_made_another_way(asr_cli, tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch,
                                                                         capsys: pytest.CaptureFixture) -> None:
     """Every input already in -o: a rerun with another model or with --timestamps must not say
@@ -88,7 +82,7 @@ def test_a_rerun_with_nothing_left_still_refuses_results_made_another_way(tmp_pa
     loading a model, and the same command is still "nothing to do"."""
     from polyaccel.asr import weights
 
-    clips, out = _transcribed_by_tiny(tmp_path, monkeypatch)
+    clips, out = _transcribed_by_tiny(asr_cli, tmp_path, monkeypatch)
     before = out.read_bytes()
     sha = {"whisper-tiny.en": "aa" * 32, "whisper-base": "bb" * 32}
     monkeypatch.setattr(weights, "model_provenance", lambda name, **kw: {"model": name, "weights_sha256": sha[name]})
@@ -125,15 +119,15 @@ def test_segments_never_end_past_the_audio() -> None:
 # ---- inputs that cannot be read: a usage error naming them, never a traceback, never skipped ---------
 
 
-def test_an_unreadable_manifest_reference_file_or_folder_is_a_usage_error(tmp_path: Path,
+def test_an_unreadable_manifest_reference_file_or_folder_is_a_usage_error(asr_cli, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch,
                                                                          capsys: pytest.CaptureFixture) -> None:
     """(Tests run as root here, where chmod 000 does not stop a read: the denial is simulated.)"""
     _fake(monkeypatch, "fake", None)
-    wav = _wav(tmp_path / "a.wav")
+    wav = asr_cli.wav(tmp_path / "a.wav")
     (tmp_path / "clips" / "private").mkdir(parents=True)
-    _wav(tmp_path / "clips" / "ok.wav")
-    _wav(tmp_path / "clips" / "private" / "x.wav")
+    asr_cli.wav(tmp_path / "clips" / "ok.wav")
+    asr_cli.wav(tmp_path / "clips" / "private" / "x.wav")
     manifest = tmp_path / "m.jsonl"
     manifest.write_text(json.dumps({"path": str(wav)}) + "\n")
     refs = tmp_path / "refs.txt"
@@ -161,12 +155,13 @@ def test_an_unreadable_manifest_reference_file_or_folder_is_a_usage_error(tmp_pa
 # ---- export ----------------------------------------------------------------------------------------
 
 
-def test_export_overwrite_never_replaces_a_transcribed_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_export_overwrite_never_replaces_a_transcribed_input(asr_cli, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture) -> None:
     """A recording named ``talk.txt`` (WAV inside) exports to ``talk.txt`` next to it: even with
     --overwrite it is never replaced by its own transcript."""
     _fake(monkeypatch, "fake", None)
-    talk = _wav(tmp_path / "talk.txt")
+    talk = asr_cli.wav(tmp_path / "talk.txt")
     audio = talk.read_bytes()
     out = tmp_path / "out.jsonl"
     assert cli.main(["transcribe", str(talk), "-o", str(out), "-q"]) == 0
@@ -178,7 +173,7 @@ def test_export_overwrite_never_replaces_a_transcribed_input(tmp_path: Path, mon
 
 
 def test_export_overwrite_from_another_directory_still_never_replaces_the_audio(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+        asr_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """The record holds the relative path ``talk.txt``; export run from another folder finds no
     such input there, yet the WAV in -d is not text, so --overwrite leaves it. An earlier
     export's text file there is replaced."""
@@ -186,7 +181,7 @@ def test_export_overwrite_from_another_directory_still_never_replaces_the_audio(
     data, elsewhere = tmp_path / "data", tmp_path / "home"
     data.mkdir()
     elsewhere.mkdir()
-    talk = _wav(data / "talk.txt")
+    talk = asr_cli.wav(data / "talk.txt")
     audio = talk.read_bytes()
     (data / "other.wav").write_bytes(audio)
     monkeypatch.chdir(data)
@@ -210,14 +205,14 @@ def test_srt_cue_text_never_holds_a_time_arrow() -> None:
 
 
 def test_export_rerun_is_up_to_date_and_a_run_that_writes_nothing_leaves_no_folder(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+        asr_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """``transcribe ... && export ...`` run twice: the second export finds its own files and
     succeeds (exit 0); an export that writes nothing (no timestamps for srt) leaves no new
     empty folder behind."""
     _fake(monkeypatch, "fake", None)
     out = tmp_path / "out.jsonl"
-    assert cli.main(["transcribe", str(_wav(tmp_path / "a.wav")), str(_wav(tmp_path / "b.wav", 0.2)),
-                     "-o", str(out), "-q"]) == 0
+    assert cli.main(["transcribe", str(asr_cli.wav(tmp_path / "a.wav")),
+                     str(asr_cli.wav(tmp_path / "b.wav", 0.2)), "-o", str(out), "-q"]) == 0
     subs = tmp_path / "subs"
     assert cli.main(["export", str(out), "-f", "txt", "-d", str(subs)]) == 0
     capsys.readouterr()

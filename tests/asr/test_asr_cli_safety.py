@@ -12,9 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
-import soundfile as sf
 
 from polyaccel.asr import cli
 from polyaccel.asr.results_file import OutputLock, ResultsWriter, load_results, record_path, scan_results
@@ -44,19 +42,6 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return asked
 
 
-def _wav(path: Path | bytes, seconds: float = 0.1) -> Path | bytes:
-    sf.write(path, np.full(int(SR * seconds), 0.1, np.float32), SR, format="WAV")
-    return path
-
-
-def _run(*argv: str) -> int:
-    return cli.main(["transcribe", *argv, "-q"])
-
-
-def _results(out: Path) -> list[dict]:
-    return [json.loads(x) for x in out.read_text().splitlines()]
-
-
 # ---- outputs that are not ours are never written ---------------------------------------------------
 
 
@@ -67,21 +52,22 @@ def _results(out: Path) -> list[dict]:
     b"x" * 300_000,                                                   # one long line, no newline
 ])
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_an_existing_file_that_is_not_results_is_refused(loads: list[str], tmp_path: Path, content: bytes,
-                                                         overwrite: bool, capsys: pytest.CaptureFixture) -> None:
-    wav = _wav(tmp_path / "h01.wav")
+def test_an_existing_file_that_is_not_results_is_refused(asr_cli, loads: list[str], tmp_path: Path,
+                                                         content: bytes, overwrite: bool,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    wav = asr_cli.wav(tmp_path / "h01.wav")
     out = tmp_path / "refs.tsv"
     out.write_bytes(content)
-    assert _run(str(wav), "-o", str(out), *(["--overwrite"] if overwrite else [])) == 2
+    assert asr_cli.run(str(wav), "-o", str(out), *(["--overwrite"] if overwrite else [])) == 2
     assert "is not a polyaccel-asr results file" in capsys.readouterr().err
     assert out.read_bytes() == content, "untouched"
     assert loads == [] and sorted(p.name for p in tmp_path.iterdir()) == ["h01.wav", "refs.tsv"]
 
 
-def test_an_output_that_is_an_input_is_refused_even_with_overwrite(loads: list[str], tmp_path: Path,
+def test_an_output_that_is_an_input_is_refused_even_with_overwrite(asr_cli, loads: list[str], tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture) -> None:
-    wav = _wav(tmp_path / "a.wav")
-    _wav(tmp_path / "take.data")  # audio under a name that is not an audio extension
+    wav = asr_cli.wav(tmp_path / "a.wav")
+    asr_cli.wav(tmp_path / "take.data")  # audio under a name that is not an audio extension
     manifest = tmp_path / "m.jsonl"
     manifest.write_text(json.dumps({"path": str(wav), "text": "x", "duration_s": 1, "error": None}) + "\n"
                         + json.dumps({"path": "take.data", "text": "y", "duration_s": 1, "error": None}) + "\n")
@@ -91,7 +77,8 @@ def test_an_output_that_is_an_input_is_refused_even_with_overwrite(loads: list[s
     os.link(manifest, tmp_path / "hard.jsonl")  # the same file under another name: no symlink to resolve
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     for out in ("m.jsonl", "link.jsonl", "hard.jsonl", "take.data", "refs.jsonl"):
-        assert _run(str(manifest), "--refs", str(refs), "-o", str(tmp_path / out), "--overwrite") == 2, out
+        assert asr_cli.run(str(manifest), "--refs", str(refs), "-o", str(tmp_path / out),
+                           "--overwrite") == 2, out
         assert "is an input" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before and loads == []
     with pytest.raises(SystemExit) as e:  # an audio name is refused by the parser
@@ -101,54 +88,54 @@ def test_an_output_that_is_an_input_is_refused_even_with_overwrite(loads: list[s
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_a_model_that_does_not_load_leaves_the_results_as_they_were(loads: list[str], tmp_path: Path,
+def test_a_model_that_does_not_load_leaves_the_results_as_they_were(asr_cli, loads: list[str], tmp_path: Path,
                                                                     overwrite: bool,
                                                                     capsys: pytest.CaptureFixture) -> None:
-    wavs = [str(_wav(tmp_path / f"{i}.wav")) for i in range(2)]
+    wavs = [str(asr_cli.wav(tmp_path / f"{i}.wav")) for i in range(2)]
     out = tmp_path / "out.jsonl"
-    assert _run(*wavs, str(tmp_path / "late.wav"), "-o", str(out)) == 1  # late.wav is missing
+    assert asr_cli.run(*wavs, str(tmp_path / "late.wav"), "-o", str(out)) == 1  # late.wav is missing
     before = out.read_bytes()
-    assert [r["error"] for r in _results(out)] == [None, None, "missing file"]
+    assert [r["error"] for r in asr_cli.results(out)] == [None, None, "missing file"]
     extra = ["--overwrite"] if overwrite else []
-    assert _run(*wavs, str(tmp_path / "late.wav"), "-o", str(out), "--model", "typo", *extra) == 2
+    assert asr_cli.run(*wavs, str(tmp_path / "late.wav"), "-o", str(out), "--model", "typo", *extra) == 2
     assert "unknown model 'typo';" in capsys.readouterr().err
     assert out.read_bytes() == before, "nothing is written before the model has loaded"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0.wav", "1.wav", "out.jsonl"]
 
 
-def test_a_refused_run_creates_no_folders(loads: list[str], tmp_path: Path) -> None:
-    wav = _wav(tmp_path / "a.wav")
-    assert _run(str(wav), "-o", str(tmp_path / "new" / "deeper" / "out.jsonl"), "--model", "typo") == 2
+def test_a_refused_run_creates_no_folders(asr_cli, loads: list[str], tmp_path: Path) -> None:
+    wav = asr_cli.wav(tmp_path / "a.wav")
+    assert asr_cli.run(str(wav), "-o", str(tmp_path / "new" / "deeper" / "out.jsonl"), "--model", "typo") == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav"]
-    assert _run(str(wav), "-o", str(tmp_path / "new" / "deeper" / "out.jsonl")) == 0
-    assert len(_results(tmp_path / "new" / "deeper" / "out.jsonl")) == 1
+    assert asr_cli.run(str(wav), "-o", str(tmp_path / "new" / "deeper" / "out.jsonl")) == 0
+    assert len(asr_cli.results(tmp_path / "new" / "deeper" / "out.jsonl")) == 1
 
 
 # ---- file names that are not UTF-8 ------------------------------------------------------------------
 
 
-def test_a_file_name_that_is_not_utf8_is_transcribed_and_resumed(loads: list[str], tmp_path: Path,
+def test_a_file_name_that_is_not_utf8_is_transcribed_and_resumed(asr_cli, loads: list[str], tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture) -> None:
     folder = tmp_path / "clips"
     folder.mkdir()
     odd = os.fsencode(folder) + b"/caf\xe9.wav"  # Latin-1, as an old archive would have it
-    _wav(odd, 0.2)
-    _wav(folder / "zz.wav", 0.3)
+    asr_cli.wav(odd, 0.2)
+    asr_cli.wav(folder / "zz.wav", 0.3)
     out = tmp_path / "out.jsonl"
-    assert _run(str(folder), "-o", str(out)) == 0
+    assert asr_cli.run(str(folder), "-o", str(out)) == 0
     first = out.read_bytes()
     first.decode("utf-8")  # the file stays valid UTF-8
-    recs = _results(out)
+    recs = asr_cli.results(out)
     assert [r["text"] for r in recs] == ["3200 samples", "4800 samples"]
     assert recs[0]["path"].endswith("caf\\xe9.wav") and os.fsencode(record_path(recs[0])) == odd
-    assert _run(str(folder), "-o", str(out)) == 0
+    assert asr_cli.run(str(folder), "-o", str(out)) == 0
     assert "0 ok, 0 failed, 2 skipped" in capsys.readouterr().err
     assert out.read_bytes() == first
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_file_name_that_is_not_utf8_goes_through_ray(tmp_path: Path) -> None:
+def test_a_file_name_that_is_not_utf8_goes_through_ray(asr_cli, tmp_path: Path) -> None:
     ray = pytest.importorskip("ray")
     import torch
 
@@ -159,8 +146,8 @@ def test_a_file_name_that_is_not_utf8_goes_through_ray(tmp_path: Path) -> None:
     ConformerAED.from_config(tiny(), seed=1).save_pretrained(model)
     folder = tmp_path / "clips"
     folder.mkdir()
-    _wav(os.fsencode(folder) + b"/caf\xe9.wav", 0.5)
-    _wav(folder / "zz.wav", 0.5)
+    asr_cli.wav(os.fsencode(folder) + b"/caf\xe9.wav", 0.5)
+    asr_cli.wav(folder / "zz.wav", 0.5)
     out = tmp_path / "ray.jsonl"
     threads = torch.get_num_threads()
     from polyaccel.core.ray_local import init_local
@@ -173,7 +160,7 @@ def test_a_file_name_that_is_not_utf8_goes_through_ray(tmp_path: Path) -> None:
     finally:
         ray.shutdown()
         torch.set_num_threads(threads)
-    recs = _results(out)
+    recs = asr_cli.results(out)
     assert len(recs) == 2 and all(r["error"] is None and "actor" in r for r in recs)
     assert os.fsencode(record_path(recs[0])).endswith(b"/caf\xe9.wav")
 
@@ -181,42 +168,42 @@ def test_a_file_name_that_is_not_utf8_goes_through_ray(tmp_path: Path) -> None:
 # ---- inputs that come to nothing, odd outputs, bad numbers ---------------------------------------------
 
 
-def test_nothing_to_transcribe_is_not_success(loads: list[str], tmp_path: Path,
+def test_nothing_to_transcribe_is_not_success(asr_cli, loads: list[str], tmp_path: Path,
                                               capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "x.jsonl"
-    assert _run("/nonexistent_dir/", "-o", str(out)) == 2
+    assert asr_cli.run("/nonexistent_dir/", "-o", str(out)) == 2
     assert "no such directory: /nonexistent_dir/" in capsys.readouterr().err
     assert not out.exists()
-    assert _run(str(tmp_path / "nonexistent.wav"), "-o", str(out)) == 2  # every input missing
+    assert asr_cli.run(str(tmp_path / "nonexistent.wav"), "-o", str(out)) == 2  # every input missing
     assert "no such file or directory" in capsys.readouterr().err
     assert not out.exists() and not loads
     (tmp_path / "bad.wav").write_bytes(b"not audio")
-    assert _run(str(tmp_path / "bad.wav"), "-o", str(out)) == 3
+    assert asr_cli.run(str(tmp_path / "bad.wav"), "-o", str(out)) == 3
     assert "nothing was transcribed: 1 file failed" in capsys.readouterr().err
 
 
-def test_a_broken_symlink_is_a_per_file_error(loads: list[str], tmp_path: Path) -> None:
+def test_a_broken_symlink_is_a_per_file_error(asr_cli, loads: list[str], tmp_path: Path) -> None:
     folder = tmp_path / "clips"
     folder.mkdir()
-    _wav(folder / "a.wav")
+    asr_cli.wav(folder / "a.wav")
     (folder / "b.wav").symlink_to(tmp_path / "gone.wav")
     out = tmp_path / "out.jsonl"
-    assert _run(str(folder), "-o", str(out)) == 1
-    errors = {Path(r["path"]).name: r["error"] for r in _results(out)}
+    assert asr_cli.run(str(folder), "-o", str(out)) == 1
+    errors = {Path(r["path"]).name: r["error"] for r in asr_cli.results(out)}
     assert errors == {"a.wav": None, "b.wav": f"broken symbolic link (to {tmp_path / 'gone.wav'})"}
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["dev_full", "fifo", "dir"])
-def test_outputs_that_are_not_regular_files_are_refused(loads: list[str], tmp_path: Path, kind: str,
+def test_outputs_that_are_not_regular_files_are_refused(asr_cli, loads: list[str], tmp_path: Path, kind: str,
                                                         capsys: pytest.CaptureFixture) -> None:
-    wav = _wav(tmp_path / "a.wav")
+    wav = asr_cli.wav(tmp_path / "a.wav")
     out = {"dev_full": "/dev/full", "fifo": str(tmp_path / "fifo"), "dir": str(tmp_path / "d")}[kind]
     if kind == "fifo":
         os.mkfifo(out)
     if kind == "dir":
         os.mkdir(out)
-    assert _run(str(wav), "-o", out) == 2
+    assert asr_cli.run(str(wav), "-o", out) == 2
     assert ("is a directory" if kind == "dir" else "is not a regular file") in capsys.readouterr().err
     assert loads == [] and not os.path.exists(out + ".lock")
 
@@ -242,9 +229,9 @@ def test_reading_results_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     ["--batch-size", "0"], ["--batch-size", "-4"], ["--replicas", "0"], ["--replicas", "two"],
     ["--num-actors", "0"], ["--overlap", "-1"], ["--overlap", "nan"], ["--overlap", "inf"],
 ])
-def test_bad_numbers_are_usage_errors(loads: list[str], tmp_path: Path, extra: list[str],
+def test_bad_numbers_are_usage_errors(asr_cli, loads: list[str], tmp_path: Path, extra: list[str],
                                       capsys: pytest.CaptureFixture) -> None:
-    wav = _wav(tmp_path / "a.wav")
+    wav = asr_cli.wav(tmp_path / "a.wav")
     with pytest.raises(SystemExit) as e:
         cli.main(["transcribe", str(wav), "-o", str(tmp_path / "o.jsonl"), *extra])
     assert e.value.code == 2
@@ -253,18 +240,18 @@ def test_bad_numbers_are_usage_errors(loads: list[str], tmp_path: Path, extra: l
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav"] and loads == []
 
 
-def test_unwritable_outputs_are_usage_errors(loads: list[str], tmp_path: Path,
+def test_unwritable_outputs_are_usage_errors(asr_cli, loads: list[str], tmp_path: Path,
                                              capsys: pytest.CaptureFixture) -> None:
-    wav = _wav(tmp_path / "a.wav")
+    wav = asr_cli.wav(tmp_path / "a.wav")
     (tmp_path / "plain").write_text("x")
-    assert _run(str(wav), "-o", str(tmp_path / "plain" / "out.jsonl")) == 2
+    assert asr_cli.run(str(wav), "-o", str(tmp_path / "plain" / "out.jsonl")) == 2
     assert "Not a directory" in capsys.readouterr().err
-    assert _run(str(wav), "-o", "/proc/polyaccel-out.jsonl") == 2  # a folder nobody can create files in
+    assert asr_cli.run(str(wav), "-o", "/proc/polyaccel-out.jsonl") == 2  # a folder nobody can create files in
     assert "cannot write next to it" in capsys.readouterr().err
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "ro"
         locked.mkdir(mode=0o555)
-        assert _run(str(wav), "-o", str(locked / "out.jsonl")) == 2
+        assert asr_cli.run(str(wav), "-o", str(locked / "out.jsonl")) == 2
         assert "Permission denied" in capsys.readouterr().err
     assert loads == [] and (tmp_path / "plain").read_text() == "x"
     with pytest.raises(SystemExit) as e:
@@ -276,40 +263,41 @@ def test_unwritable_outputs_are_usage_errors(loads: list[str], tmp_path: Path,
 
 
 def test_the_same_file_by_relative_absolute_and_symlinked_paths_is_done_once(
-        loads: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+        asr_cli, loads: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "data").mkdir()
-    _wav(tmp_path / "data" / "a.wav")
+    asr_cli.wav(tmp_path / "data" / "a.wav")
     (tmp_path / "alias").symlink_to(tmp_path / "data")
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out.jsonl"
-    assert _run("data/a.wav", "./data/../data/a.wav", "-o", str(out)) == 0
+    assert asr_cli.run("data/a.wav", "./data/../data/a.wav", "-o", str(out)) == 0
     assert "1 ok, 0 failed, 0 skipped" in capsys.readouterr().err
-    assert _run(str(tmp_path / "data" / "a.wav"), "-o", str(out)) == 0
-    assert _run(str(tmp_path / "alias" / "a.wav"), "-o", str(out)) == 0
+    assert asr_cli.run(str(tmp_path / "data" / "a.wav"), "-o", str(out)) == 0
+    assert asr_cli.run(str(tmp_path / "alias" / "a.wav"), "-o", str(out)) == 0
     assert capsys.readouterr().err.count("0 ok, 0 failed, 1 skipped") == 2
-    assert [r["path"] for r in _results(out)] == ["data/a.wav"], "the user's spelling is kept"
+    assert [r["path"] for r in asr_cli.results(out)] == ["data/a.wav"], "the user's spelling is kept"
 
 
-def test_a_second_run_on_the_same_output_is_refused(loads: list[str], tmp_path: Path,
+def test_a_second_run_on_the_same_output_is_refused(asr_cli, loads: list[str], tmp_path: Path,
                                                     capsys: pytest.CaptureFixture) -> None:
-    wav = _wav(tmp_path / "a.wav")
+    wav = asr_cli.wav(tmp_path / "a.wav")
     out = tmp_path / "out.jsonl"
     with OutputLock(out):
-        assert _run(str(wav), "-o", str(out)) == 2
+        assert asr_cli.run(str(wav), "-o", str(out)) == 2
         assert f"another run (pid {os.getpid()}) is writing {out}" in capsys.readouterr().err
     assert not out.exists() and loads == []
     (tmp_path / "out.jsonl.lock").write_text("polyaccel-asr lock, pid 12345\n")  # left by a kill -9: not held
-    assert _run(str(wav), "-o", str(out)) == 0
-    assert not (tmp_path / "out.jsonl.lock").exists() and len(_results(out)) == 1
+    assert asr_cli.run(str(wav), "-o", str(out)) == 0
+    assert not (tmp_path / "out.jsonl.lock").exists() and len(asr_cli.results(out)) == 1
 
 
 @pytest.mark.timeout(120)
-def test_two_processes_on_one_output(tmp_path: Path) -> None:
+def test_two_processes_on_one_output(asr_cli, tmp_path: Path) -> None:
     """A real second process is refused while the first one is writing."""
     folder = tmp_path / "clips"
     folder.mkdir()
     for i in range(6):
-        _wav(folder / f"{i}.wav")
+        asr_cli.wav(folder / f"{i}.wav")
     out = tmp_path / "out.jsonl"
     script = tmp_path / "slow.py"
     release = tmp_path / "release"  # the first run holds its last files until the second is done
@@ -340,33 +328,34 @@ def test_two_processes_on_one_output(tmp_path: Path) -> None:
     finally:
         release.touch()
         assert first.wait(timeout=60) == 0
-    assert len(_results(out)) == 6
+    assert len(asr_cli.results(out)) == 6
 
 
 # ---- exit codes and the summary ------------------------------------------------------------------------------
 
 
-def test_exit_codes(loads: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    good = str(_wav(tmp_path / "good.wav"))
+def test_exit_codes(asr_cli, loads: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    good = str(asr_cli.wav(tmp_path / "good.wav"))
     bad = tmp_path / "bad.wav"
     bad.write_text("not audio")
     out = tmp_path / "out.jsonl"
-    assert _run(str(bad), "-o", str(out)) == 3                     # nothing transcribed
-    assert _run(good, str(bad), "-o", str(out)) == 1               # some failed
+    assert asr_cli.run(str(bad), "-o", str(out)) == 3                     # nothing transcribed
+    assert asr_cli.run(good, str(bad), "-o", str(out)) == 1               # some failed
     err = capsys.readouterr().err
     assert "1 ok, 1 failed, 0 skipped" in err and "1 file failed; rerun" in err
-    assert _run(good, "-o", str(out)) == 0                         # all done before
+    assert asr_cli.run(good, "-o", str(out)) == 0                         # all done before
     assert "0 ok, 0 failed, 1 skipped" in capsys.readouterr().err
-    _wav(bad)
-    assert _run(good, str(bad), "-o", str(out)) == 0               # the failed one retried, now fine
+    asr_cli.wav(bad)
+    assert asr_cli.run(good, str(bad), "-o", str(out)) == 0               # the failed one retried, now fine
     assert "1 ok, 0 failed, 1 skipped" in capsys.readouterr().err
-    assert [r["error"] for r in _results(out)] == [None, None]
+    assert [r["error"] for r in asr_cli.results(out)] == [None, None]
 
 
 @pytest.mark.parametrize("kind", ["symlink", "dangling symlink", "user file"])
-def test_a_lock_path_that_is_not_our_lock_file_is_left_alone(loads: list[str], tmp_path: Path, kind: str,
+def test_a_lock_path_that_is_not_our_lock_file_is_left_alone(asr_cli, loads: list[str], tmp_path: Path,
+                                                             kind: str,
                                                              capsys: pytest.CaptureFixture) -> None:
-    wav = _wav(tmp_path / "a.wav")
+    wav = asr_cli.wav(tmp_path / "a.wav")
     out = tmp_path / "out.jsonl"
     mine = tmp_path / "notes.txt"
     mine.write_text("my notes\n")
@@ -377,7 +366,7 @@ def test_a_lock_path_that_is_not_our_lock_file_is_left_alone(loads: list[str], t
         lock.symlink_to(tmp_path / "elsewhere")
     else:
         lock.write_text("my other notes\n")
-    assert _run(str(wav), "-o", str(out)) == 2
+    assert asr_cli.run(str(wav), "-o", str(out)) == 2
     assert "not a lock file of ours" in capsys.readouterr().err
     assert mine.read_text() == "my notes\n" and os.path.lexists(lock) and not out.exists()
     assert not os.path.exists(tmp_path / "elsewhere")
@@ -413,44 +402,46 @@ def test_the_writer_appends_whole_lines_and_repairs_only_when_needed(tmp_path: P
 # ---- -o -, hard-linked outputs, control characters in names ------------------------------------------
 
 
-def test_dash_as_output_is_refused_not_a_file_named_dash(loads: list[str], tmp_path: Path,
+def test_dash_as_output_is_refused_not_a_file_named_dash(asr_cli, loads: list[str], tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture) -> None:
-    wav = _wav(tmp_path / "a.wav")
+    wav = asr_cli.wav(tmp_path / "a.wav")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
-        _run(str(wav), "-o", "-")
+        asr_cli.run(str(wav), "-o", "-")
     assert e.value.code == 2 and "'-' (standard output) is not supported" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav"] and loads == []
     assert "-o - is refused" in " ".join(cli.TRANSCRIBE_HELP.split())
-    assert _run(str(wav), "-o", "./-") == 0 and len(_results(tmp_path / "-")) == 1  # a file named '-' if spelt so
+    assert (asr_cli.run(str(wav), "-o", "./-") == 0
+            and len(asr_cli.results(tmp_path / "-")) == 1)  # a file named '-' if spelt so
 
 
-def test_a_hard_linked_output_is_refused(loads: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_a_hard_linked_output_is_refused(asr_cli, loads: list[str], tmp_path: Path,
+                                         capsys: pytest.CaptureFixture) -> None:
     """Two names of one results file would take two locks (the lock goes by name): refused."""
-    wav = _wav(tmp_path / "a.wav")
+    wav = asr_cli.wav(tmp_path / "a.wav")
     out, other = tmp_path / "out.jsonl", tmp_path / "other.jsonl"
-    assert _run(str(tmp_path / "gone.wav"), str(wav), "-o", str(out)) == 1  # something left to retry
+    assert asr_cli.run(str(tmp_path / "gone.wav"), str(wav), "-o", str(out)) == 1  # something left to retry
     before = out.read_bytes()
     os.link(out, other)
     with OutputLock(out):  # a run on out.jsonl is under way; the other name must not slip past it
         for name in (other, out):
-            assert _run(str(wav), "-o", str(name)) == 2
+            assert asr_cli.run(str(wav), "-o", str(name)) == 2
             assert f"-o {name}: has 2 hard links; a results file must have one name" in capsys.readouterr().err
     assert out.read_bytes() == before and os.path.samefile(out, other) and loads == [loads[0]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav", "other.jsonl", "out.jsonl"]
     other.unlink()
-    assert _run(str(wav), "-o", str(out)) == 0
+    assert asr_cli.run(str(wav), "-o", str(out)) == 0
 
 
-def test_control_characters_in_names_are_escaped_on_stderr(loads: list[str], tmp_path: Path,
+def test_control_characters_in_names_are_escaped_on_stderr(asr_cli, loads: list[str], tmp_path: Path,
                                                            capsys: pytest.CaptureFixture,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     """A newline or ESC in a file name cannot start a fake line or reach the terminal; the
     results keep the exact name."""
     bad = tmp_path / "x\n2 ok, 0 failed\x1b[2J.wav"
     bad.write_bytes(b"not audio")
-    good = _wav(tmp_path / "ok\x07.wav")
+    good = asr_cli.wav(tmp_path / "ok\x07.wav")
     out = tmp_path / "out\n.jsonl"
     assert cli.main(["transcribe", str(bad), str(good), "-o", str(out)]) == 1  # not -q: failures listed
     err = capsys.readouterr().err
@@ -458,8 +449,8 @@ def test_control_characters_in_names_are_escaped_on_stderr(loads: list[str], tmp
     assert f"{tmp_path}/x\\n2 ok, 0 failed\\x1b[2J.wav: not an audio file" in caplog.text  # the log warning
     assert f"  failed: {tmp_path}/x\\n2 ok, 0 failed\\x1b[2J.wav: " in err
     assert not any(ln.startswith("2 ok") for ln in err.splitlines()), "no fake summary line"
-    assert [r["path"] for r in _results(out)] == [str(bad), str(good)]
-    assert _run(str(tmp_path / "no\nsuch.wav"), "-o", str(out)) == 2  # usage errors too
+    assert [r["path"] for r in asr_cli.results(out)] == [str(bad), str(good)]
+    assert asr_cli.run(str(tmp_path / "no\nsuch.wav"), "-o", str(out)) == 2  # usage errors too
     assert f"no such file or directory: {tmp_path}/no\\nsuch.wav\n" in capsys.readouterr().err
 
     # export and wer say names the same way
@@ -474,7 +465,8 @@ def test_control_characters_in_names_are_escaped_on_stderr(loads: list[str], tmp
 
 
 @pytest.mark.parametrize("where", ["flag", "env"])
-def test_ray_address_auto_is_a_usage_error_before_any_model_loads(tmp_path, capsys, monkeypatch, loads, where):
+def test_ray_address_auto_is_a_usage_error_before_any_model_loads(asr_cli, tmp_path, capsys, monkeypatch,
+                                                                  loads, where):
     """'auto' would join whatever cluster another local user advertises: refused with exit 2
     and a message naming --address, not a traceback, and nothing written."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -482,7 +474,7 @@ def test_ray_address_auto_is_a_usage_error_before_any_model_loads(tmp_path, caps
     if where == "env":
         monkeypatch.setenv("RAY_ADDRESS", "auto")
     out = tmp_path / "out.jsonl"
-    assert _run(str(_wav(tmp_path / "a.wav")), "-o", str(out), "--ray", *extra) == 2
+    assert asr_cli.run(str(asr_cli.wav(tmp_path / "a.wav")), "-o", str(out), "--ray", *extra) == 2
     err = capsys.readouterr().err
     assert "--address" in err and "'auto'" in err and "Traceback" not in err
     assert not out.exists() and loads == []

@@ -14,9 +14,7 @@ import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import soundfile as sf
 import torch
 from safetensors.torch import save_file
 
@@ -47,15 +45,10 @@ def _tiny_whisper(folder: Path) -> Path:
     return folder
 
 
-def _wav(path: Path) -> str:
-    sf.write(path, np.full(SR // 10, 0.1, np.float32), SR)
-    return str(path)
-
-
-def _transcribe(tmp_path: Path, *extra: str) -> tuple[int, Path]:
+def _transcribe(asr_cli, tmp_path: Path, *extra: str) -> tuple[int, Path]:
     out = tmp_path / "out" / "out.jsonl"
-    return cli.main(["transcribe", _wav(tmp_path / "a.wav"), "-o", str(out), "-q", "--backend", "cpu",
-                     *extra]), out
+    return cli.main(["transcribe", str(asr_cli.wav(tmp_path / "a.wav")), "-o", str(out), "-q",
+                     "--backend", "cpu", *extra]), out
 
 
 @pytest.fixture
@@ -99,11 +92,12 @@ def _other_shape(f: Path) -> None:
     (_other_shape, "the weights do not fit config.json: tensors 1 of another shape (e.g. "
                    "'decoder.embed_tokens.weight': [9, 16], config.json says [8, 16])"),
 ])
-def test_weights_that_cannot_be_read_or_do_not_fit_are_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture,
+def test_weights_that_cannot_be_read_or_do_not_fit_are_a_usage_error(asr_cli, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture,
                                                                      spoil, message: str) -> None:
     model = _tiny_whisper(tmp_path / "m")
     spoil(model / "model.safetensors")
-    code, out = _transcribe(tmp_path, "--model", str(model))
+    code, out = _transcribe(asr_cli, tmp_path, "--model", str(model))
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"polyaccel-asr transcribe: error: {model}: {message}")
@@ -127,7 +121,7 @@ def test_conformer_weights_of_other_tensors_are_a_short_value_error(tmp_path: Pa
 
 @pytest.mark.parametrize("tokenizer", ["valid", "corrupt", "missing"])
 def test_a_whisper_tokenizer_that_cannot_be_read_stops_the_run_before_anything_is_written(
-        tmp_path: Path, capsys: pytest.CaptureFixture, tokenizer: str) -> None:
+        asr_cli, tmp_path: Path, capsys: pytest.CaptureFixture, tokenizer: str) -> None:
     """Not every file's error after its audio was decoded and recognized (exit 3, a results file
     of failures): the run stops at the model (exit 2) and -o is never made."""
     model = _tiny_whisper(tmp_path / "m")
@@ -135,7 +129,7 @@ def test_a_whisper_tokenizer_that_cannot_be_read_stops_the_run_before_anything_i
         (model / "tokenizer.json").write_text('{"model": {"type": "WordLevel"')
     elif tokenizer == "missing":
         (model / "tokenizer.json").unlink()
-    code, out = _transcribe(tmp_path, "--model", str(model))
+    code, out = _transcribe(asr_cli, tmp_path, "--model", str(model))
     err = capsys.readouterr().err
     if tokenizer == "valid":  # the tiny model itself transcribes
         assert code == 0 and json.loads(out.read_text())["error"] is None
@@ -145,7 +139,8 @@ def test_a_whisper_tokenizer_that_cannot_be_read_stops_the_run_before_anything_i
             "missing": f"tokenizer.json not found ({model / 'tokenizer.json'})"}[tokenizer] in err
 
 
-def test_a_system_error_on_a_model_file_is_the_models_not_the_outputs(tmp_path: Path, capsys: pytest.CaptureFixture,
+def test_a_system_error_on_a_model_file_is_the_models_not_the_outputs(asr_cli, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """An unreadable weights file (or a model cache we may not write) used to end the run as
     "stopped early: cannot write OUT.jsonl: Permission denied" (exit 1)."""
@@ -155,7 +150,7 @@ def test_a_system_error_on_a_model_file_is_the_models_not_the_outputs(tmp_path: 
         raise PermissionError(13, "Permission denied", str(weights))
 
     monkeypatch.setattr(transcriber, "_load_model", unreadable)
-    code, out = _transcribe(tmp_path)
+    code, out = _transcribe(asr_cli, tmp_path)
     err = capsys.readouterr().err
     assert code == 2 and not out.parent.exists()
     assert err == f"polyaccel-asr transcribe: error: cannot load the model: Permission denied: {weights}\n"
@@ -164,22 +159,22 @@ def test_a_system_error_on_a_model_file_is_the_models_not_the_outputs(tmp_path: 
 # ---- names that are empty, options that would be ignored ---------------------------------------------
 
 
-def test_an_empty_input_or_refs_name_is_refused_not_the_current_folder(fake: None, tmp_path: Path,
+def test_an_empty_input_or_refs_name_is_refused_not_the_current_folder(asr_cli, fake: None, tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     for i in range(3):
-        _wav(tmp_path / f"mine{i}.wav")
-    one = _wav(tmp_path / "one.wav")
+        asr_cli.wav(tmp_path / f"mine{i}.wav")
+    one = str(asr_cli.wav(tmp_path / "one.wav"))
     for argv in (["", one], [one, "--refs", ""]):
         assert cli.main(["transcribe", *argv, "-o", "out.jsonl", "-q"]) == 2
         assert "is an empty name (an unset shell variable?)" in capsys.readouterr().err
         assert not (tmp_path / "out.jsonl").exists()
 
 
-def test_bench_refuses_batch_size_instead_of_ignoring_it(fake: None, tmp_path: Path,
+def test_bench_refuses_batch_size_instead_of_ignoring_it(asr_cli, fake: None, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture) -> None:
-    assert cli.main(["bench", _wav(tmp_path / "a.wav"), "--batch-size", "4"]) == 2
+    assert cli.main(["bench", str(asr_cli.wav(tmp_path / "a.wav")), "--batch-size", "4"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "--batch-size would be ignored" in captured.err
 
@@ -194,11 +189,12 @@ def test_a_failed_convert_leaves_no_folders(tmp_path: Path, capsys: pytest.Captu
 # ---- SIGTERM ---------------------------------------------------------------------------------------------
 
 
-def test_sigterm_ends_a_run_like_ctrl_c_and_the_rerun_resumes(tmp_path: Path, capsys: pytest.CaptureFixture,
+def test_sigterm_ends_a_run_like_ctrl_c_and_the_rerun_resumes(asr_cli, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGTERM (sent here by the recognizer of the third file, once a line is written) used to kill the run on the spot,
     the lock and the folders it made left behind; now it unwinds as Ctrl-C does."""
-    wavs = [_wav(tmp_path / f"c{i:02d}.wav") for i in range(20)]
+    wavs = [str(asr_cli.wav(tmp_path / f"c{i:02d}.wav")) for i in range(20)]
     out = tmp_path / "out" / "out.jsonl"
     calls, unhandled = [], []
 

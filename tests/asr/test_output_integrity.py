@@ -552,18 +552,14 @@ def fake_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(from_pretrained))
 
 
-def _wav(path: Path, seconds: float = 0.5) -> str:
-    sf.write(path, np.full(int(seconds * SR), 0.1, np.float32), SR)
-    return str(path)
-
-
-def test_a_rerun_whose_retries_fail_again_exits_1_not_3(fake_model: None, tmp_path: Path,
+def test_a_rerun_whose_retries_fail_again_exits_1_not_3(asr_cli, fake_model: None, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture) -> None:
     """Exit 3 means nothing was ever transcribed; a rerun where only the retried file fails
     again, the others done before, is 1 (some failed)."""
     from polyaccel.asr.cli import main
 
-    args = ["transcribe", _wav(tmp_path / "a.wav"), str(tmp_path / "late.wav"), "-o", str(tmp_path / "o.jsonl"), "-q"]
+    args = ["transcribe", str(asr_cli.wav(tmp_path / "a.wav", 0.5)), str(tmp_path / "late.wav"),
+            "-o", str(tmp_path / "o.jsonl"), "-q"]
     assert main(args) == 1
     assert main(args) == 1
     assert "0 ok, 1 failed, 1 skipped" in capsys.readouterr().err
@@ -571,7 +567,7 @@ def test_a_rerun_whose_retries_fail_again_exits_1_not_3(fake_model: None, tmp_pa
     assert main(["transcribe", str(tmp_path / "notes.wav"), "-o", str(tmp_path / "p.jsonl"), "-q"]) == 3
 
 
-def test_a_write_error_mid_run_is_exit_1_and_the_rerun_finishes(fake_model: None, tmp_path: Path,
+def test_a_write_error_mid_run_is_exit_1_and_the_rerun_finishes(asr_cli, fake_model: None, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture) -> None:
     """The disk fills after the first record: the run says so and exits 1 (never 0 with
@@ -581,7 +577,7 @@ def test_a_write_error_mid_run_is_exit_1_and_the_rerun_finishes(fake_model: None
     from polyaccel.asr.cli import main
     from polyaccel.asr.results_file import ResultsWriter
 
-    wavs = [_wav(tmp_path / f"c{i}.wav", 0.1 * (i + 1)) for i in range(3)]
+    wavs = [str(asr_cli.wav(tmp_path / f"c{i}.wav", 0.1 * (i + 1))) for i in range(3)]
     out = tmp_path / "o.jsonl"
     real = ResultsWriter.write
     written: list[str] = []

@@ -129,7 +129,8 @@ def test_records_take_their_inputs_paths_by_row_number() -> None:
     assert [(r["i"], r["path"]) for r in got] == [(i, items[i].path) for i in (0, 1, 3)]
 
 
-def test_rows_after_a_lost_one_are_written_under_their_own_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_rows_after_a_lost_one_are_written_under_their_own_paths(asr_cli, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture) -> None:
     """Row 2 of 4 never comes back: ``exactly_once_indexed`` still yields row 3 (before its error). The
     CLI wrote records by position, so c.wav's line held d.wav's transcript (and a rerun skipped
@@ -156,12 +157,12 @@ def test_rows_after_a_lost_one_are_written_under_their_own_paths(tmp_path: Path,
     err = capsys.readouterr().err
     assert "stopped early: the Ray job returned 3 of 4 rows; row 2 never came back" in err, err
     assert "Traceback" not in err
-    recs = _records(out)
+    recs = asr_cli.results(out)
     assert all(r["text"] == f"said {Path(r['path']).stem}" for r in recs), recs
     assert [Path(r["path"]).name for r in recs] == ["a.wav", "b.wav", "d.wav"]
     lost.clear()
     assert cli.main(argv) == 0
-    recs = _records(out)
+    recs = asr_cli.results(out)
     assert sorted(Path(r["path"]).name for r in recs) == ["a.wav", "b.wav", "c.wav", "d.wav"]
     assert all(r["text"] == f"said {Path(r['path']).stem}" for r in recs), recs
 
@@ -174,13 +175,9 @@ def _two_clips() -> list[str]:
     return clips
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_ray_job_on_a_local_cluster_matches_in_process(one_thread: None, tmp_path: Path) -> None:
+def test_ray_job_on_a_local_cluster_matches_in_process(asr_cli, one_thread: None, tmp_path: Path) -> None:
     ray = pytest.importorskip("ray")
     clips = _two_clips()
     inputs = [clips[0], str(tmp_path / "missing.wav"), clips[1]]
@@ -190,19 +187,19 @@ def test_ray_job_on_a_local_cluster_matches_in_process(one_thread: None, tmp_pat
     init_local(2, log_to_driver=False)
     try:
         # Half done already: the Ray job must resume like the local path.
-        remote.write_text(json.dumps(_records(local)[0]) + "\n")
+        remote.write_text(json.dumps(asr_cli.results(local)[0]) + "\n")
         assert cli.main(["transcribe", *inputs, "-o", str(remote), "--ray", "--backend", "cpu", "-q"]) == 1
     finally:
         ray.shutdown()
-    want = [(r["path"], r["text"], r["error"], r["duration_s"]) for r in _records(local)]
-    got = [(r["path"], r["text"], r["error"], r["duration_s"]) for r in _records(remote)]
+    want = [(r["path"], r["text"], r["error"], r["duration_s"]) for r in asr_cli.results(local)]
+    got = [(r["path"], r["text"], r["error"], r["duration_s"]) for r in asr_cli.results(remote)]
     assert got[0] == want[0]
     assert got[1:] == want[1:], "same texts and errors in the same order"
-    assert all("actor" in r for r in _records(remote)[1:])
+    assert all("actor" in r for r in asr_cli.results(remote)[1:])
 
 
 
-def test_address_local_starts_a_private_cluster_and_stops_it(one_thread: None, tmp_path: Path,
+def test_address_local_starts_a_private_cluster_and_stops_it(asr_cli, one_thread: None, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch,
                                                              capfd: pytest.CaptureFixture) -> None:
     """``--address local`` is a private loopback cluster with token auth (core's ``init_local``,
@@ -220,7 +217,7 @@ def test_address_local_starts_a_private_cluster_and_stops_it(one_thread: None, t
     assert cli.main(["transcribe", _two_clips()[0], "-o", str(out), "--ray", "--address", "local",
                      "--backend", "cpu", "-q"]) == 0
     assert started and not ray.is_initialized()
-    assert [r["error"] for r in _records(out)] == [None]
+    assert [r["error"] for r in asr_cli.results(out)] == [None]
     assert "Progress bars disabled" not in capfd.readouterr().err  # the CLI draws its own: no advice to turn Ray's on
 
 
@@ -229,7 +226,7 @@ README_SUBMIT = 'ray job submit --address {url} -- polyaccel-asr transcribe --ra
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_ray_job_submit_as_the_readme_says(tmp_path: Path) -> None:
+def test_ray_job_submit_as_the_readme_says(asr_cli, tmp_path: Path) -> None:
     """The README's commands with token auth on: `ray start --head` on loopback (free ports,
     ``start_head``), then its `ray job submit` line run by bash in the folder holding clips/."""
     pytest.importorskip("ray")
@@ -243,7 +240,7 @@ def test_ray_job_submit_as_the_readme_says(tmp_path: Path) -> None:
                              env=head.env, capture_output=True, text=True, timeout=200)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert "succeeded" in job.stdout + job.stderr
-    recs = _records(tmp_path / "out.jsonl")
+    recs = asr_cli.results(tmp_path / "out.jsonl")
     assert [r["path"] for r in recs] == [str(tmp_path / "clips" / clip.name)]
     assert recs[0]["error"] is None and "young man" in recs[0]["text"].lower()
 

@@ -9,24 +9,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
-import soundfile as sf
 
 from polyaccel.asr import cli
-
-
-def _wav(path: Path) -> Path:
-    sf.write(path, np.zeros(1600, np.float32), 16000)
-    return path
 
 
 @pytest.mark.parametrize("content, expected", [
     (b'{"path": "a.wav"}\n\xff\xfe\n', ":2: not UTF-8 text"),
 ])
-def test_a_manifest_that_is_not_utf8_is_named_with_its_line(tmp_path: Path, capsys, content: bytes,
+def test_a_manifest_that_is_not_utf8_is_named_with_its_line(asr_cli, tmp_path: Path, capsys, content: bytes,
                                                             expected: str) -> None:
-    _wav(tmp_path / "a.wav")
+    asr_cli.wav(tmp_path / "a.wav", value=0.0)
     manifest = tmp_path / "m.jsonl"
     manifest.write_bytes(content)
     out = tmp_path / "out.jsonl"
@@ -39,7 +32,8 @@ def test_a_manifest_that_is_not_utf8_is_named_with_its_line(tmp_path: Path, caps
     (b'<s> hello </s> (a)\n{"path": "a", "text": "x"\n', ":2: not valid JSON"),
     (b'<s> caf\xe9 </s> (a)\n', ":1: not UTF-8 text"),
 ])
-def test_a_bad_reference_file_is_named_with_its_line(tmp_path: Path, capsys, content: bytes, expected: str) -> None:
+def test_a_bad_reference_file_is_named_with_its_line(asr_cli, tmp_path: Path, capsys, content: bytes,
+                                                     expected: str) -> None:
     refs = tmp_path / "refs.txt"
     refs.write_bytes(content)
     hyps = tmp_path / "h.jsonl"
@@ -47,7 +41,8 @@ def test_a_bad_reference_file_is_named_with_its_line(tmp_path: Path, capsys, con
     assert cli.main(["wer", "--refs", str(refs), "--hyps", str(hyps)]) == 2
     assert f"{refs}{expected}" in capsys.readouterr().err
     out = tmp_path / "out.jsonl"
-    assert cli.main(["transcribe", str(_wav(tmp_path / "a.wav")), "--refs", str(refs), "-o", str(out), "-q"]) == 2
+    assert cli.main(["transcribe", str(asr_cli.wav(tmp_path / "a.wav", value=0.0)), "--refs", str(refs),
+                     "-o", str(out), "-q"]) == 2
     assert f"{refs}{expected}" in capsys.readouterr().err and not out.exists()
 
 
@@ -63,8 +58,9 @@ def test_bench_help_does_not_offer_the_batch_size_it_refuses(capsys) -> None:
 
 
 @pytest.mark.parametrize("flags", [["--num-actors", "2"], ["--address", "127.0.0.1:6379"]])
-def test_ray_flags_without_ray_are_refused(tmp_path: Path, capsys, flags: list[str]) -> None:
+def test_ray_flags_without_ray_are_refused(asr_cli, tmp_path: Path, capsys, flags: list[str]) -> None:
     out = tmp_path / "out.jsonl"
-    assert cli.main(["transcribe", str(_wav(tmp_path / "a.wav")), "-o", str(out), "-q", *flags]) == 2
+    assert cli.main(["transcribe", str(asr_cli.wav(tmp_path / "a.wav", value=0.0)), "-o", str(out), "-q",
+                     *flags]) == 2
     err = capsys.readouterr().err
     assert f"{flags[0]} only applies to a Ray job" in err and not out.exists(), err

@@ -9,9 +9,7 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
-import soundfile as sf
 
 from polyaccel.asr import cli, results_file
 from polyaccel.asr.results_file import OutputBusy, OutputLock, ResultsWriter, scan_results
@@ -35,11 +33,6 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return asked
 
 
-def _wav(path: Path, seconds: float = 0.1) -> str:
-    sf.write(path, np.full(int(SR * seconds), 0.1, np.float32), SR, format="WAV")
-    return str(path)
-
-
 def _line(path: object, text: str = "hi", error: object = None) -> bytes:
     return (json.dumps({"path": path, "text": text, "duration_s": 0.1, "error": error}) + "\n").encode()
 
@@ -48,7 +41,8 @@ def _line(path: object, text: str = "hi", error: object = None) -> bytes:
 
 
 @pytest.mark.parametrize("path", [["a.wav"], 7, None, {"file": "a.wav"}])
-def test_a_record_whose_path_is_not_a_string_makes_a_file_not_ours(loads: list[str], tmp_path: Path, path: object,
+def test_a_record_whose_path_is_not_a_string_makes_a_file_not_ours(asr_cli, loads: list[str], tmp_path: Path,
+                                                                   path: object,
                                                                    capsys: pytest.CaptureFixture) -> None:
     """Lines with every results field but a path that is a list, number, null or object are no
     run's records: ``wer --hyps`` on such a file is a usage error (it crashed with a TypeError
@@ -61,7 +55,7 @@ def test_a_record_whose_path_is_not_a_string_makes_a_file_not_ours(loads: list[s
     before = other.read_bytes()
     assert cli.main(["wer", "--refs", str(refs), "--hyps", str(other)]) == 2
     assert "is not a polyaccel-asr results file (line 1 is not a results record)" in capsys.readouterr().err
-    assert cli.main(["transcribe", _wav(tmp_path / "a.wav"), "-o", str(other), "-q"]) == 2
+    assert cli.main(["transcribe", str(asr_cli.wav(tmp_path / "a.wav")), "-o", str(other), "-q"]) == 2
     assert "exists and is not a polyaccel-asr results file" in capsys.readouterr().err
     assert other.read_bytes() == before and loads == []
 
@@ -134,7 +128,8 @@ def test_a_lock_being_released_cannot_be_taken_before_its_file_is_gone(tmp_path:
 
 
 def test_an_existing_output_that_may_not_be_written_is_refused_before_the_model_loads(
-        loads: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+        asr_cli, loads: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
     """A write-protected results file (here one to repair: a failed record and a torn line) is
     a usage error before any model loads. Without the check the run loaded the model and, to
     repair the file, renamed a new one over it: the protection was silently bypassed."""
@@ -149,19 +144,19 @@ def test_an_existing_output_that_may_not_be_written_is_refused_before_the_model_
         return real_open(path, flags, *a, **k)
 
     monkeypatch.setattr(os, "open", read_only)
-    assert cli.main(["transcribe", _wav(tmp_path / "a.wav"), "-o", str(out), "-q"]) == 2
+    assert cli.main(["transcribe", str(asr_cli.wav(tmp_path / "a.wav")), "-o", str(out), "-q"]) == 2
     assert "Permission denied" in capsys.readouterr().err
     monkeypatch.undo()
     assert out.read_bytes() == before and loads == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav", "out.jsonl"]
 
 
-def test_the_results_are_synced_and_closed_when_the_run_ends(loads: list[str], tmp_path: Path,
+def test_the_results_are_synced_and_closed_when_the_run_ends(asr_cli, loads: list[str], tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The writer fsyncs at most once a second while writing; the run's end must sync the last
     records (a power loss right after exit 0 would lose them otherwise) and close the file."""
     out = tmp_path / "out.jsonl"
-    wavs = [_wav(tmp_path / f"{i}.wav") for i in range(3)]
+    wavs = [str(asr_cli.wav(tmp_path / f"{i}.wav")) for i in range(3)]
     events: list[str] = []
 
     def ours(fd: int) -> bool:
@@ -182,11 +177,11 @@ def test_the_results_are_synced_and_closed_when_the_run_ends(loads: list[str], t
 
 
 def test_an_output_named_through_a_symlink_is_locked_and_written_as_the_file_it_names(
-        loads: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+        asr_cli, loads: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """``-o link.jsonl`` (a symlink to ``real.jsonl``): the lock is the real file's, so a run
     writing ``real.jsonl`` keeps this one out; the repair of a torn line replaces the real file,
     never the link (which would part the two: the real file stale, the link a new file)."""
-    wav = _wav(tmp_path / "a.wav")
+    wav = str(asr_cli.wav(tmp_path / "a.wav"))
     real = tmp_path / "real.jsonl"
     real.write_bytes(_line("x.wav", error="missing file") + b'{"path": "y.w')
     link = tmp_path / "link.jsonl"
@@ -200,12 +195,12 @@ def test_an_output_named_through_a_symlink_is_locked_and_written_as_the_file_it_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav", "link.jsonl", "real.jsonl"]
 
 
-def test_a_symlink_to_an_input_is_an_input_of_its_own_on_resume(loads: list[str], tmp_path: Path,
+def test_a_symlink_to_an_input_is_an_input_of_its_own_on_resume(asr_cli, loads: list[str], tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture) -> None:
     """Resume compares paths with their folders resolved but keeps the file's own name: an
     utterance that is a symlink to shared audio gets its own record (references match it by
     its name), not skipped as already done because its target was."""
-    wav = _wav(tmp_path / "a.wav")
+    wav = str(asr_cli.wav(tmp_path / "a.wav"))
     (tmp_path / "utt2.wav").symlink_to(tmp_path / "a.wav")
     out = tmp_path / "out.jsonl"
     assert cli.main(["transcribe", wav, "-o", str(out), "-q"]) == 0

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import soundfile as sf
 
 from polyaccel.asr import cli
 from polyaccel.asr.transcriber import Transcriber
@@ -45,59 +44,48 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     return asked
 
 
-def _wav(path: Path, seconds: float = 0.1) -> Path:
-    sf.write(path, np.full(int(SR * seconds), 0.1, np.float32), SR, format="WAV")
-    return path
-
-
-def _run(*argv: str) -> int:
-    return cli.main(["transcribe", *argv, "-q"])
-
-
-def _results(out: Path) -> list[dict]:
-    return [json.loads(x) for x in out.read_text().splitlines()]
-
-
-def _clips(tmp_path: Path, n: int = 2) -> list[str]:
-    return [str(_wav(tmp_path / f"{i}.wav")) for i in range(n)]
+def _clips(asr_cli, tmp_path: Path, n: int = 2) -> list[str]:
+    return [str(asr_cli.wav(tmp_path / f"{i}.wav")) for i in range(n)]
 
 
 # ---- what each line says -------------------------------------------------------------------------------
 
 
-def test_each_line_names_its_dtype_and_overlap_and_a_threshold_only_when_on(loads: list[dict],
+def test_each_line_names_its_dtype_and_overlap_and_a_threshold_only_when_on(asr_cli, loads: list[dict],
                                                                             tmp_path: Path) -> None:
-    a, b = _clips(tmp_path)
+    a, b = _clips(asr_cli, tmp_path)
     out = tmp_path / "out.jsonl"
-    assert _run(a, "-o", str(out)) == 0
-    (rec,) = _results(out)
+    assert asr_cli.run(a, "-o", str(out)) == 0
+    (rec,) = asr_cli.results(out)
     assert rec["dtype"] == "float32" and rec["overlap_s"] == 3.0 and "no_speech_threshold" not in rec
     other = tmp_path / "other.jsonl"
-    assert _run(a, "-o", str(other), "--dtype", "bfloat16", "--overlap", "1.5", "--no-speech-threshold", "0.6") == 0
-    (rec,) = _results(other)
+    assert asr_cli.run(a, "-o", str(other), "--dtype", "bfloat16", "--overlap", "1.5",
+                       "--no-speech-threshold", "0.6") == 0
+    (rec,) = asr_cli.results(other)
     assert (rec["dtype"], rec["overlap_s"], rec["no_speech_threshold"]) == ("bfloat16", 1.5, 0.6)
 
 
-def test_a_resume_with_the_same_settings_goes_on(loads: list[dict], tmp_path: Path) -> None:
-    a, b = _clips(tmp_path)
+def test_a_resume_with_the_same_settings_goes_on(asr_cli, loads: list[dict], tmp_path: Path) -> None:
+    a, b = _clips(asr_cli, tmp_path)
     out = tmp_path / "out.jsonl"
     same = ("--dtype", "float16", "--overlap", "2", "--no-speech-threshold", "0.5")
-    assert _run(a, "-o", str(out), *same) == 0
+    assert asr_cli.run(a, "-o", str(out), *same) == 0
     first = out.read_bytes()
-    assert _run(a, b, "-o", str(out), *same) == 0
+    assert asr_cli.run(a, b, "-o", str(out), *same) == 0
     assert out.read_bytes().startswith(first)
-    assert [(r["path"], r["dtype"], r["overlap_s"], r["no_speech_threshold"]) for r in _results(out)] == [
-        (a, "float16", 2.0, 0.5), (b, "float16", 2.0, 0.5)]
-    assert _run(a, b, "-o", str(out), *same) == 0  # nothing left to do: no model loaded
+    assert [(r["path"], r["dtype"], r["overlap_s"], r["no_speech_threshold"])
+            for r in asr_cli.results(out)] == [(a, "float16", 2.0, 0.5), (b, "float16", 2.0, 0.5)]
+    assert asr_cli.run(a, b, "-o", str(out), *same) == 0  # nothing left to do: no model loaded
     assert len(loads) == 2
 
 
-def test_a_default_dtype_resumes_lines_made_with_that_dtype(loads: list[dict], tmp_path: Path) -> None:
-    a, b = _clips(tmp_path)
+def test_a_default_dtype_resumes_lines_made_with_that_dtype(asr_cli, loads: list[dict],
+                                                           tmp_path: Path) -> None:
+    a, b = _clips(asr_cli, tmp_path)
     out = tmp_path / "out.jsonl"
-    assert _run(a, "-o", str(out), "--dtype", "float32") == 0
-    assert _run(a, b, "-o", str(out)) == 0  # the backend's float32: the same
-    assert [r["dtype"] for r in _results(out)] == ["float32", "float32"]
+    assert asr_cli.run(a, "-o", str(out), "--dtype", "float32") == 0
+    assert asr_cli.run(a, b, "-o", str(out)) == 0  # the backend's float32: the same
+    assert [r["dtype"] for r in asr_cli.results(out)] == ["float32", "float32"]
 
 
 # ---- another setting: refused, the file untouched --------------------------------------------------------
@@ -124,15 +112,15 @@ def _refused(err: str, named: tuple[str, str]) -> bool:
 
 
 @pytest.mark.parametrize(("before", "now", "named"), DIFFERENT)
-def test_a_resume_with_another_setting_is_refused(loads: list[dict], tmp_path: Path, before: list[str],
-                                                  now: list[str], named: tuple[str, str],
+def test_a_resume_with_another_setting_is_refused(asr_cli, loads: list[dict], tmp_path: Path,
+                                                  before: list[str], now: list[str], named: tuple[str, str],
                                                   capsys: pytest.CaptureFixture) -> None:
-    a, b = _clips(tmp_path)
+    a, b = _clips(asr_cli, tmp_path)
     out = tmp_path / "out.jsonl"
-    assert _run(a, "-o", str(out), *before) == 0
+    assert asr_cli.run(a, "-o", str(out), *before) == 0
     content = out.read_bytes()
     capsys.readouterr()
-    assert _run(a, b, "-o", str(out), *now) == 2
+    assert asr_cli.run(a, b, "-o", str(out), *now) == 2
     err = capsys.readouterr().err
     assert _refused(err, named), err
     assert out.read_bytes() == content, "untouched"
@@ -140,30 +128,31 @@ def test_a_resume_with_another_setting_is_refused(loads: list[dict], tmp_path: P
 
 
 @pytest.mark.parametrize(("before", "now", "named"), DIFFERENT)
-def test_nothing_left_to_do_with_another_setting_is_refused_without_loading(loads: list[dict], tmp_path: Path,
+def test_nothing_left_to_do_with_another_setting_is_refused_without_loading(asr_cli, loads: list[dict],
+                                                                            tmp_path: Path,
                                                                             before: list[str], now: list[str],
                                                                             named: tuple[str, str],
                                                                             capsys: pytest.CaptureFixture) -> None:
-    a, b = _clips(tmp_path)
+    a, b = _clips(asr_cli, tmp_path)
     out = tmp_path / "out.jsonl"
-    assert _run(a, b, "-o", str(out), *before) == 0
+    assert asr_cli.run(a, b, "-o", str(out), *before) == 0
     content = out.read_bytes()
     capsys.readouterr()
-    assert _run(a, b, "-o", str(out), *now) == 2
+    assert asr_cli.run(a, b, "-o", str(out), *now) == 2
     err = capsys.readouterr().err
     assert _refused(err, named) and "nothing to do" not in err, err
     assert out.read_bytes() == content and len(loads) == 1, "refused before any model loads"
 
 
-def test_nothing_left_to_do_without_dtype_is_no_clash(loads: list[dict], tmp_path: Path,
+def test_nothing_left_to_do_without_dtype_is_no_clash(asr_cli, loads: list[dict], tmp_path: Path,
                                                       capsys: pytest.CaptureFixture) -> None:
     """Unset, --dtype means the backend's, which is not known without loading the model: not a clash."""
-    a, b = _clips(tmp_path)
+    a, b = _clips(asr_cli, tmp_path)
     out = tmp_path / "out.jsonl"
-    assert _run(a, b, "-o", str(out), "--dtype", "bfloat16") == 0
+    assert asr_cli.run(a, b, "-o", str(out), "--dtype", "bfloat16") == 0
     content = out.read_bytes()
-    assert _run(a, b, "-o", str(out)) == 0
-    assert _run(a, b, "-o", str(out), "--dtype", "bfloat16") == 0
+    assert asr_cli.run(a, b, "-o", str(out)) == 0
+    assert asr_cli.run(a, b, "-o", str(out), "--dtype", "bfloat16") == 0
     assert "made another way" not in capsys.readouterr().err
     assert out.read_bytes() == content and len(loads) == 1
 
@@ -171,9 +160,9 @@ def test_nothing_left_to_do_without_dtype_is_no_clash(loads: list[dict], tmp_pat
 # ---- lines from before these fields ------------------------------------------------------------------------
 
 
-def _as_before_the_fields(out: Path) -> bytes:
+def _as_before_the_fields(asr_cli, out: Path) -> bytes:
     """Rewrite ``out`` as a run before lines named their dtype and overlap would have written it."""
-    recs = _results(out)
+    recs = asr_cli.results(out)
     for r in recs:
         for key in ("dtype", "overlap_s", "no_speech_threshold"):
             r.pop(key, None)
@@ -182,25 +171,26 @@ def _as_before_the_fields(out: Path) -> bytes:
 
 
 @pytest.mark.parametrize("now", [[], ["--dtype", "bfloat16", "--overlap", "1", "--no-speech-threshold", "0.6"]])
-def test_lines_from_before_the_fields_resume(loads: list[dict], tmp_path: Path, now: list[str]) -> None:
-    a, b, c = _clips(tmp_path, 3)
+def test_lines_from_before_the_fields_resume(asr_cli, loads: list[dict], tmp_path: Path,
+                                             now: list[str]) -> None:
+    a, b, c = _clips(asr_cli, tmp_path, 3)
     out = tmp_path / "out.jsonl"
-    assert _run(a, b, "-o", str(out)) == 0
-    old = _as_before_the_fields(out)
-    assert _run(a, b, "-o", str(out), *now) == 0, "nothing left to do"
+    assert asr_cli.run(a, b, "-o", str(out)) == 0
+    old = _as_before_the_fields(asr_cli, out)
+    assert asr_cli.run(a, b, "-o", str(out), *now) == 0, "nothing left to do"
     assert out.read_bytes() == old
-    assert _run(a, b, c, "-o", str(out), *now) == 0
+    assert asr_cli.run(a, b, c, "-o", str(out), *now) == 0
     assert out.read_bytes().startswith(old)
-    assert [r["path"] for r in _results(out)] == [a, b, c]
+    assert [r["path"] for r in asr_cli.results(out)] == [a, b, c]
 
 
 # ---- the Ray path writes the same fields -----------------------------------------------------------------
 
 
-def test_ray_actor_lines_name_dtype_and_overlap(loads: list[dict], tmp_path: Path) -> None:
+def test_ray_actor_lines_name_dtype_and_overlap(asr_cli, loads: list[dict], tmp_path: Path) -> None:
     from polyaccel.asr.ray_job import TranscribeActor
 
-    wav = str(_wav(tmp_path / "a.wav"))
+    wav = str(asr_cli.wav(tmp_path / "a.wav"))
     actor = TranscribeActor.__new__(TranscribeActor)  # as __init__ would build it, without Ray
     actor.model = "fake"
     actor.transcriber = Transcriber.from_pretrained("fake", dtype=None, overlap_s=1.5)
@@ -218,7 +208,8 @@ def test_ray_actor_lines_name_dtype_and_overlap(loads: list[dict], tmp_path: Pat
 # ---- a real (tiny) model: the dtype it was loaded in ------------------------------------------------------
 
 
-def test_a_real_model_records_the_dtype_it_was_loaded_in(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_a_real_model_records_the_dtype_it_was_loaded_in(asr_cli, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
     import torch
 
     from polyaccel.asr.conformer import ConformerAED
@@ -226,19 +217,19 @@ def test_a_real_model_records_the_dtype_it_was_loaded_in(tmp_path: Path, capsys:
 
     model = tmp_path / "tiny-conformer"
     ConformerAED.from_config(tiny(), seed=1).save_pretrained(model)
-    a, b = str(_wav(tmp_path / "a.wav", 0.5)), str(_wav(tmp_path / "b.wav", 0.5))
+    a, b = str(asr_cli.wav(tmp_path / "a.wav", 0.5)), str(asr_cli.wav(tmp_path / "b.wav", 0.5))
     out = tmp_path / "out.jsonl"
     threads = torch.get_num_threads()
     try:
         common = ("-o", str(out), "--backend", "cpu", "--model", str(model))
-        assert _run(a, *common) == 0
-        (rec,) = _results(out)
+        assert asr_cli.run(a, *common) == 0
+        (rec,) = asr_cli.results(out)
         assert rec["dtype"] == str(torch.get_default_dtype()).removeprefix("torch.") == "float32"
         content = out.read_bytes()
         capsys.readouterr()
-        assert _run(a, b, *common, "--dtype", "bfloat16") == 2
+        assert asr_cli.run(a, b, *common, "--dtype", "bfloat16") == 2
         assert "dtype float32; this run: " in capsys.readouterr().err and out.read_bytes() == content
-        assert _run(a, b, *common, "--dtype", "float32") == 0
-        assert [r["dtype"] for r in _results(out)] == ["float32", "float32"]
+        assert asr_cli.run(a, b, *common, "--dtype", "float32") == 0
+        assert [r["dtype"] for r in asr_cli.results(out)] == ["float32", "float32"]
     finally:
         torch.set_num_threads(threads)
