@@ -22,6 +22,56 @@ def saved(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def with_tokenizer(tmp_path: Path, saved: Path):
+    """``with_tokenizer(chat_template=None)``: a copy of the tiny saved model in ``tmp_path/base``
+    with a tiny word-level tokenizer (and the chat template, if given) saved beside it."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def with_tokenizer(chat_template: str | None = None) -> Path:
+        base = tmp_path / "base"
+        shutil.copytree(saved, base)
+        tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "a": 2}, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+        if chat_template is not None:
+            fast.chat_template = chat_template
+        fast.save_pretrained(base)
+        return base
+
+    return with_tokenizer
+
+
+@pytest.fixture
+def write_output(caplog):
+    """``write_output(out, files, foreign=None)``: ``train._write_output`` of a save made of
+    ``files`` (name -> bytes) into ``out`` with the tiny example config; returns the warnings
+    it logged."""
+    import logging
+
+    from polyaccel.moe import train
+    from polyaccel.moe.train_config import load_config
+
+    tiny = Path(__file__).resolve().parents[2] / "packages/moe/examples/tiny_synthetic_cpu.yaml"
+
+    def write_output(out: Path, files: dict[str, bytes], foreign: str | None = None) -> str:
+        cfg = load_config(tiny, [f"output_dir={out}", "checkpoint.dir=null"])
+
+        def write(staging: Path) -> None:
+            for name, data in files.items():
+                (staging / name).write_bytes(data)
+
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+            train._write_output(cfg, write, foreign=foreign)
+        return caplog.text
+
+    return write_output
+
+
+@pytest.fixture
 def full_disk(monkeypatch):
     """``full_disk(disk)``: every safetensors file written under ``disk`` fails from then on, as
     on a full disk (Transformers' ``save_pretrained`` path)."""

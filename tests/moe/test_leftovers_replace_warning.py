@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -29,20 +28,6 @@ def _listed(text: str, verb: str) -> list[str]:
     return [] if m is None else m.group(1).split(", ")
 
 
-def _stage(out: Path, files: dict[str, bytes], caplog, foreign: str | None = FOREIGN) -> str:
-    """``train._write_output`` of a save made of ``files`` into ``out``; the warnings it logged."""
-    cfg = load_config(TINY, [f"output_dir={out}", "checkpoint.dir=null"])
-
-    def write(staging: Path) -> None:
-        for name, data in files.items():
-            (staging / name).write_bytes(data)
-
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
-        train._write_output(cfg, write, foreign=foreign)
-    return caplog.text
-
-
 EARLIER = {"config.json": b"old", "generation_config.json": b"old", "model-00001-of-00002.safetensors": b"old",
            "model-00002-of-00002.safetensors": b"old", "model.safetensors.index.json": b"old",
            "tokenizer.json": b"old", "tokenizer_config.json": b"old", "special_tokens_map.json": b"old",
@@ -51,13 +36,13 @@ NEW = {"config.json": b"new", "generation_config.json": b"new", "model.safetenso
        "tokenizer.json": b"new", "tokenizer_config.json": b"new", "chat_template.jinja": b"new"}
 
 
-def test_the_warning_names_what_is_overwritten_deleted_and_kept_and_that_is_what_happens(tmp_path, caplog):
+def test_the_warning_names_what_is_overwritten_deleted_and_kept_and_that_is_what_happens(tmp_path, write_output):
     out = tmp_path / "out"
     out.mkdir()
     for name, data in EARLIER.items():
         (out / name).write_bytes(data)
     (out / "extra").mkdir()
-    text = _stage(out, NEW, caplog)
+    text = write_output(out, NEW, FOREIGN)
     assert f"{FOREIGN}; this run's final model replaces it: overwrites " in text
     overwritten, deleted, kept = (_listed(text, v) for v in ("overwrites", "deletes", "keeps"))
     assert overwritten == ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
@@ -72,13 +57,13 @@ def test_the_warning_names_what_is_overwritten_deleted_and_kept_and_that_is_what
     assert (out / "special_tokens_map.json").read_bytes() == b"old"  # not written by this save: kept
 
 
-def test_no_warning_without_a_foreign_model_and_long_lists_are_cut(tmp_path, caplog):
+def test_no_warning_without_a_foreign_model_and_long_lists_are_cut(tmp_path, write_output):
     out = tmp_path / "out"
-    assert _stage(out, NEW, caplog, foreign=None) == ""
+    assert write_output(out, NEW) == ""
     for i in range(6):
         (out / f"u{i}.txt").write_text("mine")
     shards = {f"model-{i:05d}-of-00012.safetensors": b"s" for i in range(1, 13)}
-    text = _stage(out, {**shards, "config.json": b"c"}, caplog)
+    text = write_output(out, {**shards, "config.json": b"c"}, FOREIGN)
     assert "overwrites config.json (files of the names it writes)" in text
     assert "deletes model.safetensors (earlier weight files it does not write)" in text
     kept = _listed(text, "keeps")  # 4 files of the earlier save and 6 of the user's: 8 named, then the count
@@ -87,17 +72,9 @@ def test_no_warning_without_a_foreign_model_and_long_lists_are_cut(tmp_path, cap
 
 
 @pytest.fixture
-def tokenizer_model(tmp_path: Path, saved: Path) -> Path:
+def tokenizer_model(with_tokenizer) -> Path:
     """The tiny saved model with a tiny tokenizer beside it (the final save copies it)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    base = tmp_path / "base"
-    shutil.copytree(saved, base)
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "a": 2}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(base)
-    return base
+    return with_tokenizer()
 
 
 def test_a_run_over_another_runs_model_says_its_tokenizer_files_are_replaced(tmp_path, tokenizer_model, caplog):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -29,19 +28,9 @@ WARNING = "were changed since the earlier save wrote them (edited?) and are kept
 
 
 @pytest.fixture
-def base(tmp_path: Path, saved: Path) -> Path:
-    """The tiny saved model with a tiny tokenizer (and chat template) beside it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    base = tmp_path / "base"
-    shutil.copytree(saved, base)
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "a": 2}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
-    fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    fast.save_pretrained(base)
-    return base
+def base(with_tokenizer) -> Path:
+    """The tiny saved model with a tiny tokenizer and a chat template beside it."""
+    return with_tokenizer("{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
 
 def _run(tmp_path: Path, base: Path, caplog, *sets: str) -> str:
@@ -130,20 +119,7 @@ def test_rewriting_output_dir_from_the_final_checkpoint_keeps_an_edited_file(tmp
     _loads(out)
 
 
-def _save(out: Path, files: dict[str, bytes], caplog, foreign: str | None = None) -> str:
-    cfg = load_config(TINY, [f"output_dir={out}", "checkpoint.dir=null"])
-
-    def write(staging: Path) -> None:
-        for name, data in files.items():
-            (staging / name).write_bytes(data)
-
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
-        train._write_output(cfg, write, foreign=foreign)
-    return caplog.text
-
-
-def test_without_a_record_only_files_unlike_the_new_ones_are_kept_aside(tmp_path, caplog):
+def test_without_a_record_only_files_unlike_the_new_ones_are_kept_aside(tmp_path, write_output):
     """A folder an earlier version (or another tool) saved has no record: a file of the bytes the
     save writes is replaced silently, any other one, a link included, is kept aside."""
     out = tmp_path / "out"
@@ -154,26 +130,26 @@ def test_without_a_record_only_files_unlike_the_new_ones_are_kept_aside(tmp_path
     for name, data in {"config.json": b"c", "generation_config.json": b"mine", "model.safetensors": b"old"}.items():
         (out / name).write_bytes(data)
     new = {"config.json": b"c", "generation_config.json": b"g", "chat_template.jinja": b"t", "model.safetensors": b"w"}
-    text = _save(out, new, caplog)
+    text = write_output(out, new)
     [gen], [chat] = _aside(out, "generation_config.json"), _aside(out, "chat_template.jinja")
     assert gen.read_bytes() == b"mine" and chat.is_symlink() and target.read_bytes() == TEMPLATE
     assert not _aside(out, "config.json") and not _aside(out, "model.safetensors") and WARNING in text
     assert all((out / n).read_bytes() == data and not (out / n).is_symlink() for n, data in new.items())
     # now recorded: the same save again replaces them without a word; a second edit gets its own backup
-    assert _save(out, new, caplog) == ""
+    assert write_output(out, new) == ""
     (out / "generation_config.json").write_bytes(b"mine again")
-    _save(out, new, caplog)
+    write_output(out, new)
     assert [p.read_bytes() for p in _aside(out, "generation_config.json")] == [b"mine", b"mine again"]
 
 
-def test_a_damaged_record_is_no_record(tmp_path, caplog):
+def test_a_damaged_record_is_no_record(tmp_path, write_output):
     out = tmp_path / "out"
     new = {"config.json": b"c", "generation_config.json": b"g", "model.safetensors": b"w"}
-    _save(out, new, caplog)
+    write_output(out, new)
     (out / "generation_config.json").write_bytes(b"mine")
     for record in (b'{"files": ["generation_config.json"]}', b"{cut off", b"[]"):
         (out / train._RECORD).write_bytes(record)
-        _save(out, new, caplog)
+        write_output(out, new)
         assert (out / "generation_config.json").read_bytes() == b"g"
         (out / "generation_config.json").write_bytes(b"mine")
     assert [p.read_bytes() for p in _aside(out, "generation_config.json")] == [b"mine"] * 3
