@@ -89,6 +89,63 @@ def test_fp8_encoder_layers_quantize_in_the_norms_and_the_gelu(monkeypatch):
     assert seen == ["layer_norm", "none", "layer_norm", "gelu"]
 
 
+def _decode(model: WhisperASR, enc: torch.Tensor, steps: int = 5, state=None) -> list[torch.Tensor]:
+    """Logits of ``steps`` decoder steps from ``enc`` (a fresh state unless given), fed the
+    same tokens whatever the logits."""
+    B = enc.shape[0]
+    state = state or model.new_decoder_state(enc, torch.ones(B, enc.shape[1], dtype=torch.bool), 8)
+    tokens = torch.randint(0, 97, (steps, B), generator=torch.Generator().manual_seed(steps))
+    return [model.decode_step(tokens[t], torch.full((B,), t), state) for t in range(steps)]
+
+
+@needs_cpu_fp8
+@pytest.mark.parametrize("fused", [False, True])  # the plain step; the fused step's ops (reference on CPU)
+def test_fp8_cross_kv_is_e4m3_rows_and_decodes_like_their_dequantized_values(fused):
+    """``fp8_encoder`` keeps the cross-attention K/V as e4m3 rows with a scale per (layer, row,
+    head, frame), and a decoder step reads exactly what they stand for: the same logits as a
+    bf16-free state holding ``values * scale``; close to the unquantized K/V's logits."""
+    from polyaccel.asr.interface import DecoderState
+
+    model = _small_whisper()
+    model.fused_decode = fused
+    enc = torch.randn(3, 1500, 32) * torch.linspace(0.1, 10, 1500)[:, None]  # loud and quiet frames
+    mask = torch.ones(3, 1500, dtype=torch.bool)
+    plain = _decode(model, enc)
+    fp8.fp8_encoder(model)
+    state = model.new_decoder_state(enc, mask, 8)
+    assert state.cross_k.dtype == state.cross_v.dtype == torch.float8_e4m3fn
+    assert state.cross_scale.shape == (2, 2, 3, 4, 1500) and state.self_k.dtype == torch.float32
+    assert len(state.tensors()) == 6  # graph inputs: the scales travel with the state
+    k = state.cross_k.float() * state.cross_scale[0, ..., None]
+    v = state.cross_v.float() * state.cross_scale[1, ..., None]
+    ref = DecoderState.start(k, v, mask, 8)
+    got, want = _decode(model, enc, state=state), _decode(model, enc, state=ref)
+    for g, w, p in zip(got, want, plain, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        assert _rel_err(g, p) < 0.15  # e4m3: 3 mantissa bits per key and value element
+    # the control: scales off by 1% move the logits past that tolerance
+    state.cross_scale[1] *= 1.01
+    off = _decode(model, enc, state=state)
+    assert max(float((o - w).abs().max()) for o, w in zip(off, want)) > 1e-3
+
+
+@needs_cpu_fp8
+def test_fp8_cross_kv_off_and_states_that_do_not_fit():
+    from polyaccel.asr.interface import DecoderState
+
+    model = _small_whisper()
+    fp8.fp8_encoder(model, cross_kv=False)
+    enc, mask = torch.randn(2, 1500, 32), torch.ones(2, 1500, dtype=torch.bool)
+    state = model.new_decoder_state(enc, mask, 8)
+    assert state.cross_k.dtype == torch.float32 and state.cross_scale is None
+    bytes_bf16 = model.decode_state_bytes(4)
+    model.fp8_cross_kv = True
+    assert model.decode_state_bytes(4) < 0.65 * bytes_bf16  # the cross K/V are most of the state
+    fp8_state = model.new_decoder_state(enc, mask, 8)
+    with pytest.raises(ValueError, match="cross_scale"):  # a captured graph's state made for bf16 K/V
+        DecoderState.start(fp8_state.cross_k, fp8_state.cross_v, mask, 8, out=state, cross_scale=fp8_state.cross_scale)
+
+
 @needs_cpu_fp8
 def test_fp8_encoder_refuses_what_it_cannot_run():
     from polyaccel.asr import conformer_config

@@ -246,13 +246,30 @@ def check_decode_attention():
             want = ops.decode_attention.reference(q.float(), k.float(), v.float(), mask)
             tag = "mask" if mask is not None else "no mask"
             for config in (None, SplitConfig(5, 32), SplitConfig(3, 64))[:3 if S == 150 else 1]:
-                got = decode_attention.decode_attention(q, k, v, mask, config)
+                got = decode_attention.decode_attention(q, k, v, mask, config=config)
                 err = rel_err(got, want)
                 print(f"decode_attention S={S} D={D} {dtype} {tag} {config}: rel err {err:.2e}")
                 assert got.shape == (B, H, 1, D) and err < (1e-5 if dtype == torch.float32 else 2e-3), err
                 alone = decode_attention.decode_attention(q[2:3], k[2:3], v[2:3],
-                                                          None if mask is None else mask[2:3], config)
+                                                          None if mask is None else mask[2:3], config=config)
                 assert torch.equal(alone, got[2:3]), "a row alone differs from the row in the batch"
+            # e4m3 keys and values, a scale per key (what the FP8 path keeps for cross-attention)
+            (k8, ks), (v8, vs) = (fp8_rows_of(t * (1 + torch.arange(S)[:, None])) for t in (k, v))
+            want = ops.decode_attention.reference(q, k8, v8, mask, ks, vs)
+            got = decode_attention.decode_attention(q, k8, v8, mask, ks, vs)
+            err = rel_err(got, want)
+            print(f"decode_attention e4m3 k/v S={S} D={D} {dtype} {tag}: rel err {err:.2e}")
+            assert got.shape == (B, H, 1, D) and err < (1e-5 if dtype == torch.float32 else 2e-3), err
+            assert rel_err(got, ops.decode_attention.reference(q, k8, v8, mask, ks, vs * 1.01)) > 3e-3
+            alone = decode_attention.decode_attention(q[2:3], k8[2:3], v8[2:3], None if mask is None else mask[2:3],
+                                                      ks[2:3], vs[2:3])
+            assert torch.equal(alone, got[2:3]), "an e4m3 row alone differs from the row in the batch"
+
+
+def fp8_rows_of(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, H, S, D] -> its rows in e4m3 (same shape) and their scales [B, H, S] (core's reference)."""
+    values, scale = ops.rows_to_fp8.reference(t)
+    return values.view(t.shape), scale.view(t.shape[:-1])
 
 
 def check_grouped_lowrank():

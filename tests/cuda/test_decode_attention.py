@@ -58,3 +58,24 @@ def test_other_key_splits_are_exact_across_batches(config):
         assert torch.equal(decode_attention(q, k, v, config=config), full)
     for b in (1, 3, 17):
         assert torch.equal(decode_attention(q[:b], k[:b], v[:b], config=config), full[:b]), b
+
+
+@gpu
+@needs_cuda
+@torch.inference_mode()
+def test_e4m3_keys_and_values_with_scales_match_the_reference_at_every_batch_size():
+    """The FP8 cross-attention path: e4m3 k/v rows with a scale per key (core's ``rows_to_fp8``)
+    read by the same fixed-split kernel: close to the reference over what they stand for, and
+    the same bits at every batch size. A 1% error in the value scales is caught."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    B, H, S, D = 64, 20, 1500, 64
+    q = torch.randn(B, H, 1, D, device="cuda", generator=g).bfloat16()
+    loud = torch.linspace(0.01, 20, S, device="cuda")[:, None]
+    (k8, ks), (v8, vs) = ((x.view(B, H, S, D), s.view(B, H, S)) for x, s in
+                          (ops.rows_to_fp8(torch.randn(B, H, S, D, device="cuda", generator=g) * loud) for _ in "kv"))
+    full = decode_attention(q, k8, v8, None, ks, vs)
+    want = ops.decode_attention.reference(q, k8, v8, None, ks, vs)
+    assert full.dtype == torch.bfloat16 and (full.float() - want.float()).abs().max() < 2e-2
+    assert (ops.decode_attention.reference(q, k8, v8, None, ks, vs * 1.01).float() - full.float()).abs().max() > 2e-2
+    for b in (1, 3, 17):
+        assert torch.equal(decode_attention(q[:b], k8[:b], v8[:b], None, ks[:b], vs[:b]), full[:b]), b

@@ -4,8 +4,9 @@ Each linear layer of the encoder (attention projections and the MLP) keeps its w
 ``float8_e4m3fn`` with one fp32 scale per output row, and quantizes its input per row (per
 token) at run time; ``torch._scaled_mm`` multiplies them with fp32 accumulation and writes
 the model's dtype. Row-wise scales on both sides keep a single large activation or weight row
-from flattening the others' precision. The conv front end, LayerNorms, attention itself and
-the whole decoder stay in the model's dtype. bf16 stays the exact default; tokens with FP8
+from flattening the others' precision. The decoder keeps the cross-attention K/V in e4m3 too
+(a scale per frame and head), which halves what each decoder step reads. The conv front end,
+LayerNorms, attention itself and the rest of the decoder stay in the model's dtype. bf16 stays the exact default; tokens with FP8
 differ from bf16 on some inputs (measured agreement: docs/asr_whisper.md).
 """
 
@@ -96,10 +97,13 @@ def fp8_supported(device: torch.device | str) -> tuple[bool, str]:
     return True, ""
 
 
-def fp8_encoder(model: nn.Module) -> int:
+def fp8_encoder(model: nn.Module, cross_kv: bool = True) -> int:
     """Swap every ``nn.Linear`` inside ``model.encoder`` for an :class:`Fp8Linear` (weights
-    quantized once, in place); returns how many. Raises ``ValueError`` where the device cannot
-    run FP8 GEMMs or a layer's shape does not fit them."""
+    quantized once, in place); returns how many. With ``cross_kv`` the decoder also keeps the
+    cross-attention K/V (the encoder output's projections) as e4m3 rows, one scale per frame and
+    head (``WhisperASR.fp8_cross_kv``): half the bytes each decoder step reads. Raises
+    ``ValueError`` where the device cannot run FP8 GEMMs or a layer's shape does not fit them.
+    Call before graphs are captured."""
     if not isinstance(model, WhisperASR):
         raise ValueError(f"FP8 encoder GEMMs are built for Whisper; {type(model).__name__} reads its "
                          "encoder weights directly")
@@ -112,4 +116,5 @@ def fp8_encoder(model: nn.Module) -> int:
         setattr(parent, name, Fp8Linear(child))
     for layer in model.encoder.layers:
         layer.__class__ = Fp8WhisperEncoderLayer  # the same module and state dict, the FP8 forward
+    model.fp8_cross_kv = cross_kv
     return len(targets)

@@ -27,6 +27,8 @@ class DecoderState:
     self_k/self_v: [L, B, NH, C, Dh] self-attention cache, written at ``position``.
     cross_k/cross_v: [L, B, NH, S, Dh] cross-attention K/V, computed once per utterance.
     enc_mask: [B, S] bool, True where the encoder frame is real (not padding).
+    cross_scale: None, or [2, L, B, NH, S] fp32 when cross_k/cross_v hold e4m3 rows: key
+    (or value) s stands for ``cross_k[..., s, :] * cross_scale[0, ..., s]`` (``[1]``: values).
     """
 
     self_k: torch.Tensor
@@ -34,27 +36,39 @@ class DecoderState:
     cross_k: torch.Tensor
     cross_v: torch.Tensor
     enc_mask: torch.Tensor
+    cross_scale: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.self_k, self.self_v, self.cross_k, self.cross_v, self.enc_mask]
+        made = [self.self_k, self.self_v, self.cross_k, self.cross_v, self.enc_mask]
+        return made if self.cross_scale is None else [*made, self.cross_scale]
+
+    def cross_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer ``layer``'s (key scales, value scales) [B, NH, S], or None (K/V not e4m3)."""
+        return None if self.cross_scale is None else (self.cross_scale[0, layer], self.cross_scale[1, layer])
 
     @classmethod
     def start(cls, cross_k: torch.Tensor, cross_v: torch.Tensor, enc_mask: torch.Tensor, max_len: int,
-              out: DecoderState | None = None) -> DecoderState:
+              out: DecoderState | None = None, cross_scale: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None) -> DecoderState:
         """A state for new utterances: these cross-attention K/V [L, B, NH, S, Dh] and mask,
-        and an empty self-attention cache of ``max_len`` positions. With ``out`` (same shapes)
-        everything is written into it instead, so captured graphs keep reading its memory."""
+        and an empty self-attention cache of ``max_len`` positions in ``dtype`` (default
+        ``cross_k``'s). With ``out`` (same shapes) everything is written into it instead, so
+        captured graphs keep reading its memory."""
+        if out is not None and (cross_scale is None) != (out.cross_scale is None):
+            raise ValueError("e4m3 cross-attention K/V need a state made for them (cross_scale), and only they")
         if out is not None:
             out.cross_k.copy_(cross_k)
             out.cross_v.copy_(cross_v)
             out.enc_mask.copy_(enc_mask)
+            if cross_scale is not None:
+                out.cross_scale.copy_(cross_scale)
             out.self_k.zero_()
             out.self_v.zero_()
             return out
         L, B, NH, _, Dh = cross_k.shape
-        self_k = cross_k.new_zeros(L, B, NH, max_len, Dh)
+        self_k = torch.zeros(L, B, NH, max_len, Dh, device=cross_k.device, dtype=dtype or cross_k.dtype)
         return cls(self_k, torch.zeros_like(self_k), cross_k.contiguous(), cross_v.contiguous(),
-                   enc_mask.contiguous().clone())
+                   enc_mask.contiguous().clone(), None if cross_scale is None else cross_scale.contiguous())
 
 
 class ASRModel(nn.Module, abc.ABC):

@@ -234,14 +234,20 @@ class WhisperAttention(nn.Module):
         return self._heads(_proj(self.k_proj, x_BTD, invariant)), self._heads(_proj(self.v_proj, x_BTD, invariant))
 
     def attend(self, q_BHTd: torch.Tensor, k_BHSd: torch.Tensor, v_BHSd: torch.Tensor,
-               mask: torch.Tensor | None = None, causal: bool = False, invariant: bool = False) -> torch.Tensor:
+               mask: torch.Tensor | None = None, causal: bool = False, invariant: bool = False,
+               kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Softmax attention then the output projection: -> [B, T, D].
 
         SDPA rather than ``ops.attention``: it is the fused kernel every backend already has,
         and the reference op's explicit fp32 scores would cost [B, NH, S, S] memory here.
         ``invariant``: the batch-invariant kernels (:mod:`polyaccel.asr.batch_invariant`).
+        ``kv_scales``: k and v are e4m3 rows with these scales [B, NH, S] (decoder steps).
         """
-        if invariant and q_BHTd.shape[2] == 1:  # a decoder step: the same key split at every batch
+        if kv_scales is not None:
+            if q_BHTd.shape[2] != 1:
+                raise ValueError("e4m3 keys and values are read by decoder steps (one query token) only")
+            o_BHTd = ops.decode_attention(q_BHTd, k_BHSd, v_BHSd, mask, *kv_scales)
+        elif invariant and q_BHTd.shape[2] == 1:  # a decoder step: the same key split at every batch
             o_BHTd = ops.decode_attention(q_BHTd, k_BHSd, v_BHSd, mask)
         else:
             o_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BHSd, v_BHSd, attn_mask=mask, is_causal=causal)
@@ -260,14 +266,23 @@ class WhisperAttention(nn.Module):
         return self._output_residual(ops.cached_decode_attention(q_BH1d, cache_k, cache_v, position_B), x_B1D)
 
     def fused_cross_attention(self, ln: nn.LayerNorm, x_B1D: torch.Tensor, cross_k: torch.Tensor,
-                              cross_v: torch.Tensor) -> torch.Tensor:
-        """``x + cross_attention(ln(x))`` for one token per row in fused ops."""
+                              cross_v: torch.Tensor,
+                              kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``x + cross_attention(ln(x))`` for one token per row in fused ops (``kv_scales``:
+        see :meth:`attend`)."""
         q_B1D = ops.ln_linear(x_B1D, ln.weight, ln.bias, ln.eps, self.q_proj.weight, self.q_proj.bias)
-        return self._output_residual(ops.decode_attention(self._heads(q_B1D), cross_k, cross_v), x_B1D)
+        o_BH1d = ops.decode_attention(self._heads(q_B1D), cross_k, cross_v, None, *(kv_scales or (None, None)))
+        return self._output_residual(o_BH1d, x_B1D)
 
     def _output_residual(self, o_BH1d: torch.Tensor, x_B1D: torch.Tensor) -> torch.Tensor:
         o_B1D = o_BH1d.transpose(1, 2).reshape(x_B1D.shape)
         return ops.linear_residual(o_B1D, self.out_proj.weight, self.out_proj.bias, x_B1D)
+
+
+def _rows_in_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., Dh] -> its rows in e4m3 (same shape) and their fp32 scales [...] (``ops.rows_to_fp8``)."""
+    values, scale = ops.rows_to_fp8(t)
+    return values.view(t.shape), scale.view(t.shape[:-1])
 
 
 def _proj(linear: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tensor:
@@ -324,10 +339,11 @@ class WhisperDecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(c.d_model, eps=c.layer_norm_eps)
 
     def _cross_and_mlp(self, x_BTD: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor,
-                       invariant: bool = False) -> torch.Tensor:
+                       invariant: bool = False,
+                       cross_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         h = _layer_norm(self.encoder_attn_layer_norm, x_BTD)
         q = self.encoder_attn.query(h, invariant)
-        x_BTD = x_BTD + self.encoder_attn.attend(q, cross_k, cross_v, invariant=invariant)
+        x_BTD = x_BTD + self.encoder_attn.attend(q, cross_k, cross_v, invariant=invariant, kv_scales=cross_scales)
         return x_BTD + _mlp(self.fc1, self.fc2, _layer_norm(self.final_layer_norm, x_BTD), invariant)
 
     def forward(self, x_BTD: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor) -> torch.Tensor:
@@ -338,9 +354,11 @@ class WhisperDecoderLayer(nn.Module):
 
     def step(self, x_B1D: torch.Tensor, position_B: torch.Tensor, visible_B11C: torch.Tensor,
              cache_k: torch.Tensor, cache_v: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor,
-             invariant: bool = False) -> torch.Tensor:
+             invariant: bool = False,
+             cross_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One token per sequence. Writes this token's K/V into ``cache_k``/``cache_v``
-        [B, NH, C, Dh] at ``position_B`` and attends to the positions ``visible_B11C`` marks."""
+        [B, NH, C, Dh] at ``position_B`` and attends to the positions ``visible_B11C`` marks.
+        ``cross_scales``: the cross-attention K/V are e4m3 rows with these scales."""
         h = _layer_norm(self.self_attn_layer_norm, x_B1D)
         k_BH1d, v_BH1d = self.self_attn.key_value(h, invariant)
         where = position_B.view(-1, 1, 1, 1).expand_as(k_BH1d)
@@ -348,13 +366,15 @@ class WhisperDecoderLayer(nn.Module):
         cache_v.scatter_(2, where, v_BH1d)
         x_B1D = x_B1D + self.self_attn.attend(self.self_attn.query(h, invariant), cache_k, cache_v,
                                               mask=visible_B11C, invariant=invariant)
-        return self._cross_and_mlp(x_B1D, cross_k, cross_v, invariant)
+        return self._cross_and_mlp(x_B1D, cross_k, cross_v, invariant, cross_scales)
 
     def fused_step(self, x_B1D: torch.Tensor, position_B: torch.Tensor, cache_k: torch.Tensor,
-                   cache_v: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor) -> torch.Tensor:
+                   cache_v: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor,
+                   cross_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """:meth:`step` through core's fused decoder ops (``WhisperASR.fused_decode``)."""
         x_B1D = self.self_attn.fused_self_attention(self.self_attn_layer_norm, x_B1D, position_B, cache_k, cache_v)
-        x_B1D = self.encoder_attn.fused_cross_attention(self.encoder_attn_layer_norm, x_B1D, cross_k, cross_v)
+        x_B1D = self.encoder_attn.fused_cross_attention(self.encoder_attn_layer_norm, x_B1D, cross_k, cross_v,
+                                                        cross_scales)
         return _fused_mlp(self.final_layer_norm, self.fc1, self.fc2, x_B1D)
 
 
@@ -435,6 +455,10 @@ class WhisperASR(ASRModel):
         ~9 kernels per layer on CUDA instead of ~23 (docs/asr.md). ``None`` (the default): on
         CUDA unless ``batch_invariant`` is set; ``True`` forces it (not combined with
         ``batch_invariant``); ``False`` keeps the plain step. Set before graphs are captured."""
+        self.fp8_cross_kv = False
+        """Keep the cross-attention K/V as e4m3 rows, one fp32 scale per (layer, row, head,
+        frame): half the bytes each decoder step reads (set by :func:`polyaccel.asr.fp8.fp8_encoder`;
+        tokens may differ from bf16's). Set before graphs are captured."""
         self.encoder = WhisperEncoder(config)
         self.decoder = WhisperDecoder(config)
         self.log_mel = LogMel(config.num_mel_bins, config.n_fft, config.hop_length, config.sample_rate)
@@ -555,8 +579,10 @@ class WhisperASR(ASRModel):
 
     def decode_state_bytes(self, batch: int) -> int:
         c = self.config
-        positions = self.max_decode_len + c.max_source_positions  # self cache + encoder frames
-        return 2 * c.decoder_layers * batch * c.d_model * positions * self.dtype.itemsize
+        head_dim = c.d_model // c.decoder_attention_heads
+        cross_bytes = 1 + 4 / head_dim if self.fp8_cross_kv else self.dtype.itemsize  # per element
+        per_position = 2 * c.decoder_layers * batch * c.d_model
+        return int(per_position * (self.max_decode_len * self.dtype.itemsize + c.max_source_positions * cross_bytes))
 
     def new_decoder_state(self, enc: torch.Tensor, enc_mask: torch.Tensor, max_len: int,
                           out: DecoderState | None = None) -> DecoderState:
@@ -565,7 +591,11 @@ class WhisperASR(ASRModel):
         it instead, so a captured ``decode_step`` keeps reading the same memory."""
         kv = [layer.encoder_attn.key_value(enc) for layer in self.decoder.layers]
         cross_k, cross_v = torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])  # [L, B, NH, S, Dh]
-        return DecoderState.start(cross_k, cross_v, enc_mask, max_len, out=out)
+        scale = None
+        if self.fp8_cross_kv:
+            (cross_k, k_scale), (cross_v, v_scale) = (_rows_in_fp8(t) for t in (cross_k, cross_v))
+            scale = torch.stack([k_scale, v_scale])
+        return DecoderState.start(cross_k, cross_v, enc_mask, max_len, out=out, cross_scale=scale, dtype=self.dtype)
 
     def decode_step(self, tokens: torch.Tensor, position: torch.Tensor, state: DecoderState) -> torch.Tensor:
         """tokens [B] at position [B] -> logits [B, V] fp32; K/V written into ``state``."""
@@ -578,13 +608,14 @@ class WhisperASR(ASRModel):
                                  "take cuBLAS above 16 rows")
             for i, layer in enumerate(dec.layers):
                 x_B1D = layer.fused_step(x_B1D, position, state.self_k[i], state.self_v[i],
-                                         state.cross_k[i], state.cross_v[i])
+                                         state.cross_k[i], state.cross_v[i], state.cross_scales(i))
             return dec.fused_logits(x_B1D[:, 0])
         C = state.self_k.shape[3]
         visible_B11C = (torch.arange(C, device=position.device) <= position[:, None])[:, None, None, :]
         for i, layer in enumerate(dec.layers):
             x_B1D = layer.step(x_B1D, position, visible_B11C, state.self_k[i], state.self_v[i],
-                               state.cross_k[i], state.cross_v[i], invariant=self.batch_invariant)
+                               state.cross_k[i], state.cross_v[i], invariant=self.batch_invariant,
+                               cross_scales=state.cross_scales(i))
         return dec.logits(x_B1D[:, 0], invariant=self.batch_invariant)
 
     def forward(self, features: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
@@ -633,8 +664,8 @@ class WhisperASR(ASRModel):
         def encode_fn(features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return self.encode(features, lengths)
 
-        def decode_fn(tokens, position, self_k, self_v, cross_k, cross_v, enc_mask) -> torch.Tensor:
-            return self.decode_step(tokens, position, DecoderState(self_k, self_v, cross_k, cross_v, enc_mask))
+        def decode_fn(tokens, position, *state: torch.Tensor) -> torch.Tensor:
+            return self.decode_step(tokens, position, DecoderState(*state))
 
         def encode_example(b: dict[str, int]) -> list[torch.Tensor]:
             return [torch.zeros(b["batch"], c.num_mel_bins, c.n_frames, device=dev, dtype=dt),
@@ -643,10 +674,12 @@ class WhisperASR(ASRModel):
         def decode_example(b: dict[str, int]) -> list[torch.Tensor]:
             B, L = b["batch"], c.decoder_layers
             self_kv = torch.zeros(L, B, heads, self.max_decode_len, head_dim, device=dev, dtype=dt)
-            cross_kv = torch.zeros(L, B, heads, S, head_dim, device=dev, dtype=dt)
+            cross_dt = torch.float8_e4m3fn if self.fp8_cross_kv else dt
+            cross_kv = torch.zeros(L, B, heads, S, head_dim, device=dev, dtype=cross_dt)
+            scale = [torch.ones(2, L, B, heads, S, device=dev)] if self.fp8_cross_kv else []
             return [torch.zeros(B, dtype=torch.int64, device=dev), torch.zeros(B, dtype=torch.int64, device=dev),
                     self_kv, self_kv.clone(), cross_kv, cross_kv.clone(),
-                    torch.ones(B, S, dtype=torch.bool, device=dev)]
+                    torch.ones(B, S, dtype=torch.bool, device=dev), *scale]
 
         return [GraphSpec("encode", encode_fn, buckets, encode_example),
                 GraphSpec("decode_step", decode_fn, buckets, decode_example)]

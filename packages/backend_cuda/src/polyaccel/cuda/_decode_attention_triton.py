@@ -10,9 +10,9 @@ from polyaccel.cuda._fused_decode_triton import attend_block, dependent_start
 
 
 @triton.jit
-def partial(Q, K, V, MASK, M_OUT, L_OUT, ACC, S, H, scale,
-            sqb, sqh, skb, skh, sks, svb, svh, svs, smb, sms,
-            CHUNK, HAS_MASK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+def partial(Q, K, V, MASK, KS, VS, M_OUT, L_OUT, ACC, S, H, scale,
+            sqb, sqh, skb, skh, sks, svb, svh, svs, smb, sms, ssb, ssh, sss,
+            CHUNK, HAS_MASK: tl.constexpr, SCALED: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_S: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr = False):
     dependent_start(PDL)
     row = tl.program_id(0)  # b * H + h
@@ -33,7 +33,7 @@ def partial(Q, K, V, MASK, M_OUT, L_OUT, ACC, S, H, scale,
         if HAS_MASK:
             smask = smask & (tl.load(MASK + b * smb + s * sms, mask=smask, other=0) != 0)
         m, l_sum, acc = attend_block(K + b * skb + h * skh, V + b * svb + h * svh, sks, svs, q, s, smask, d, dmask,
-                                     m, l_sum, acc)
+                                     m, l_sum, acc, KS + b * ssb + h * ssh, VS + b * ssb + h * ssh, sss, SCALED)
     out = row * SPLITS + split
     tl.store(M_OUT + out, m)
     tl.store(L_OUT + out, l_sum)

@@ -157,19 +157,26 @@ def qkv_into_cache(X, LNW, LNB, WQ, WK, WV, BQ, BK, BV, Q, CK, CV, POS, M, N, K,
 
 
 @triton.jit
-def attend_block(K, V, sks, svs, q, s, smask, d, dmask, m, l_sum, acc):
+def attend_block(K, V, sks, svs, q, s, smask, d, dmask, m, l_sum, acc, KS, VS, sss, SCALED: tl.constexpr):
     # One block of keys (positions s; smask: the ones attended) into the online softmax state:
     # running max m, sum l_sum and weighted values acc, all fp32. A block with no key attended
-    # while m is still -inf leaves the state as it is.
+    # while m is still -inf leaves the state as it is. SCALED: K and V hold e4m3 rows, key s
+    # standing for K[s] * KS[s] (V likewise); the scales multiply the scores and the weights.
     kv_mask = smask[:, None] & dmask[None, :]
     k = tl.load(K + s[:, None] * sks + d[None, :], mask=kv_mask, other=0.0)
-    scores = tl.where(smask, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+    scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+    if SCALED:
+        scores = scores * tl.load(KS + s * sss, mask=smask, other=0.0)
+    scores = tl.where(smask, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_safe)
     p = tl.exp(scores - m_safe)
     v = tl.load(V + s[:, None] * svs + d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+    pv = p
+    if SCALED:
+        pv = p * tl.load(VS + s * sss, mask=smask, other=0.0)
+    acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), axis=0)
     l_sum = l_sum * alpha + tl.sum(p, axis=0)
     return m_new, l_sum, acc
 
@@ -192,7 +199,7 @@ def cached_attention(Q, K, V, POS, OUT, H, C, scale, sqb, sqh, skb, skh, sks, sv
     for start in range(0, end, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)
         m, l_sum, acc = attend_block(K + b * skb + h * skh, V + b * svb + h * svh, sks, svs, q, s, s < end, d, dmask,
-                                     m, l_sum, acc)
+                                     m, l_sum, acc, K, V, 0, False)
     o = acc / tl.where(l_sum == 0.0, 1.0, l_sum)
     tl.store(OUT + b * sob + h * soh + d, o.to(OUT.dtype.element_ty), mask=dmask)
 

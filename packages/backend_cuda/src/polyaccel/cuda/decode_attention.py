@@ -38,22 +38,30 @@ def _kernels():
     return _decode_attention_triton
 
 
+def _scales_ok(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, B: int, H: int, S: int) -> bool:
+    if k_scale is None and v_scale is None:
+        return True
+    return (k_scale is not None and v_scale is not None and k_scale.shape == v_scale.shape == (B, H, S)
+            and k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.stride() == v_scale.stride())
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | None = None, config: SplitConfig | None = None) -> torch.Tensor:
+                     mask: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None, config: SplitConfig | None = None) -> torch.Tensor:
     """Core ``decode_attention`` on CUDA: q [B, H, 1, D], k/v [B, H, S, D] (last dim
-    contiguous), ``mask`` boolean broadcastable to [B, 1, 1, S] -> [B, H, 1, D]; ``config``
-    (default :data:`CONFIG`) the key split. Other inputs (grouped heads, D > 256, ...) take
-    core's reference."""
+    contiguous; e4m3 with ``k_scale``/``v_scale`` [B, H, S] fp32, the same strides), ``mask``
+    boolean broadcastable to [B, 1, 1, S] -> [B, H, 1, D]; ``config`` (default :data:`CONFIG`)
+    the key split. Other inputs (grouped heads, D > 256, ...) take core's reference."""
     B, H, T, D = q.shape
     S = k.shape[2]
     ok = (use_triton(q) and T == 1 and k.shape == v.shape == (B, H, S, D) and D <= 256
-          and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+          and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and _scales_ok(k_scale, v_scale, B, H, S)
           and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[-1] == S
                                 and mask.shape[1] == mask.shape[2] == 1 and mask.shape[0] in (1, B))))
     if not ok:
         from polyaccel.core.ops import decode_attention as core_op
 
-        return core_op.reference(q, k, v, mask)
+        return core_op.reference(q, k, v, mask, k_scale, v_scale)
     splits, block_s = config or CONFIG
     splits = min(splits, cdiv(S, block_s))  # no piece without a key (short caches)
     kernels = _kernels()
@@ -72,9 +80,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     chunk = cdiv(cdiv(S, splits), block_s) * block_s  # a whole number of blocks per piece
     shape = dict(D=D, BLOCK_D=block_d, SPLITS=splits, SPLITS_P2=1 << (splits - 1).bit_length(),
                  **dependent_launch(q.device))
-    kernels.partial[(rows, splits)](q, k, v, mask_u8, m, l_sum, acc, S, H, D ** -0.5,
+    scaled = k_scale is not None
+    ks, vs = (k_scale, v_scale) if scaled else (m, m)  # never read without scales
+    kernels.partial[(rows, splits)](q, k, v, mask_u8, ks, vs, m, l_sum, acc, S, H, D ** -0.5,
                                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-                                    v.stride(0), v.stride(1), v.stride(2), smb, sms, chunk,
-                                    HAS_MASK=mask is not None, BLOCK_S=block_s, **shape)
+                                    v.stride(0), v.stride(1), v.stride(2), smb, sms,
+                                    *(ks.stride() if scaled else (0, 0, 0)), chunk,
+                                    HAS_MASK=mask is not None, SCALED=scaled, BLOCK_S=block_s, **shape)
     kernels.combine[(rows,)](m, l_sum, acc, out, H, out.stride(0), out.stride(1), **shape)
     return out

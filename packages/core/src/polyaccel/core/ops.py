@@ -113,15 +113,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 @registry.define
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+                     mask: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per row: q [B, H, 1, D], k/v [B, H, S, D], ``mask``
     boolean (True = attend) broadcastable to [B, 1, 1, S] -> [B, H, 1, D].
+
+    With ``k_scale``/``v_scale`` [B, H, S] fp32, k and v are e4m3 rows (``rows_to_fp8`` per
+    key), each standing for ``row * scale``; the attention then runs in fp32.
 
     Backends implement it with kernels whose result for a row does not depend on the batch
     (no key split chosen by batch x heads), so a decoder step gives the same bits at every
     batch size. The reference is SDPA.
     """
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if k_scale is None and v_scale is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if k_scale is None or v_scale is None:
+        raise ValueError("decode_attention: give both k_scale and v_scale, or neither")
+    k, v = (t.float() * s.unsqueeze(-1) for t, s in ((k, k_scale), (v, v_scale)))
+    return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask).to(q.dtype)
 
 
 @registry.define
