@@ -487,37 +487,46 @@ def section_kernels(args, device, dtype):
 
 
 def _cross_attention_splits(args, device, dtype, heads: int, head_dim: int, frames: int = 1500) -> None:
-    """Cross-attention's key splits (``polyaccel.cuda.decode_attention.SplitConfig``) at 1 and
-    16 rows over the encoder's frames, beside core's reference: each launch checked against
+    """Cross-attention's key splits (``polyaccel.cuda.decode_attention.SplitConfig``) at 1, 16
+    and 128 rows over the encoder's frames, with ``dtype`` keys and with e4m3 keys and values
+    (``--fp8-encoder``'s cross-attention), beside core's reference: each launch checked against
     the reference and for the same bits alone and in a batch, then timed in a CUDA graph."""
     from polyaccel.core import ops
     from polyaccel.cuda import decode_attention as da
 
     g = torch.Generator(device=device).manual_seed(1)
-    q, k, v = (torch.randn(16, heads, n, head_dim, generator=g, device=device).to(dtype) for n in (1, frames, frames))
-    want = ops.decode_attention.reference(q.float(), k.float(), v.float())
-    configs = [da.CONFIG] + [da.SplitConfig(n, b) for n in (4, 8, 12, 16, 24, 32, 48) for b in (32, 64, 128)
-                             if -(-frames // n) >= b // 2]
+    q, k, v = (torch.randn(128, heads, n, head_dim, generator=g, device=device).to(dtype) for n in (1, frames, frames))
+    (k8, ks), (v8, vs) = ((x.view(k.shape), s.view(k.shape[:-1])) for x, s in (ops.rows_to_fp8(t) for t in (k, v)))
+    kinds = {"": ((q, k, v), {}, ops.decode_attention.reference(q.float(), k.float(), v.float()), da.CONFIG),
+             "_fp8": ((q, k8, v8), {"k_scale": ks, "v_scale": vs},
+                      ops.decode_attention.reference(q, k8, v8, None, ks, vs).float(), da.FP8_CONFIG)}
+    configs = [da.CONFIG, da.FP8_CONFIG] + [da.SplitConfig(n, b, w) for n in (2, 3, 6, 12, 24) for b in (64, 128, 256, 512)
+                                           for w in (4, 8) if -(-frames // n) >= b // 2]
     deadline = time.monotonic() + args.kernels_budget / 4
     turn = itertools.count()
 
-    def rows(M: int) -> slice:  # one row: each call the next of 16 (~120 MB of keys, not in L2)
-        r = next(turn) % 16 if M == 1 else 0
+    def rows(M: int) -> slice:  # one row: each call the next of 128 (keys not in L2)
+        r = next(turn) % 128 if M == 1 else 0
         return slice(r, r + M)
 
-    for M in (1, 16):
+    for M in (1, 16, 128):
         emit(system="cross_attn_torch", rows=M, us=round(graph_us(
             lambda M=M: ops.decode_attention.reference(*(t[rows(M)] for t in (q, k, v)))), 2))
     for config in dict.fromkeys(configs):
         if time.monotonic() > deadline:
             break
-        full = da.decode_attention(q, k, v, config=config)
-        err = ((full.float() - want).norm() / want.norm()).item()
-        same = torch.equal(da.decode_attention(q[:1], k[:1], v[:1], config=config), full[:1])
-        for M in (1, 16):
-            us = graph_us(lambda M=M, c=config: da.decode_attention(*(t[rows(M)] for t in (q, k, v)), config=c))
-            emit(system="cross_attn_fused", rows=M, config=list(config), rel_err=round(err, 5), same=same,
-                 shipped=config == da.CONFIG, us=round(us, 2))
+        for kind, (qkv, scales, want, shipped) in kinds.items():
+            def call(M: int, c=config, qkv=qkv, scales=scales):
+                sl = rows(M)
+                return da.decode_attention(*(t[sl] for t in qkv), **{n: t[sl] for n, t in scales.items()}, config=c)
+
+            full = da.decode_attention(*qkv, **scales, config=config)
+            err = ((full.float() - want).norm() / want.norm()).item()
+            same = torch.equal(da.decode_attention(*(t[:1] for t in qkv), **{n: t[:1] for n, t in scales.items()},
+                                                   config=config), full[:1])
+            for M in (1, 16, 128):
+                emit(system=f"cross_attn_fused{kind}", rows=M, config=list(config), rel_err=round(err, 5), same=same,
+                     shipped=config == shipped, us=round(graph_us(lambda M=M, call=call: call(M)), 2))
 
 
 def _speech(args) -> tuple[list[np.ndarray], list[str | None]]:

@@ -75,7 +75,11 @@ def test_e4m3_keys_and_values_with_scales_match_the_reference_at_every_batch_siz
                           (ops.rows_to_fp8(torch.randn(B, H, S, D, device="cuda", generator=g) * loud) for _ in "kv"))
     full = decode_attention(q, k8, v8, None, ks, vs)
     want = ops.decode_attention.reference(q, k8, v8, None, ks, vs)
-    assert full.dtype == torch.bfloat16 and (full.float() - want.float()).abs().max() < 2e-2
-    assert (ops.decode_attention.reference(q, k8, v8, None, ks, vs * 1.01).float() - full.float()).abs().max() > 2e-2
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:  # outputs reach ~50 here: bf16 steps of 0.25
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    assert full.dtype == torch.bfloat16 and rel(full, want) < 4e-3
+    assert rel(full, ops.decode_attention.reference(q, k8, v8, None, ks, vs * 1.01)) > 8e-3
     for b in (1, 3, 17):
         assert torch.equal(decode_attention(q[:b], k8[:b], v8[:b], None, ks[:b], vs[:b]), full[:b]), b

@@ -18,17 +18,23 @@ from polyaccel.cuda._triton import cdiv, dependent_launch, triton_kernels, use_t
 
 
 class SplitConfig(NamedTuple):
-    """How a (row, head)'s keys are cut: ``splits`` pieces read ``block_s`` keys at a time.
-    Never chosen by the batch (a row's bits must not depend on it)."""
+    """How a (row, head)'s keys are cut: ``splits`` pieces read ``block_s`` keys at a time,
+    ``num_warps`` per program. Never chosen by the batch (a row's bits must not depend on it)."""
 
-    splits: int = 12
-    block_s: int = 128
+    splits: int = 3
+    block_s: int = 512
+    num_warps: int = 8
 
 
-CONFIG = SplitConfig()
-"""The launch every call takes. ``tools/bench_asr.py --sections kernels`` times others: on an
-H200 over 1,500 keys (20 heads of 64) this one was the fastest of 42 at 1 and at 16 rows
-(docs/asr.md)."""
+CONFIG = SplitConfig(3, 512, 8)
+"""The launch bf16/fp16 keys take. On an H200 over 1,500 keys (20 heads of 64; 2026-12-03, 60
+launches swept, docs/benchmarks.md) it matched the best at 1 row (5.3 us) and was the fastest
+at 16 and 128 rows (37.5 / 232 us against the earlier 12 pieces of 128 keys' 46 / 291 us)."""
+
+FP8_CONFIG = SplitConfig(3, 512, 4)
+"""The launch e4m3 keys and values (``k_scale``/``v_scale``) take: with half the bytes per key,
+four warps keep more programs resident (24.4 / 144 us at 16 / 128 rows against eight warps'
+28 / 176; 5.0 us at 1 row)."""
 
 
 @triton_kernels
@@ -62,7 +68,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         from polyaccel.core.ops import decode_attention as core_op
 
         return core_op.reference(q, k, v, mask, k_scale, v_scale)
-    splits, block_s = config or CONFIG
+    scaled = k_scale is not None
+    splits, block_s, num_warps = config or (FP8_CONFIG if scaled else CONFIG)
     splits = min(splits, cdiv(S, block_s))  # no piece without a key (short caches)
     kernels = _kernels()
     block_d = max(16, 1 << (D - 1).bit_length())
@@ -80,12 +87,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     chunk = cdiv(cdiv(S, splits), block_s) * block_s  # a whole number of blocks per piece
     shape = dict(D=D, BLOCK_D=block_d, SPLITS=splits, SPLITS_P2=1 << (splits - 1).bit_length(),
                  **dependent_launch(q.device))
-    scaled = k_scale is not None
     ks, vs = (k_scale, v_scale) if scaled else (m, m)  # never read without scales
     kernels.partial[(rows, splits)](q, k, v, mask_u8, ks, vs, m, l_sum, acc, S, H, D ** -0.5,
                                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
                                     v.stride(0), v.stride(1), v.stride(2), smb, sms,
                                     *(ks.stride() if scaled else (0, 0, 0)), chunk,
-                                    HAS_MASK=mask is not None, SCALED=scaled, BLOCK_S=block_s, **shape)
+                                    HAS_MASK=mask is not None, SCALED=scaled, BLOCK_S=block_s,
+                                    num_warps=num_warps, **shape)
     kernels.combine[(rows,)](m, l_sum, acc, out, H, out.stride(0), out.stride(1), **shape)
     return out
