@@ -305,7 +305,7 @@ def check_rows_to_fp8():
         x[2] = 0
         w, b = torch.randn(k).to(dtype), torch.randn(k).to(dtype)
         print(compare_rows_to_fp8(rows_to_fp8, x, "none", exact=True, max_moved=0))
-        print(compare_rows_to_fp8(rows_to_fp8, x, "gelu", exact=False, max_moved=0.1))
+        print(compare_rows_to_fp8(rows_to_fp8, x, "gelu", exact=False, max_moved=0.3, scale_rtol=1e-3, abs_tol=6e-4))
         print(compare_rows_to_fp8(rows_to_fp8, x, "layer_norm", exact=False, max_moved=0.01, ln_weight=w, ln_bias=b))
     wide = torch.randn(6, 2 * 96)[:, :96]  # rows 192 apart
     print(compare_rows_to_fp8(rows_to_fp8, wide, "none", exact=True, max_moved=0))

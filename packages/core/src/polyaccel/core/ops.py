@@ -222,8 +222,9 @@ def rows_to_fp8(x: torch.Tensor, prologue: str = "none", ln_weight: torch.Tensor
                 ln_bias: torch.Tensor | None = None, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``x`` [..., K] in e4m3 with its own scale, for an FP8 GEMM's input: ->
     (q [M, K] ``float8_e4m3fn``, scale [M, 1] fp32) with ``q * scale`` about the row, M the
-    number of rows. ``prologue`` is applied first, in fp32: ``"none"``, ``"gelu"`` (exact, erf)
-    or ``"layer_norm"`` (with ``ln_weight``/``ln_bias``, ``eps``). The scale maps the row's
+    number of rows. ``prologue`` is applied first, in fp32: ``"none"``, ``"gelu"`` (erf; a
+    backend may take its tanh form, within 4.8e-4) or ``"layer_norm"`` (with
+    ``ln_weight``/``ln_bias``, ``eps``). The scale maps the row's
     absolute maximum to :data:`E4M3_MAX` (an all-zero row: a tiny scale, zeros)."""
     xf = x.reshape(-1, x.shape[-1]).float()
     if prologue == "layer_norm":
