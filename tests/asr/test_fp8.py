@@ -131,8 +131,6 @@ def test_fp8_cross_kv_is_e4m3_rows_and_decodes_like_their_dequantized_values(fus
 
 @needs_cpu_fp8
 def test_fp8_cross_kv_off_and_states_that_do_not_fit():
-    from polyaccel.asr.interface import DecoderState
-
     model = _small_whisper()
     fp8.fp8_encoder(model, cross_kv=False)
     enc, mask = torch.randn(2, 1500, 32), torch.ones(2, 1500, dtype=torch.bool)
@@ -141,9 +139,18 @@ def test_fp8_cross_kv_off_and_states_that_do_not_fit():
     bytes_bf16 = model.decode_state_bytes(4)
     model.fp8_cross_kv = True
     assert model.decode_state_bytes(4) < 0.65 * bytes_bf16  # the cross K/V are most of the state
-    fp8_state = model.new_decoder_state(enc, mask, 8)
     with pytest.raises(ValueError, match="cross_scale"):  # a captured graph's state made for bf16 K/V
-        DecoderState.start(fp8_state.cross_k, fp8_state.cross_v, mask, 8, out=state, cross_scale=fp8_state.cross_scale)
+        model.new_decoder_state(enc, mask, 8, out=state)
+    fp8_state = model.new_decoder_state(enc, mask, 8)
+    model.fp8_cross_kv = False
+    with pytest.raises(ValueError, match="cross_scale"):
+        model.new_decoder_state(enc, mask, 8, out=fp8_state)
+    # a state written into keeps its memory and equals a fresh one
+    model.fp8_cross_kv = True
+    enc2 = torch.randn(2, 1500, 32)
+    again = model.new_decoder_state(enc2, mask, 8, out=fp8_state)
+    fresh = model.new_decoder_state(enc2, mask, 8)
+    assert again is fp8_state and all(torch.equal(a.float(), b.float()) for a, b in zip(again.tensors(), fresh.tensors()))
 
 
 @needs_cpu_fp8

@@ -48,27 +48,21 @@ class DecoderState:
 
     @classmethod
     def start(cls, cross_k: torch.Tensor, cross_v: torch.Tensor, enc_mask: torch.Tensor, max_len: int,
-              out: DecoderState | None = None, cross_scale: torch.Tensor | None = None,
-              dtype: torch.dtype | None = None) -> DecoderState:
+              out: DecoderState | None = None) -> DecoderState:
         """A state for new utterances: these cross-attention K/V [L, B, NH, S, Dh] and mask,
-        and an empty self-attention cache of ``max_len`` positions in ``dtype`` (default
-        ``cross_k``'s). With ``out`` (same shapes) everything is written into it instead, so
-        captured graphs keep reading its memory."""
-        if out is not None and (cross_scale is None) != (out.cross_scale is None):
-            raise ValueError("e4m3 cross-attention K/V need a state made for them (cross_scale), and only they")
+        and an empty self-attention cache of ``max_len`` positions. With ``out`` (same shapes)
+        everything is written into it instead, so captured graphs keep reading its memory."""
         if out is not None:
             out.cross_k.copy_(cross_k)
             out.cross_v.copy_(cross_v)
             out.enc_mask.copy_(enc_mask)
-            if cross_scale is not None:
-                out.cross_scale.copy_(cross_scale)
             out.self_k.zero_()
             out.self_v.zero_()
             return out
         L, B, NH, _, Dh = cross_k.shape
-        self_k = torch.zeros(L, B, NH, max_len, Dh, device=cross_k.device, dtype=dtype or cross_k.dtype)
+        self_k = cross_k.new_zeros(L, B, NH, max_len, Dh)
         return cls(self_k, torch.zeros_like(self_k), cross_k.contiguous(), cross_v.contiguous(),
-                   enc_mask.contiguous().clone(), None if cross_scale is None else cross_scale.contiguous())
+                   enc_mask.contiguous().clone())
 
 
 class ASRModel(nn.Module, abc.ABC):

@@ -279,12 +279,6 @@ class WhisperAttention(nn.Module):
         return ops.linear_residual(o_B1D, self.out_proj.weight, self.out_proj.bias, x_B1D)
 
 
-def _rows_in_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., Dh] -> its rows in e4m3 (same shape) and their fp32 scales [...] (``ops.rows_to_fp8``)."""
-    values, scale = ops.rows_to_fp8(t)
-    return values.view(t.shape), scale.view(t.shape[:-1])
-
-
 def _proj(linear: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tensor:
     """``linear(x)``; ``invariant``: on fixed row blocks (the same bits at every batch size)."""
     return fixed_rows_linear(x, linear.weight, linear.bias) if invariant else linear(x)
@@ -588,14 +582,37 @@ class WhisperASR(ASRModel):
                           out: DecoderState | None = None) -> DecoderState:
         """Cross-attention K/V of every layer from ``enc`` [B, S, D] and an empty self-attention
         cache of ``max_len`` positions. With ``out`` (same shapes) the tensors are written into
-        it instead, so a captured ``decode_step`` keeps reading the same memory."""
-        kv = [layer.encoder_attn.key_value(enc) for layer in self.decoder.layers]
-        cross_k, cross_v = torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])  # [L, B, NH, S, Dh]
-        scale = None
-        if self.fp8_cross_kv:
-            (cross_k, k_scale), (cross_v, v_scale) = (_rows_in_fp8(t) for t in (cross_k, cross_v))
-            scale = torch.stack([k_scale, v_scale])
-        return DecoderState.start(cross_k, cross_v, enc_mask, max_len, out=out, cross_scale=scale, dtype=self.dtype)
+        it instead, so a captured ``decode_step`` keeps reading the same memory. Each layer's
+        K/V go straight from their projection into the state (e4m3 rows where
+        :attr:`fp8_cross_kv`), never stacked first."""
+        layers = self.decoder.layers
+        B, S, D = enc.shape
+        heads = layers[0].encoder_attn.num_heads
+        if out is None:
+            L, Dh = len(layers), D // heads
+            cross_dtype = torch.float8_e4m3fn if self.fp8_cross_kv else self.dtype
+            cross = torch.empty(L, B, heads, S, Dh, device=enc.device, dtype=cross_dtype)
+            scale = torch.empty(2, L, B, heads, S, device=enc.device) if self.fp8_cross_kv else None
+            self_k = torch.zeros(L, B, heads, max_len, Dh, device=enc.device, dtype=self.dtype)
+            out = DecoderState(self_k, torch.zeros_like(self_k), cross, torch.empty_like(cross),
+                               enc_mask.contiguous().clone(), scale)
+        else:
+            if (out.cross_scale is not None) != self.fp8_cross_kv:
+                raise ValueError("e4m3 cross-attention K/V need a state made for them (cross_scale), and only they")
+            out.enc_mask.copy_(enc_mask)
+            out.self_k.zero_()
+            out.self_v.zero_()
+        for i, layer in enumerate(layers):
+            attn = layer.encoder_attn
+            for j, (proj, dst) in enumerate(((attn.k_proj, out.cross_k[i]), (attn.v_proj, out.cross_v[i]))):
+                y_BSD = _proj(proj, enc, False)
+                if out.cross_scale is None:
+                    dst.copy_(attn._heads(y_BSD))
+                    continue
+                values, scale = ops.rows_to_fp8(y_BSD.view(B, S, heads, -1))  # a row per (frame, head)
+                dst.copy_(values.view(B, S, heads, -1).transpose(1, 2))
+                out.cross_scale[j, i].copy_(scale.view(B, S, heads).transpose(1, 2))
+        return out
 
     def decode_step(self, tokens: torch.Tensor, position: torch.Tensor, state: DecoderState) -> torch.Tensor:
         """tokens [B] at position [B] -> logits [B, V] fp32; K/V written into ``state``."""
