@@ -36,6 +36,7 @@ from torch import nn
 from polyaccel.asr.char_tokenizer import CharTokenizer
 from polyaccel.asr.conformer_config import ConformerAEDConfig, subsampled_length
 from polyaccel.asr.interface import ASRModel, DecoderState
+from polyaccel.asr.upload import padded_batch
 from polyaccel.core import ops
 from polyaccel.core.graphs import GraphSpec, ShapeBuckets
 
@@ -392,12 +393,10 @@ class ConformerAED(ASRModel):
         """
         hop = self.config.hop_length
         n_frames = num_frames or self.frame_bucket(max(len(a) for a in audio))
-        wave = torch.zeros(len(audio), n_frames * hop, dtype=torch.float32)
-        for i, a in enumerate(audio):
-            a = np.asarray(a, dtype=np.float32).reshape(-1)[: n_frames * hop]
-            wave[i, : len(a)] = torch.from_numpy(a)
-        lengths = torch.tensor([min(self.feature_frames(len(a)), n_frames) for a in audio], dtype=torch.int64)
-        features = self.log_mel(wave.to(self.device), lengths.to(self.device))
+        wave = padded_batch(audio, n_frames * hop, self.device)  # only the real samples cross
+        lengths = torch.tensor([min(self.feature_frames(np.asarray(a).size), n_frames) for a in audio],
+                               dtype=torch.int64)
+        features = self.log_mel(wave, lengths.to(self.device))
         return features.to(self.dtype), lengths.to(self.device)
 
     def log_mel(self, wave: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from polyaccel.asr.batch_invariant import conv1d_as_gemm, fixed_rows_linear
 from polyaccel.asr.config_limits import check_sizes, check_weights_fit
 from polyaccel.asr.decoding import TimestampRules
 from polyaccel.asr.interface import ASRModel, DecoderState
+from polyaccel.asr.upload import padded_batch
 from polyaccel.core import ops
 from polyaccel.core.graphs import GraphSpec, ShapeBuckets
 
@@ -121,28 +121,6 @@ class WhisperConfig:
 
 
 # ---- log-mel front end --------------------------------------------------------------------
-
-_STAGING = threading.local()
-
-
-def _pinned_upload(clips: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    """``clips`` joined on ``device``: copied once, into a pinned buffer this thread reuses
-    (grown as needed), then sent without blocking. The next call waits for the previous send
-    before it writes the buffer again."""
-    total = sum(c.shape[0] for c in clips)
-    buf, done = getattr(_STAGING, "buf", None), getattr(_STAGING, "done", None)
-    if done is not None:
-        done.synchronize()
-    if buf is None or buf.numel() < total:
-        buf = torch.empty(max(total, 1 << 20) * 5 // 4, dtype=torch.float32, pin_memory=True)
-        _STAGING.buf = buf
-    if clips:
-        np.concatenate(clips, out=buf.numpy()[:total])
-    out = buf[:total].to(device, non_blocking=True)
-    _STAGING.done = torch.cuda.Event()
-    _STAGING.done.record()
-    return out
-
 
 def _hz_to_mel(f: np.ndarray) -> np.ndarray:
     """Slaney mel scale: linear (3 mels per 200 Hz) below 1 kHz, logarithmic above."""
@@ -509,18 +487,9 @@ class WhisperASR(ASRModel):
         n = self.config.n_samples
         if num_frames not in (None, self.config.n_frames):
             raise ValueError(f"Whisper takes {self.config.n_frames} frames per window, not {num_frames}")
-        clips = [np.asarray(a, dtype=np.float32).reshape(-1)[:n] for a in audio]
-        samples = [c.shape[0] for c in clips]
-        lengths = [-(-k // self.config.hop_length) for k in samples]
-        # Only the real samples cross to the device (real clips are mostly 2-15 s, the windows
-        # 30 s), from pinned memory without blocking the host; the padding is made there.
-        if self.device.type == "cuda":
-            flat = _pinned_upload(clips, self.device)
-        else:
-            flat = torch.from_numpy(np.concatenate(clips) if clips else np.zeros(0, np.float32))
-        valid = torch.arange(n, device=self.device) < torch.tensor(samples, device=self.device)[:, None]
-        batch = torch.zeros(len(clips), n, device=self.device).masked_scatter_(valid, flat)
-        feats = self.log_mel(batch)
+        lengths = [-(-min(np.asarray(a).size, n) // self.config.hop_length) for a in audio]
+        # only the real samples cross to the device (real clips are mostly 2-15 s, the windows 30 s)
+        feats = self.log_mel(padded_batch(audio, n, self.device))
         return feats.to(self.dtype), torch.tensor(lengths, dtype=torch.int64, device=self.device)
 
     # ---- encoder -------------------------------------------------------------------------

@@ -1,0 +1,42 @@
+"""``polyaccel.asr.upload``: the padded batch both models' features start from (on CUDA only
+the real samples cross, from a pinned buffer reused per thread)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from polyaccel.asr.upload import padded_batch
+
+
+def _devices() -> list[str]:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_rows_hold_each_clips_samples_cropped_then_zeros(device):
+    rng = np.random.default_rng(0)
+    clips = [rng.standard_normal(n).astype(np.float32) for n in (5, 12, 0, 30)]
+    clips.append(rng.standard_normal((2, 4)))  # float64, 2-D: flattened
+    got = padded_batch(clips, 12, torch.device(device)).cpu()
+    assert got.shape == (5, 12) and got.dtype == torch.float32
+    for row, clip in zip(got, clips, strict=True):
+        flat = torch.from_numpy(np.asarray(clip, dtype=np.float32).reshape(-1)[:12])
+        assert torch.equal(row[: flat.numel()], flat) and not row[flat.numel():].any()
+
+
+@pytest.mark.gpu
+def test_reused_pinned_buffer_keeps_earlier_batches():
+    """The next upload waits for the previous one before writing the buffer: a batch made first
+    is still intact after later, larger ones (which grow the buffer) and smaller ones."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rng = np.random.default_rng(1)
+    batches = [[rng.standard_normal(n).astype(np.float32) for n in sizes]
+               for sizes in ((1000, 300), (3_000_000, 7), (10, 20, 30))]
+    made = [padded_batch(b, max(len(c) for c in b), torch.device("cuda")) for b in batches]
+    torch.cuda.synchronize()
+    for batch, got in zip(batches, made, strict=True):
+        for row, clip in zip(got.cpu(), batch, strict=True):
+            assert torch.equal(row[: clip.size], torch.from_numpy(clip)) and not row[clip.size:].any()
