@@ -30,6 +30,7 @@ from polyaccel.cuda import (  # noqa: E402
     triton_rmsnorm,
 )
 from polyaccel.cuda.cross_entropy import linear_cross_entropy  # noqa: E402
+from polyaccel.cuda.depthwise_conv import depthwise_conv1d  # noqa: E402
 from polyaccel.cuda.fp8_rows import rows_to_fp8  # noqa: E402
 
 
@@ -266,6 +267,21 @@ def check_decode_attention():
             assert torch.equal(alone, got[2:3]), "an e4m3 row alone differs from the row in the batch"
 
 
+def check_depthwise_conv1d():
+    """Depthwise conv over time == core's reference (F.conv1d): channels-last views (the
+    conformer's) and contiguous [B, C, T], channel counts past one block, short sequences,
+    explicit and "same" padding, no bias; a channels-last input gives a channels-last output."""
+    for B, C, T, K, pad, channels_last, bias in ((2, 130, 37, 9, None, True, True), (3, 64, 50, 5, 0, False, True),
+                                                 (1, 20, 7, 9, None, True, False), (2, 33, 40, 3, 4, True, True)):
+        x = torch.randn(B, T, C).transpose(1, 2) if channels_last else torch.randn(B, C, T)
+        w, b = torch.randn(C, 1, K), torch.randn(C) if bias else None
+        got = depthwise_conv1d(x, w, b, pad)
+        err = rel_err(got, ops.depthwise_conv1d.reference(x, w, b, pad))
+        print(f"depthwise_conv1d B={B} C={C} T={T} K={K} pad={pad} channels_last={channels_last}: rel err {err:.2e}")
+        assert err < 1e-6, err
+        assert (got.stride(1) == 1) == channels_last, got.stride()
+
+
 def fp8_rows_of(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, H, S, D] -> its rows in e4m3 (same shape) and their scales [B, H, S] (core's reference)."""
     values, scale = ops.rows_to_fp8.reference(t)
@@ -335,6 +351,7 @@ def main() -> None:
     check_adamw()
     check_decode_attention()
     check_rows_to_fp8()
+    check_depthwise_conv1d()
 
 
 if __name__ == "__main__":

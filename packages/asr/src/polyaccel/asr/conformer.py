@@ -166,7 +166,9 @@ class ConformerConvModule(nn.Module):
         x = F.glu(self.pointwise_in(x), dim=-1)
         x = x.masked_fill(~mask[:, :, None], 0.0)  # the kernel must see zeros past the end
         weight, bias = self.folded_depthwise()
-        x = ops.depthwise_conv1d(x.transpose(1, 2), weight, bias)  # [B, D, S]
+        # [B, D, S]; backends that keep the input's layout (CUDA) hand back a view of a [B, S, D]
+        # tensor, so the linear layer after it reads a contiguous input
+        x = ops.depthwise_conv1d(x.transpose(1, 2), weight, bias)
         return self.pointwise_out(F.silu(x).transpose(1, 2))
 
 
