@@ -22,7 +22,7 @@ from polyaccel.asr.conformer_config import (
     tiny,
 )
 from polyaccel.asr.interface import DecoderState
-from polyaccel.core import GraphCache, registry, select_backend
+from polyaccel.core import GraphCache, ops, registry, select_backend
 
 SR = 16000
 # Odd sample counts on purpose: frames and the stride-2 convs both round up.
@@ -270,8 +270,21 @@ def test_flop_formulas_match_flop_counter(model: ConformerAED) -> None:
     assert counter.get_total_flops() == batch * decoder_state_flops(cfg, enc.shape[1])
 
     tok, pos = torch.ones(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64)
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model.decode_step(tok, pos, state)
+    # the step's one-token attention ops run SDPA on the CPU, whose kernel the counter does not
+    # see: count them as core's explicit attention (the same math)
+    explicit = lambda q, k, v, mask=None, *a: ops.attention.reference(q, k, v, mask)  # noqa: E731
+    visible = lambda q, k, v, p: explicit(q, k, v, (torch.arange(k.shape[2]) <= p[:, None])[:, None, None])  # noqa: E731
+    saved = {op: registry.implementations(op).get("cpu") for op in ("decode_attention", "cached_decode_attention")}
+    try:
+        registry.register("decode_attention", "cpu", explicit, impl="explicit", backend="test")
+        registry.register("cached_decode_attention", "cpu", visible, impl="explicit", backend="test")
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model.decode_step(tok, pos, state)
+    finally:
+        for op, impl in saved.items():
+            registry.unregister(op, "cpu")
+            if impl is not None:
+                registry.register(op, "cpu", impl.fn, impl=impl.impl, backend=impl.backend)
     assert state.cross_k.shape[3] == model.cross_frames(enc.shape[1])  # its frame bucket, not the largest
     assert counter.get_total_flops() == batch * decode_step_flops(cfg, cfg.max_decode_len, state.cross_k.shape[3])
 
@@ -284,7 +297,8 @@ def test_runs_on_core_ops(model: ConformerAED, audio: list[np.ndarray]) -> None:
     """Each heavy op dispatches through the core registry (where a backend's kernel plugs in)."""
     cfg = model.config
     calls: dict[str, int] = {}
-    names = ("conv2d_subsample", "ffn", "fused_qkv", "attention", "depthwise_conv1d", "layer_norm")
+    names = ("conv2d_subsample", "ffn", "fused_qkv", "attention", "depthwise_conv1d", "layer_norm",
+             "decode_attention", "cached_decode_attention")
     saved = {op: registry.implementations(op).get("cpu") for op in names}
 
     def spy(op):
@@ -313,7 +327,10 @@ def test_runs_on_core_ops(model: ConformerAED, audio: list[np.ndarray]) -> None:
     n_enc, n_dec = cfg.encoder_layers, cfg.decoder_layers
     assert encoder_calls == {"conv2d_subsample": 3, "ffn": 2 * n_enc, "fused_qkv": n_enc,
                              "attention": n_enc, "depthwise_conv1d": n_enc, "layer_norm": 5 * n_enc}
-    assert calls == {"fused_qkv": n_dec, "attention": 2 * n_dec, "ffn": n_dec, "layer_norm": 3 * n_dec + 1}
+    # a decoder step's attention is the one-token ops (the self-attention's reference, on the
+    # CPU, is decode_attention over the positions so far: counted twice)
+    assert calls == {"fused_qkv": n_dec, "cached_decode_attention": n_dec, "decode_attention": 2 * n_dec,
+                     "ffn": n_dec, "layer_norm": 3 * n_dec + 1}
 
 
 @torch.no_grad()

@@ -108,6 +108,10 @@ def test_decode_attention_is_one_query_attention(gen):
     assert ops.decode_attention(q, k, v, mask).shape == (3, 2, 1, 8)
     assert rel_err(ops.decode_attention(q, k, v, mask), expected) < 1e-5
     assert rel_err(ops.decode_attention(q, k, v), ops.attention(q, k, v)) < 1e-5
+    # a padding row (every key masked) gives zeros, as the CUDA kernel does, not NaN
+    mask[1] = False
+    out = ops.decode_attention(q, k, v, mask)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and rel_err(out[0], expected[0]) < 1e-5
 
 
 def test_depthwise_conv1d(gen):

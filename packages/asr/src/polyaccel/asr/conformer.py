@@ -246,8 +246,8 @@ class DecoderSelfAttention(nn.Module):
             index = position.view(B, 1, 1, 1).expand(B, self.num_heads, 1, k.shape[-1])
             cache_k.scatter_(2, index, k)
             cache_v.scatter_(2, index, v)
-            seen = torch.arange(cache_k.shape[2], device=x.device)[None, :] <= position[:, None]
-            out = ops.attention(q, cache_k, cache_v, mask=seen[:, None, None, :])
+            # positions <= position only: backends read no further into the cache
+            out = ops.cached_decode_attention(q, cache_k, cache_v, position)
         return self.out_proj(out.transpose(1, 2).reshape(B, T, E))
 
 
@@ -270,7 +270,9 @@ class DecoderCrossAttention(nn.Module):
     def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enc_mask: torch.Tensor) -> torch.Tensor:
         B, T, E = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, E // self.num_heads).transpose(1, 2)
-        out = ops.attention(q, k, v, mask=enc_mask[:, None, None, :])
+        mask = enc_mask[:, None, None, :]
+        # a decoder step: one query token, the same key split at every batch size
+        out = ops.decode_attention(q, k, v, mask) if T == 1 else ops.attention(q, k, v, mask=mask)
         return self.out_proj(out.transpose(1, 2).reshape(B, T, E))
 
 

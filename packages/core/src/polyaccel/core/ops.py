@@ -123,14 +123,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Backends implement it with kernels whose result for a row does not depend on the batch
     (no key split chosen by batch x heads), so a decoder step gives the same bits at every
-    batch size. The reference is SDPA.
+    batch size. The reference is SDPA; a row with every key masked gives zeros (a padding row
+    of a batch), not NaN.
     """
-    if k_scale is None and v_scale is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if k_scale is None or v_scale is None:
+    if (k_scale is None) != (v_scale is None):
         raise ValueError("decode_attention: give both k_scale and v_scale, or neither")
-    k, v = (t.float() * s.unsqueeze(-1) for t, s in ((k, k_scale), (v, v_scale)))
-    return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask).to(q.dtype)
+    if k_scale is not None:
+        k, v = (t.float() * s.unsqueeze(-1) for t, s in ((k, k_scale), (v, v_scale)))
+        out = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask).to(q.dtype)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out if mask is None else out.nan_to_num(0.0)
 
 
 @registry.define
