@@ -102,9 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Whisper in bf16/fp16 on a GPU: the same tokens whatever batch a file lands in "
                              "(kernels that do not change with the batch; slower, measured in docs/asr_whisper.md)")
         sp.add_argument("--fp8-encoder", action="store_true",
-                        help="Whisper's encoder GEMMs in FP8 (e4m3, row-wise scales; sm_89+ GPUs): ~1.16x bf16's "
-                             "RTFx at batch 16-128 on an H200 (large-v3-turbo), tokens may differ from bf16's "
-                             "(both measured in docs/asr_whisper.md)")
+                        help="Whisper's encoder GEMMs in FP8 and the decoder's cross-attention K/V in e4m3 "
+                             "(row-wise scales; sm_89+ GPUs): ~1.28x bf16's RTFx at batch 16-128 on an H200 "
+                             "(large-v3-turbo, large-v3), tokens may differ from bf16's (both measured in "
+                             "docs/asr_whisper.md)")
 
     t = sub.add_parser("transcribe", help="transcribe files to JSONL", description=TRANSCRIBE_HELP,
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)

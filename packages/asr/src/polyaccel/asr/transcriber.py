@@ -286,8 +286,9 @@ class Transcriber:
         share the weights; each owns its runner, graphs and caches. ``dtype`` defaults to the
         backend's. Extra keyword arguments go to the runner (e.g. ``batch_buckets``, ``no_speech_threshold``).
         ``timestamps``: decode with Whisper's timestamp tokens; each result gets ``segments``.
-        ``fp8_encoder``: Whisper's encoder GEMMs in FP8 (:mod:`polyaccel.asr.fp8`; tokens may
-        differ from bf16's; ``ValueError`` where the device or model cannot).
+        ``fp8_encoder``: Whisper's encoder GEMMs in FP8 and its cross-attention K/V in e4m3
+        (:mod:`polyaccel.asr.fp8`; tokens may differ from bf16's; ``ValueError`` where the
+        device or model cannot).
         ``batch_invariant``: Whisper in bf16/fp16 on CUDA gives the same tokens whatever batch
         a window lands in (:mod:`polyaccel.asr.batch_invariant`; slower; ``ValueError`` for
         other models).
