@@ -347,6 +347,10 @@ class Transcriber:
                 devices = be.replica_devices(n)
         if timestamps and getattr(first, "timestamp_rules", lambda: None)() is None:
             raise ValueError(f"{path_or_name}: this model does not predict timestamps")
+        if runner_options.get("no_speech_threshold") is not None and getattr(first, "no_speech_id", lambda: None)() is None:
+            # else every record would claim a threshold that was never applied
+            raise ValueError(f"{path_or_name}: this model has no no-speech token (Whisper's <|nocaptions|> / "
+                             "<|nospeech|>): --no-speech-threshold cannot apply")
         if batch_invariant and be.device_type != "cuda":
             raise ValueError(f"batch-invariant kernels are CUDA's; on {be.name} they would change nothing "
                              "(decode in float32 for the same tokens at every batch size)")
