@@ -37,3 +37,19 @@ def test_a_no_speech_threshold_for_a_model_without_the_token_is_refused(
     assert cli.main(["transcribe", str(tmp_path / "a.wav"), "-o", str(out), "-q", "--backend", "cpu",
                      "--model", str(conformer_dir)]) == 0
     assert "no_speech_threshold" not in asr_cli.results(out)[0]
+
+
+def test_wer_of_a_results_file_against_itself_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A results file holds {"path", "text"} lines, which read as references too: given as both
+    --refs and --hyps it scored WER 0 (exit 0)."""
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"path": "a.wav", "text": "hello there", "duration_s": 1.0, "error": null}\n')
+    (tmp_path / "link.jsonl").symlink_to(out)
+    for refs in (out, tmp_path / "link.jsonl"):
+        assert cli.main(["wer", "--refs", str(refs), "--hyps", str(out)]) == 2
+        captured = capsys.readouterr()
+        assert "same file" in captured.err and captured.out == ""
+    refs = tmp_path / "refs.jsonl"
+    refs.write_text('{"path": "a.wav", "text": "hello world"}\n')
+    assert cli.main(["wer", "--refs", str(refs), "--hyps", str(out)]) == 0
+    assert '"wer": 0.5' in capsys.readouterr().out
