@@ -92,6 +92,12 @@ def written_checkpoints(root: str | Path | None) -> list[Path]:
     return [p for p in _step_dirs(root) if (p / MANIFEST).is_file() or (p / TRAINER_STATE).is_file()]
 
 
+def not_checkpoints(root: str | Path | None) -> list[Path]:
+    """``step_N`` directories under ``root`` that hold files but no run's state (neither a
+    manifest nor a trainer state): not ours to replace, oldest first."""
+    return [p for p in _step_dirs(root) if p not in written_checkpoints(root) and any(p.iterdir())]
+
+
 def latest_checkpoint(root: str | Path | None) -> Path | None:
     """The newest complete checkpoint under ``root``, or None."""
     found = complete_checkpoints(root)

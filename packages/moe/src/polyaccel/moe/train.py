@@ -190,6 +190,9 @@ def validate(cfg: FinetuneConfig, model_config: Any) -> None:
     for name in ("seq_len", "micro_batch", "grad_accum", "max_steps", "wgrad_window"):
         if getattr(t, name) != "auto" and getattr(t, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+    if t.seq_len < 2:  # the model shifts labels: a one-token sample has nothing to predict
+        raise ConfigError(f"train.seq_len must be >= 2 (a sample of {t.seq_len} token has no next token to "
+                          "predict: nothing would train)")
     for name in ("lr", "eps", "weight_decay"):
         if not (math.isfinite(getattr(t, name)) and getattr(t, name) >= 0):
             raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(t, name)}")
@@ -636,6 +639,7 @@ def check_config(cfg: FinetuneConfig, *, world_size: int, device: torch.device |
     check_outputs(cfg)
     resume_from = ckpt.find_resume(cfg.checkpoint.dir, cfg.checkpoint.resume)
     _check_later_checkpoints(cfg, resume_from)
+    _check_foreign_step_dirs(cfg, resume_from)
     _check_checkpoint_kind(cfg, resume_from)
     if resume_from is not None:
         # A full model's shape is checked once its weights load (the differing tensors named).
@@ -1207,6 +1211,19 @@ def _check_later_checkpoints(cfg: FinetuneConfig, resume_from: Path | None) -> N
         raise ConfigError(f"checkpoint.dir {cfg.checkpoint.dir} holds checkpoints past the step this run starts from "
                           f"({names}); checkpoint.resume={cfg.checkpoint.resume} {start_from}, so they would be "
                           "overwritten or mixed with this run's. Choose a new checkpoint.dir, or move them away",
+                          key="checkpoint.dir")
+
+
+def _check_foreign_step_dirs(cfg: FinetuneConfig, resume_from: Path | None) -> None:
+    """Refuse a ``checkpoint.dir`` holding a ``step_N`` folder of other files (no manifest, no
+    trainer state) past the step the run starts from: saving step N would replace it."""
+    start = (ckpt.checkpoint_step(resume_from) or 0) if resume_from is not None else 0
+    found = [p for p in ckpt.not_checkpoints(cfg.checkpoint.dir) if (ckpt.checkpoint_step(p) or 0) > start]
+    if found:
+        names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
+        raise ConfigError(f"checkpoint.dir {cfg.checkpoint.dir} holds folders named like checkpoints that are not "
+                          f"checkpoints ({names}: no manifest.json or {ckpt.TRAINER_STATE}); this run's checkpoint of "
+                          "that step would replace them. Move them away, or choose a new checkpoint.dir",
                           key="checkpoint.dir")
 
 
