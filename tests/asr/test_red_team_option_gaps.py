@@ -53,3 +53,45 @@ def test_wer_of_a_results_file_against_itself_is_refused(tmp_path: Path, capsys:
     refs.write_text('{"path": "a.wav", "text": "hello world"}\n')
     assert cli.main(["wer", "--refs", str(refs), "--hyps", str(out)]) == 0
     assert '"wer": 0.5' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("closed", [(2,), (0, 1, 2)])
+def test_a_run_with_stderr_closed_writes_its_results_and_keeps_c_warnings_out_of_its_files(
+        asr_cli, tmp_path: Path, closed: tuple[int, ...]) -> None:
+    """``2>&-`` (cron, a supervisor): the progress bar had no stream (a traceback to nowhere,
+    exit 1, nothing written), and the lock file took descriptor 2, so what C libraries write
+    to stderr went into it (a lock file that is not ours stops a rerun after a kill)."""
+    import os
+    import subprocess
+    import sys
+
+    wav = asr_cli.wav(tmp_path / "a.wav")
+    out = tmp_path / "out.jsonl"
+    code = ("import os, sys; from polyaccel.asr import cli; from polyaccel.asr import results_file as rf\n"
+            "acquire = rf.OutputLock.acquire\n"
+            "def spy(self):\n"
+            "    r = acquire(self); os.write(2, b'a C library warning\\n'); return r\n"
+            "rf.OutputLock.acquire = spy\n"
+            f"rc = cli.main(['transcribe', {str(wav)!r}, '-o', {str(out)!r}, '--backend', 'cpu', '--model', 'fake'])\n"
+            "os.write(int(os.environ['REPORT_FD']), os.readlink('/proc/self/fd/2').encode()); sys.exit(rc)\n")
+    fake = ("from polyaccel.asr.transcriber import Transcriber\n"
+            "Transcriber.from_pretrained = staticmethod(lambda name, **kw: Transcriber(\n"
+            "    lambda i: (lambda batch: ['hi' for a in batch]), sample_rate=16000, max_audio_seconds=30.0,\n"
+            "    replicas=1, batch_size=1, model_name=name))\n")
+    (tmp_path / "sitecustomize.py").write_text(fake)
+    r, w = os.pipe()
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "REPORT_FD": str(w)}
+
+    def close_standard_fds() -> None:
+        for fd in closed:
+            os.close(fd)
+
+    p = subprocess.Popen([sys.executable, "-c", code], preexec_fn=close_standard_fds, env=env, pass_fds=(w,),
+                         cwd=tmp_path)
+    os.close(w)
+    assert p.wait(timeout=300) == 0
+    with os.fdopen(r, "rb") as f:
+        assert f.read() == os.devnull.encode()
+    assert [rec["text"] for rec in asr_cli.results(out)] == ["hi"]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["a.wav", "out.jsonl", "sitecustomize.py"]

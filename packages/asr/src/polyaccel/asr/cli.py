@@ -158,11 +158,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
+    _fill_closed_standard_streams()
     try:
         with sigterm_as_interrupt():
             return _main(list(sys.argv[1:] if argv is None else argv))
     except BrokenPipeError as e:  # `... | head`: the reader left (141, no traceback); another pipe: exit 1
         return broken_pipe(e, "polyaccel-asr")
+
+
+def _fill_closed_standard_streams() -> None:
+    """Open the null device on a closed stdin, stdout or stderr (``2>&-``): else the first file
+    the run opens (the output's lock) takes that descriptor and C libraries' warnings are written
+    into it, and Python has no ``sys.stderr`` for the progress bar and messages."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
 
 
 def _main(argv: list[str]) -> int:
