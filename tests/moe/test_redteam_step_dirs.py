@@ -1,5 +1,6 @@
 """A ``step_N`` folder of the user's in ``checkpoint.dir`` is never replaced by a checkpoint, and
-a ``train.seq_len`` of one token (nothing to predict) is refused instead of "training"."""
+a ``train.seq_len`` of one token or data without a target token (nothing to predict) is refused
+instead of "training"."""
 
 from __future__ import annotations
 
@@ -53,3 +54,17 @@ def test_a_one_token_sequence_is_refused_before_anything_is_written(tmp_path, ca
     code, _, err = _finetune(capsys, f"output_dir={tmp_path}/out", f"checkpoint.dir={tmp_path}/ck", "train.seq_len=1")
     assert code == 2 and "train.seq_len must be >= 2" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("records", [
+    [{"input_ids": [1, 2, 3], "labels": [-100, -100, -100]}] * 3,
+    [{"input_ids": [7]}],
+])
+def test_data_without_a_token_to_train_on_is_refused(tmp_path, capsys, records):
+    """Every label -100, or one token (never a target): exit 0 with ``final_loss`` 0.0 and an
+    output_dir of an untrained model."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, _, err = _finetune(capsys, f"output_dir={tmp_path}/out", f"data.jsonl={data}")
+    assert code == 2 and f"{data} has no token to train on" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]

@@ -223,7 +223,11 @@ def build_dataset(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int =
             raise ConfigError(f"{path}: document {n + 1} has token id {bad[0]} outside the model's "
                               f"vocabulary [0, {vocab_size}); wrong tokenizer or model?")
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
-    return PackedDataset.pack(docs, seq_len, pad_id=min(pad, vocab_size - 1))
+    packed = PackedDataset.pack(docs, seq_len, pad_id=min(pad, vocab_size - 1))
+    if not (packed.labels != IGNORE_INDEX).any():  # a run on it would train nothing and "succeed"
+        raise ConfigError(f"data.{chosen[0]}: {path} has no token to train on (every label is -100, or the "
+                          "data is one token: the first token is never a target)")
+    return packed
 
 
 def load_tokenizer(path: str | None):
