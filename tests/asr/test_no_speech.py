@@ -96,3 +96,25 @@ def test_the_cli_flag_gives_silence_no_text(tiny_en, tmp_path):
                      "--no-speech-threshold", "0.6"]) == 0
     texts = {Path(r["path"]).name: r["text"] for r in map(json.loads, out.read_text().splitlines())}
     assert texts["silent.wav"] == "" and len(texts["speech.wav"].split()) > 5
+
+
+@pytest.mark.parametrize("use_graphs", [False, True])
+def test_timestamps_with_an_english_only_model_read_the_same_no_speech_probability(tiny_en, use_graphs):
+    """tiny.en with timestamps has the start token as its whole prompt: every window failed
+    ("no_speech_id needs a prompt of at least two tokens"); its no-speech probability is that
+    of the logits after the start token, as without timestamps."""
+    from polyaccel.asr.runner import ASRRunner
+    from polyaccel.asr.whisper import WhisperASR
+
+    model = WhisperASR.from_pretrained(tiny_en).eval()
+    audio = [np.zeros(3 * SR, np.float32), _speech()]
+    plain = ASRRunner(model, backend="cpu", batch_buckets=(2,), use_graphs=use_graphs, timestamps=True
+                      ).recognize(audio)
+    notimestamps = ASRRunner(model, backend="cpu", batch_buckets=(2,), use_graphs=use_graphs,
+                             no_speech_threshold=0.6).recognize(audio)
+    gated = ASRRunner(model, backend="cpu", batch_buckets=(2,), use_graphs=use_graphs, timestamps=True,
+                      no_speech_threshold=0.6).recognize(audio)
+    assert gated[0].text == "" and gated[0].segments == []
+    assert [h.no_speech_prob for h in gated] == pytest.approx([h.no_speech_prob for h in notimestamps], abs=1e-4)
+    assert gated[1].text == plain[1].text and gated[1].segments == plain[1].segments
+    assert gated[1].tokens == plain[1].tokens

@@ -138,11 +138,22 @@ class ASRRunner:
             enc, enc_mask = self.model.encode(features, lengths)
         slot = self._slot(self._decode_bucket(B, features.shape[-1]))
         self.model.new_decoder_state(enc, enc_mask, self.cache_len, out=slot.state)
+        no_speech_id, no_speech = self._no_speech_id, None
+        if no_speech_id is not None and len(self.prompt) < 2:
+            # The start token is the whole prompt (English-only Whisper with timestamps): its logits
+            # come from a step of their own; the first generated step writes that cache entry again.
+            buf = slot.buffers
+            buf.position.zero_()
+            buf.tokens.fill_(self.prompt[0])
+            no_speech = torch.softmax(slot.step(buf.tokens, buf.position)[:n].float(), dim=-1)[:, no_speech_id]
+            no_speech_id = None
         hyps = greedy_decode(slot.step, batch=B, num_real=n, prompt=self.prompt, eos_id=self.model.eos_token_id,
                              max_new_tokens=self.max_new_tokens, rules=self._rules, device=self.device,
                              check_every=self.check_every, buffers=slot.buffers, advance=slot.advance,
                              vocab_size=self.vocab_size, timestamps=self.timestamps,
-                             no_speech_id=self._no_speech_id)
+                             no_speech_id=no_speech_id)
+        for h, p in zip(hyps, no_speech.tolist() if no_speech is not None else []):
+            h.no_speech_prob = p
         for h, a in zip(hyps, audio):
             if h.no_speech_prob is not None and h.no_speech_prob > self.no_speech_threshold:
                 h.text, h.segments = "", [] if self.timestamps is not None else None
