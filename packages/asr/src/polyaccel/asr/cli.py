@@ -643,10 +643,11 @@ def cmd_wer(args: argparse.Namespace) -> int:
     from polyaccel.asr.wer import wer, wer_counts
 
     refs = _read_refs(args.refs, read_refs)
-    if Path(args.hyps).is_file() and os.path.samefile(args.refs, args.hyps):  # it would score itself: WER 0
+    hyps = _read_hyps(args.hyps)
+    if os.path.samefile(args.refs, args.hyps):  # a results file reads as references too: WER 0
         raise UsageError(f"--refs and --hyps are the same file ({args.hyps}); give the reference texts as --refs")
     pairs, missing, failed = [], 0, 0
-    for rec in one_per_input(_read_hyps(args.hyps)):  # an input listed twice counts once, as in export
+    for rec in one_per_input(hyps):  # an input listed twice counts once, as in export
         ref = refs.get(rec["path"], refs.get(Path(rec["path"]).stem))
         if ref is None:
             missing += 1
