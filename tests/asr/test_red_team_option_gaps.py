@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from polyaccel.asr import cli
@@ -95,3 +96,30 @@ def test_a_run_with_stderr_closed_writes_its_results_and_keeps_c_warnings_out_of
         assert f.read() == os.devnull.encode()
     assert [rec["text"] for rec in asr_cli.results(out)] == ["hi"]
     assert sorted(x.name for x in tmp_path.iterdir()) == ["a.wav", "out.jsonl", "sitecustomize.py"]
+
+
+@pytest.mark.parametrize("data, rate", [(np.full(1, 0.1, np.float32), 44100), (np.full(2, 0.1, np.float32), 768000),
+                                        (np.zeros((0, 2), np.float32), 16000), (np.zeros((2, 0), np.float32), 16000)])
+def test_audio_with_no_sample_left_is_empty_audio_not_an_internal_error(data: np.ndarray, rate: int) -> None:
+    """A sample at 44.1 kHz resamples to none at 16 kHz, and a [0, 2] array has no channel
+    to take: both said "could not read: ValueError/IndexError ..." instead of empty audio."""
+    from polyaccel.asr.audio import AudioError, prepare_waveform, waveform_from_array
+
+    with pytest.raises(AudioError, match=r"^empty audio \(0 samples"):
+        waveform_from_array(data, rate)
+    if data.ndim == 2:
+        with pytest.raises(AudioError, match=r"^empty audio \(0 samples"):
+            prepare_waveform(data, rate)
+
+
+def test_a_one_sample_44k_file_is_empty_audio(asr_cli, tmp_path: Path) -> None:
+    import soundfile as sf
+
+    sf.write(tmp_path / "one.wav", np.full(1, 0.1), 44100)
+    out = tmp_path / "out.jsonl"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Transcriber, "from_pretrained", staticmethod(lambda name, **kw: Transcriber(
+            lambda i: (lambda batch: ["hi" for _ in batch]), sample_rate=16000, max_audio_seconds=30.0,
+            replicas=1, batch_size=1, model_name=name)))
+        assert asr_cli.run(str(tmp_path / "one.wav"), "-o", str(out), "--backend", "cpu") == 3
+    assert asr_cli.results(out)[0]["error"].startswith("empty audio (0 samples at 16000 Hz")

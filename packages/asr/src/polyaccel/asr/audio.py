@@ -299,12 +299,12 @@ def prepare_waveform(data: np.ndarray, rate: int, sample_rate: int = 16000) -> n
     [-1, 1]. ``data`` is [T] or [T, C] (soundfile's layout). Raises :class:`AudioError` for
     empty audio or NaN/inf samples."""
     data = np.asarray(data)
+    if data.ndim not in (1, 2):
+        raise AudioError(f"expected a [T] or [T, C] waveform, got shape {data.shape}")
+    if data.size == 0:  # (also [T, 0] or [0, C]: no channel to pick)
+        raise AudioError("empty audio (0 samples)")
     if data.ndim == 2:
         data = data.mean(axis=1) if data.shape[1] > 1 else data[:, 0]
-    elif data.ndim != 1:
-        raise AudioError(f"expected a [T] or [T, C] waveform, got shape {data.shape}")
-    if data.size == 0:
-        raise AudioError("empty audio (0 samples)")
     _check_rate(rate)
     if np.issubdtype(data.dtype, np.integer):
         data = data.astype(np.float32) / float(np.iinfo(data.dtype).max)
@@ -316,6 +316,8 @@ def prepare_waveform(data: np.ndarray, rate: int, sample_rate: int = 16000) -> n
         import soxr
 
         data = soxr.resample(data, rate, sample_rate, quality="HQ").astype(np.float32, copy=False)
+        if data.size == 0:  # a sample or two at a higher rate
+            raise AudioError(f"empty audio (0 samples at {sample_rate} Hz: shorter than one sample)")
         lo, hi = float(data.min()), float(data.max())
     if lo < -1.0 or hi > 1.0:  # float files may exceed full scale; resampling can overshoot
         data = np.clip(data, -1.0, 1.0)
