@@ -123,3 +123,16 @@ def test_a_one_sample_44k_file_is_empty_audio(asr_cli, tmp_path: Path) -> None:
             replicas=1, batch_size=1, model_name=name)))
         assert asr_cli.run(str(tmp_path / "one.wav"), "-o", str(out), "--backend", "cpu") == 3
     assert asr_cli.results(out)[0]["error"].startswith("empty audio (0 samples at 16000 Hz")
+
+
+@pytest.mark.parametrize("threshold", ["0.6", float("nan"), -1, True])
+def test_a_no_speech_threshold_that_is_not_a_number_is_refused_before_the_model_loads(
+        threshold: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI checks it; from Python "0.6" failed every input (a TypeError in each batch), NaN
+    turned the gate off and -1 emptied every text, each recorded as the threshold."""
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("polyaccel.asr.transcriber._resolve_model", no_load)
+    with pytest.raises(ValueError, match="no_speech_threshold must be a finite number"):
+        Transcriber.from_pretrained("whisper-tiny.en", backend="cpu", no_speech_threshold=threshold)

@@ -303,6 +303,10 @@ class Transcriber:
         if batch_size is not None and not (isinstance(batch_size, int) and batch_size >= 1):
             raise ValueError(f"batch_size must be an integer >= 1 (None: the backend's default), got {batch_size!r}")
         _check_overlap(overlap_s)
+        nst = runner_options.get("no_speech_threshold")
+        if nst is not None and not (isinstance(nst, (int, float)) and not isinstance(nst, bool)
+                                    and math.isfinite(nst) and nst >= 0):
+            raise ValueError(f"no_speech_threshold must be a finite number >= 0 (None: off), got {nst!r}")
         be = select_backend(backend)
         batch_size = batch_size or be.default_batch_size
         n = replicas or be.default_replicas()
