@@ -136,3 +136,20 @@ def test_a_no_speech_threshold_that_is_not_a_number_is_refused_before_the_model_
     monkeypatch.setattr("polyaccel.asr.transcriber._resolve_model", no_load)
     with pytest.raises(ValueError, match="no_speech_threshold must be a finite number"):
         Transcriber.from_pretrained("whisper-tiny.en", backend="cpu", no_speech_threshold=threshold)
+
+
+@pytest.mark.parametrize("command", ["transcribe", "bench", "compile"])
+def test_an_empty_model_name_is_refused_not_the_current_folder(
+        command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """``--model "$UNSET"`` loaded whatever model folder the command ran in (as inputs and
+    --refs, an empty name is refused)."""
+    from polyaccel.asr.conformer import ConformerAED
+    from polyaccel.asr.conformer_config import tiny
+
+    ConformerAED.from_config(tiny(), seed=0).save_pretrained(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    inputs = {"transcribe": ["a.wav", "-o", "out.jsonl"], "bench": ["a.wav"], "compile": []}[command]
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, *inputs, "--model", "", "--backend", "cpu"])
+    assert e.value.code == 2 and "an empty name" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()

@@ -80,6 +80,13 @@ def _output_name(text: str) -> str:
     return text
 
 
+def _model_name(text: str) -> str:
+    """An argparse type: a non-empty model name ("" would load the current folder)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty name (an unset shell variable?); the current folder is ./")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for all subcommands."""
     p = argparse.ArgumentParser(prog="polyaccel-asr", description="High-throughput batch speech-to-text.",
@@ -87,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def model_args(sp: argparse.ArgumentParser, batch_size_help: str | None = None) -> None:
-        sp.add_argument("--model", default="whisper-tiny.en",
+        sp.add_argument("--model", default="whisper-tiny.en", type=_model_name,
                         help="model directory (Hugging Face or CTranslate2) or known name "
                              "(whisper-tiny.en, whisper-base; default: %(default)s)")
         sp.add_argument("--backend", default="auto", help="auto, cpu, cuda or neuron (default: %(default)s)")
