@@ -70,6 +70,11 @@ def check_resume_settings(cfg: FinetuneConfig, model_config: Any, path: Path, *,
         ours = cfg.to_dict()["lora"]
         for key in LORA_KEYS:
             _same(path, f"lora.{key}", saved["config"]["lora"].get(key), ours.get(key))
+        base = saved["config"].get("model")
+        if isinstance(base, dict) and "path" in base and base["path"] != cfg.model.path:
+            logger.warning("polyaccel.moe: model.path changed on resume: the checkpoint's LoRA adapters were trained "
+                           "on the base model %s, this run loads %s under them (the same model moved is fine; another "
+                           "one gives other results)", base["path"], cfg.model.path)
     if shape:
         ours = model_shape(model_config)
         for key, value in saved["model_shape"].items():
