@@ -1,7 +1,8 @@
-"""Options that a model or a command cannot honour are refused, not recorded as applied:
-``--no-speech-threshold`` with a model that has no no-speech token (ConformerAED) is a usage
-error, as ``--timestamps`` and ``--fp8-encoder`` are, instead of every line claiming a
-threshold that never ran."""
+"""Gaps a red-team pass found (2026-12-03): options a model or a command cannot honour are
+refused, not recorded as applied (``--no-speech-threshold`` for a model without a no-speech
+token, a threshold that is not a number, an empty ``--model``); ``wer`` of a results file
+against itself; a run with stderr closed (``2>&-``); audio left with no sample after
+resampling."""
 
 from __future__ import annotations
 
