@@ -154,3 +154,25 @@ def test_an_empty_model_name_is_refused_not_the_current_folder(
         cli.main([command, *inputs, "--model", "", "--backend", "cpu"])
     assert e.value.code == 2 and "an empty name" in capsys.readouterr().err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("per_file", [False, True])
+def test_wer_into_a_full_disk_is_one_line_and_exit_1(tmp_path: Path, per_file: bool) -> None:
+    """`wer ... > /dev/full` (stdout on a full disk) printed a traceback; a reader that went
+    away is still quiet (141, tests/asr/test_cli_output_streams.py)."""
+    import os
+    import subprocess
+    import sys
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    hyps = tmp_path / "out.jsonl"
+    hyps.write_text('{"path": "a.wav", "text": "hello there", "duration_s": 1.0, "error": null}\n')
+    refs = tmp_path / "refs.jsonl"
+    refs.write_text('{"path": "a.wav", "text": "hello world"}\n')
+    argv = ["wer", "--refs", str(refs), "--hyps", str(hyps)] + (["--per-file"] if per_file else [])
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-c", "import sys; from polyaccel.asr import cli; sys.exit(cli.main())",
+                            *argv], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr == "polyaccel-asr wer: error: cannot write standard output: No space left on device\n"

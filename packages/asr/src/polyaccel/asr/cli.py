@@ -66,6 +66,21 @@ class UsageError(Exception):
     """A mistake in how the command was called (exit status 2)."""
 
 
+class StdoutError(Exception):
+    """Standard output could not be written (a full disk; exit status 1)."""
+
+
+def _emit(record: dict[str, Any]) -> None:
+    """Print one JSON line on stdout, flushed; a write error there is a :class:`StdoutError`
+    (a reader that went away stays a ``BrokenPipeError``: quiet, 141)."""
+    try:
+        print(dumps(record), flush=True)
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise StdoutError(f"cannot write standard output: {e.strerror or e}") from None
+
+
 def _output_name(text: str) -> str:
     """An argparse type: a non-empty output file name that is not ``-`` or named like audio."""
     from polyaccel.asr.audio import AUDIO_EXTENSIONS
@@ -207,6 +222,9 @@ def _main(argv: list[str]) -> int:
 
         print(f"polyaccel-asr {args.command}: error: {printable(e)}", file=sys.stderr)
         return 2
+    except StdoutError as e:
+        print(f"polyaccel-asr {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         return _interrupted(e, "rerun the same command to resume")
 
@@ -664,14 +682,14 @@ def cmd_wer(args: argparse.Namespace) -> int:
             hyp = rec.get("text") if isinstance(rec.get("text"), str) else ""
             pairs.append((rec["path"], ref, hyp))
             if args.per_file:
-                print(dumps({"path": rec["path"], "wer": round(wer([ref], [hyp]), 4), "ref": ref, "hyp": hyp}))
+                _emit({"path": rec["path"], "wer": round(wer([ref], [hyp]), 4), "ref": ref, "hyp": hyp})
     if not pairs:
         why = f"the {_files(failed)} matching them failed" if failed else "no results match the references"
         raise UsageError(f"{why} (matched by path or file stem); nothing to score")
     c = wer_counts([p[1] for p in pairs], [p[2] for p in pairs])
-    print(dumps({"wer": round(c.wer, 5), "files": len(pairs), "ref_words": c.ref_words,
-                      "substitutions": c.substitutions, "deletions": c.deletions, "insertions": c.insertions,
-                      "failed": failed, "without_ref": missing}))
+    _emit({"wer": round(c.wer, 5), "files": len(pairs), "ref_words": c.ref_words,
+           "substitutions": c.substitutions, "deletions": c.deletions, "insertions": c.insertions,
+           "failed": failed, "without_ref": missing})
     return 0
 
 
@@ -721,9 +739,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             tr.transcribe(audio[: max(bs * tr.replicas, 1)])  # warm-up: graphs, caches, allocator
             results = tr.transcribe(audio)
             m = tr.last_metrics
-            print(dumps({"model": args.model, "backend": tr.backend_name, "replicas": tr.replicas,
-                              "batch_size": bs, **m.as_dict(),
-                              "errors": sum(not r.ok for r in results)}), flush=True)
+            _emit({"model": args.model, "backend": tr.backend_name, "replicas": tr.replicas,
+                   "batch_size": bs, **m.as_dict(), "errors": sum(not r.ok for r in results)})
         finally:
             tr.close()
     return 0
@@ -749,8 +766,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         compiled = tr.compile_all()
     finally:
         tr.close()
-    print(dumps({"backend": be.name, "model": args.model, "graphs": compiled,
-                      "seconds": round(time.perf_counter() - start, 2)}))
+    _emit({"backend": be.name, "model": args.model, "graphs": compiled,
+           "seconds": round(time.perf_counter() - start, 2)})
     return 0
 
 
