@@ -6,7 +6,8 @@ model or backend, no inputs, an output that may not be written), with nothing wr
 nothing was transcribed (every file failed). Every command: 130 on Ctrl-C and 143 on SIGTERM
 (both unwind the command: results written so far are kept, its lock is released); 141 when the
 reader of its output went away (``polyaccel-asr wer ... --per-file | head``), quietly, like a
-standard tool; 1 with one line naming it when another pipe it writes broke.
+standard tool; 1 with one line naming it when another pipe it writes broke, or stdout cannot be
+written (a full disk).
 """
 
 from __future__ import annotations
