@@ -1216,9 +1216,11 @@ def _check_later_checkpoints(cfg: FinetuneConfig, resume_from: Path | None) -> N
 
 def _check_foreign_step_dirs(cfg: FinetuneConfig, resume_from: Path | None) -> None:
     """Refuse a ``checkpoint.dir`` holding a ``step_N`` folder of other files (no manifest, no
-    trainer state) past the step the run starts from: saving step N would replace it."""
+    trainer state) of a step the run will save (past the one it starts from, up to
+    ``train.max_steps``): saving step N would replace it."""
     start = (ckpt.checkpoint_step(resume_from) or 0) if resume_from is not None else 0
-    found = [p for p in ckpt.not_checkpoints(cfg.checkpoint.dir) if (ckpt.checkpoint_step(p) or 0) > start]
+    found = [p for p in ckpt.not_checkpoints(cfg.checkpoint.dir)
+             if start < (ckpt.checkpoint_step(p) or 0) <= cfg.train.max_steps]
     if found:
         names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
         raise ConfigError(f"checkpoint.dir {cfg.checkpoint.dir} holds folders named like checkpoints that are not "
