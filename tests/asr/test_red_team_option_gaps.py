@@ -176,3 +176,28 @@ def test_wer_into_a_full_disk_is_one_line_and_exit_1(tmp_path: Path, per_file: b
                             *argv], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
     assert r.returncode == 1
     assert r.stderr == "polyaccel-asr wer: error: cannot write standard output: No space left on device\n"
+
+
+def test_a_progress_bar_that_cannot_be_written_does_not_stop_the_run(asr_cli, tmp_path: Path) -> None:
+    """`transcribe ... 2>/dev/full` (a log on a full disk): the bar's first write stopped the run
+    before any result, said as "cannot write OUT.jsonl"; now the bar goes off and every
+    result is written."""
+    import os
+    import subprocess
+    import sys
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    wavs = [str(asr_cli.wav(tmp_path / f"{i}.wav")) for i in range(3)]
+    out = tmp_path / "out.jsonl"
+    (tmp_path / "sitecustomize.py").write_text(
+        "from polyaccel.asr.transcriber import Transcriber\n"
+        "Transcriber.from_pretrained = staticmethod(lambda name, **kw: Transcriber(\n"
+        "    lambda i: (lambda batch: ['hi' for a in batch]), sample_rate=16000, max_audio_seconds=30.0,\n"
+        "    replicas=1, batch_size=1, model_name=name))\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    with open("/dev/full", "w") as full:
+        subprocess.run([sys.executable, "-c", "import sys; from polyaccel.asr import cli; sys.exit(cli.main())",
+                        "transcribe", *wavs, "-o", str(out), "--backend", "cpu", "--model", "fake"],
+                       stderr=full, env=env, timeout=300)
+    assert [r["text"] for r in asr_cli.results(out)] == ["hi"] * 3

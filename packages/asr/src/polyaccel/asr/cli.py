@@ -656,7 +656,32 @@ def _progress(total: int, quiet: bool) -> Any:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="file", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, unit="file", file=_BarStream(sys.stderr), dynamic_ncols=True)
+
+
+class _BarStream:
+    """stderr for the progress bar: a write error there (a log on a full disk) turns the bar off
+    instead of stopping the run, where it read as the results file's error."""
+
+    def __init__(self, stream: Any):
+        self.stream, self.broken = stream, False
+
+    def write(self, text: str) -> int:
+        try:
+            return 0 if self.broken else self.stream.write(text)
+        except OSError:
+            self.broken = True
+            return 0
+
+    def flush(self) -> None:
+        try:
+            if not self.broken:
+                self.stream.flush()
+        except OSError:
+            self.broken = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
 
 
 # ---- wer ------------------------------------------------------------------------------------------
