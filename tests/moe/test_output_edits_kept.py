@@ -69,7 +69,7 @@ def test_edits_to_generation_config_and_chat_template_survive_a_resumed_run(tmp_
     gen, chat = _aside(out, "generation_config.json"), _aside(out, "chat_template.jinja")
     assert len(gen) == 1 and gen[0].read_bytes() == GEN
     assert len(chat) == 1 and chat[0].read_bytes() == TEMPLATE
-    assert f"output_dir {out}: files this save writes {WARNING}" in text
+    assert f"output_dir {out}: files this save writes or removes {WARNING}" in text
     assert f"chat_template.jinja -> {chat[0].name}, generation_config.json -> {gen[0].name}; " in text
     # the save's own in their places; the unedited ones replaced without a word or a backup
     assert all((out / n).read_bytes() == data for n, data in before.items())
@@ -176,3 +176,30 @@ def test_an_edited_adapter_config_is_backed_up_by_a_lora_run_continuing(tmp_path
     [aside] = _aside(out, "adapter_config.json")
     assert aside.read_text() == mine and '"inference_mode": true' in (out / "adapter_config.json").read_text()
     assert (out / "README.md").read_text() == "mine" and not _aside(out, "README.md")
+
+
+def test_weights_replaced_since_the_recorded_save_are_kept_aside(tmp_path, write_output):
+    """The record also knows each weight file the save wrote (size and modification time): one
+    the user replaced or rewrote since is renamed aside before a later save writes over it or
+    removes it (an earlier save's shard); untouched ones are replaced or removed silently."""
+    import os
+
+    out = tmp_path / "out"
+    shards = {"model-00001-of-00002.safetensors": b"s1", "model-00002-of-00002.safetensors": b"s2",
+              "model.safetensors.index.json": b"{}"}
+    assert write_output(out, {"config.json": b"c", **shards}) == ""
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"my shard")
+    text = write_output(out, {"config.json": b"c", "model.safetensors": b"w1"})  # one file now: shards removed
+    [kept] = _aside(out, "model-00002-of-00002.safetensors")
+    assert kept.read_bytes() == b"my shard" and "model-00002-of-00002.safetensors -> " in text and WARNING in text
+    assert not (out / "model-00001-of-00002.safetensors").exists() and not _aside(out, "model-00001-of-00002.safetensors")
+    assert (out / "model.safetensors").read_bytes() == b"w1"
+    # the same bytes, rewritten (a newer modification time), and then a save that writes over it
+    st = (out / "model.safetensors").stat()
+    (out / "model.safetensors").write_bytes(b"w1")
+    os.utime(out / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    write_output(out, {"config.json": b"c", "model.safetensors": b"w2"})
+    assert [p.read_bytes() for p in _aside(out, "model.safetensors")] == [b"w1"]
+    assert (out / "model.safetensors").read_bytes() == b"w2"
+    assert write_output(out, {"config.json": b"c", "model.safetensors": b"w3"}) == ""  # untouched: no copy
+    assert len(_aside(out, "model.safetensors")) == 1

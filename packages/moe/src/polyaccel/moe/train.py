@@ -1574,8 +1574,9 @@ _WEIGHT_FILE = re.compile(r"^(model|adapter_model|pytorch_model)(-\d{5}-of-\d{5}
 earlier save's that this save lacks are deleted; any other file (``model.fp16.safetensors``,
 ``model.orig.safetensors``, a user's) is left alone."""
 _RECORD = ".polyaccel-saved.json"
-"""The sha256 of each file the final save wrote into its folder besides the weights (what a
-later save there checks for the user's edits: :func:`_edited`)."""
+"""The sha256 of each file the final save wrote into its folder besides the weights, and the
+size and modification time of each weight file (hashing gigabytes would cost a save minutes;
+a rename keeps both): what a later save there checks for the user's edits (:func:`_edited`)."""
 
 
 def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: Path | None = None, *,
@@ -1621,8 +1622,9 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
                 (staging / name).unlink()
         written = sorted(p.name for p in staging.iterdir())
         digests = {n: ckpt._digest(staging / n)[1] for n in written if not _WEIGHT_FILE.match(n)}
-        edited = _edited(out, digests)
-        (staging / _RECORD).write_text(json.dumps({"files": digests}, indent=1) + "\n")
+        marks = {n: _weight_mark(staging / n) for n in written if _WEIGHT_FILE.match(n)}
+        edited = _edited(out, digests) + _edited_weights(out)
+        (staging / _RECORD).write_text(json.dumps({"files": digests, "weights": marks}, indent=1) + "\n")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         remove_empty_dirs(created)
@@ -1637,9 +1639,10 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     if edited:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         moved = [f"{n} -> {_move_aside(out, n, stamp)}" for n in edited]
-        logger.warning("polyaccel.moe: output_dir %s: files this save writes were changed since the earlier save "
-                       "wrote them (edited?) and are kept, renamed: %s; this save's files take their names (a "
-                       "config.json must match the weights). Copy back the edits you want", out, ", ".join(moved))
+        logger.warning("polyaccel.moe: output_dir %s: files this save writes or removes were changed since the "
+                       "earlier save wrote them (edited?) and are kept, renamed: %s; this save's files take their "
+                       "names (a config.json must match the weights). Copy back the edits you want",
+                       out, ", ".join(moved))
     markers = [n for n in _MODEL_MARKERS if n in written]
     weights = [n for n in written if _WEIGHT_FILE.match(n)]
     for name in markers:
@@ -1659,11 +1662,7 @@ def _edited(out: Path, digests: dict[str, str]) -> list[str]:
     """The files of ``out`` that a save of files of these ``digests`` (name -> sha256) writes
     over and that hold neither what the earlier save wrote there (its :data:`_RECORD`) nor
     what this one writes: edited by the user (or not written by a save that keeps a record)."""
-    try:
-        recorded = json.loads((out / _RECORD).read_bytes())["files"]
-        recorded = recorded if isinstance(recorded, dict) else {}
-    except (OSError, ValueError, KeyError, TypeError):
-        recorded = {}
+    recorded = _recorded(out, "files")
     edited = []
     for name, new in digests.items():
         path = out / name
@@ -1674,6 +1673,41 @@ def _edited(out: Path, digests: dict[str, str]) -> list[str]:
         except OSError:
             old = None
         if old is None or old not in (new, recorded.get(name)):
+            edited.append(name)
+    return edited
+
+
+def _recorded(out: Path, key: str) -> dict:
+    """The ``key`` part of ``out``'s :data:`_RECORD` ({} without a readable one)."""
+    try:
+        part = json.loads((out / _RECORD).read_bytes())[key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return part if isinstance(part, dict) else {}
+
+
+def _weight_mark(path: Path) -> list[int]:
+    """What a weight file is recognised by: [size, modification time in ns] (see :data:`_RECORD`)."""
+    st = path.lstat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _edited_weights(out: Path) -> list[str]:
+    """The weight files of ``out`` the earlier save recorded (:data:`_RECORD`) that are not what
+    it wrote any more (replaced or touched by the user, a link put in their place): a save
+    writes over or removes every weight file, so each such one is kept aside. Without a record
+    (an older save, another tool) nothing is: the weights there are a model's, not edits."""
+    recorded = _recorded(out, "weights")
+    edited = []
+    for name, mark in recorded.items():
+        path = out / name
+        if not (isinstance(name, str) and _WEIGHT_FILE.match(name) and os.path.lexists(path)):
+            continue
+        try:
+            now = None if path.is_symlink() else _weight_mark(path)
+        except OSError:
+            now = None
+        if now != mark:
             edited.append(name)
     return edited
 
