@@ -56,6 +56,10 @@ def test_integer_pcm_arrays_scale_as_libsndfile_reads_them() -> None:
     for bad in (s > 0, s.astype(np.complex64), np.array(["a"] * 10)):
         with pytest.raises(AudioError, match="real-valued"):
             waveform_from_array(bad, 16000)
+    # 16-bit samples in numpy's default int64 would be scaled by 2**63 into silence: refused
+    for wide in (i16.astype(np.int64), u16.astype(np.uint64)):
+        with pytest.raises(AudioError, match="no PCM format.*astype"):
+            waveform_from_array(wide, 16000)
 
 
 def test_inputs_that_are_not_audio_are_per_item_errors() -> None:

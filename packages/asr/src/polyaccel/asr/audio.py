@@ -330,12 +330,17 @@ MAX_ARRAY_CHANNELS = 1024
 
 def waveform_from_array(data: np.ndarray, rate: int, sample_rate: int = 16000) -> np.ndarray:
     """:func:`prepare_waveform` for an array a caller built: [T], [T, C] or [C, T] (channels
-    are the shorter axis), float or integer PCM (signed ints scaled by 2**(bits-1), unsigned
-    ones centred first, as libsndfile reads them). Raises :class:`AudioError` for a square
-    (ambiguous) or too-wide array and for non-real dtypes (bool, complex, object)."""
+    are the shorter axis), float or integer PCM of up to 32 bits (signed ints scaled by
+    2**(bits-1), unsigned ones centred first, as libsndfile reads them). Raises
+    :class:`AudioError` for a square (ambiguous) or too-wide array, for non-real dtypes (bool,
+    complex, object) and for 64-bit integers: no PCM format, but what numpy makes of a list of
+    Python ints, whose 16-bit samples scaled by 2**63 would be silence."""
     data = np.asarray(data)
     if data.dtype.kind not in "iuf":
         raise AudioError(f"audio must be a real-valued (float or integer PCM) array, got dtype {data.dtype}")
+    if data.dtype.kind in "iu" and data.dtype.itemsize > 4:
+        raise AudioError(f"{data.dtype} audio is no PCM format (numpy's default for Python ints): pass float32 in "
+                         "[-1, 1], or int16 / int32 PCM (e.g. arr.astype(np.int16) for 16-bit samples)")
     if data.ndim == 2:
         data = _channels_last(data)
     if data.dtype.kind in "iu":
