@@ -111,6 +111,9 @@ def test_usage_errors_exit_2_with_a_message(tmp_path: Path, capsys: pytest.Captu
     assert cli.main(["wer", "--refs", str(LIBRIVOX / "transcription"), "--hyps", str(tmp_path / "x.jsonl")]) == 2
     assert cli.main(["compile", "--backend", "cpu"]) == 0
     assert "nothing to compile" in capsys.readouterr().err
+    # nothing to compile is no reason to say yes to a model that does not exist
+    assert cli.main(["compile", "--backend", "cpu", "--model", str(tmp_path / "no-such-model")]) == 2
+    assert "nothing to compile" not in capsys.readouterr().err
 
 
 # ---- outputs and resuming -------------------------------------------------------------------------------

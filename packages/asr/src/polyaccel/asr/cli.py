@@ -783,10 +783,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
         be = select_backend(args.backend)
     except (BackendUnavailable, KeyError) as e:
         raise UsageError(str(e).strip("'\"")) from None
+    tr = _transcriber(args)  # the model loads (or the usage error transcribe would give), on every backend
     if be.device_type == "cpu":
+        tr.close()
         print(f"backend {be.name!r} runs eagerly: nothing to compile ahead of time", file=sys.stderr)
         return 0
-    tr = _transcriber(args)
     start = time.perf_counter()
     try:
         compiled = tr.compile_all()
