@@ -509,35 +509,42 @@ def _finish(rec: dict[str, Any], item: Any) -> dict[str, Any]:
     return rec
 
 
+def _say(message: str) -> None:
+    """A summary line on stderr; a stderr that cannot be written (a log on a full disk) loses the
+    line, not the run's exit status (the results are in the file)."""
+    try:
+        print(message, file=sys.stderr)
+    except OSError:
+        pass
+
+
 def _report(args: argparse.Namespace, c: _Counts, skipped: int, wall: float) -> int:
     """Print the summary (and failed files, and WER with references); return the exit status."""
     from polyaccel.asr.results_file import load_results, printable
 
-    print(f"{c.ok} ok, {c.failed} failed, {skipped} skipped; {c.audio_s:.1f} s of audio in {wall:.1f} s: "
-          f"RTFx {c.audio_s / wall if wall > 0 else 0:.1f} (end to end, feature extraction included)",
-          file=sys.stderr)
+    _say(f"{c.ok} ok, {c.failed} failed, {skipped} skipped; {c.audio_s:.1f} s of audio in {wall:.1f} s: "
+         f"RTFx {c.audio_s / wall if wall > 0 else 0:.1f} (end to end, feature extraction included)")
     records = load_results(args.output)
     for rec in records if c.failed and not args.quiet else []:
         if rec.get("error"):
-            print(printable(f"  failed: {rec['path']}: {rec['error']}"), file=sys.stderr)
+            _say(printable(f"  failed: {rec['path']}: {rec['error']}"))
     with_refs = [r for r in records if r.get("ref") is not None and not r.get("error")]
     if with_refs:
         from polyaccel.asr.wer import wer_counts
 
         wc = wer_counts([r["ref"] for r in with_refs], [r["text"] for r in with_refs])
-        print(f"WER {100 * wc.wer:.2f}% over {len(with_refs)} files ({wc.ref_words} reference words)",
-              file=sys.stderr)
+        _say(f"WER {100 * wc.wer:.2f}% over {len(with_refs)} files ({wc.ref_words} reference words)")
     if c.stopped:
-        print(f"stopped early: {printable(c.stopped)}; rerun the same command to resume", file=sys.stderr)
+        _say(f"stopped early: {printable(c.stopped)}; rerun the same command to resume")
         return EXIT_SOME_FAILED
     if c.failed and not c.ok and not skipped:
-        print(f"nothing was transcribed: {_files(c.failed)} failed, none done before", file=sys.stderr)
+        _say(f"nothing was transcribed: {_files(c.failed)} failed, none done before")
         return EXIT_NOTHING_DONE
     if c.failed:
-        print(f"{_files(c.failed)} failed; rerun the same command to retry them", file=sys.stderr)
+        _say(f"{_files(c.failed)} failed; rerun the same command to retry them")
         return EXIT_SOME_FAILED
     if not c.ok and not args.quiet:
-        print(f"nothing to do: all {_files(skipped)} are already in {printable(args.output)}", file=sys.stderr)
+        _say(f"nothing to do: all {_files(skipped)} are already in {printable(args.output)}")
     return EXIT_OK
 
 
