@@ -70,11 +70,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return core_op.reference(q, k, v, mask, k_scale, v_scale)
     scaled = k_scale is not None
     splits, block_s, num_warps = config or (FP8_CONFIG if scaled else CONFIG)
+    block_d = max(16, 1 << (D - 1).bit_length())
     if config is None:
-        block_s = min(block_s, 32768 // max(D, 64))  # a [keys, D] fp32 tile of at most 32K values (D = 128: 256 keys)
+        block_s = min(block_s, 32768 // max(block_d, 64))  # a [keys, D] fp32 tile of at most 32K values (D 128: 256 keys)
     splits = min(splits, cdiv(S, block_s))  # no piece without a key (short caches)
     kernels = _kernels()
-    block_d = max(16, 1 << (D - 1).bit_length())
     rows = B * H
     m = torch.empty(rows * splits, device=q.device, dtype=torch.float32)
     l_sum = torch.empty_like(m)

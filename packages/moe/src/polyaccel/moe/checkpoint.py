@@ -89,13 +89,17 @@ def complete_checkpoints(root: str | Path | None) -> list[Path]:
 def written_checkpoints(root: str | Path | None) -> list[Path]:
     """Checkpoints under ``root`` that hold a run's state: complete ones and those written before
     manifests existed (a trainer state, no manifest), oldest first; not ``.tmp`` leftovers."""
-    return [p for p in _step_dirs(root) if (p / MANIFEST).is_file() or (p / TRAINER_STATE).is_file()]
+    return [p for p in _step_dirs(root) if _holds_state(p)]
 
 
 def not_checkpoints(root: str | Path | None) -> list[Path]:
     """``step_N`` directories under ``root`` that hold files but no run's state (neither a
     manifest nor a trainer state): not ours to replace, oldest first."""
-    return [p for p in _step_dirs(root) if p not in written_checkpoints(root) and any(p.iterdir())]
+    return [p for p in _step_dirs(root) if not _holds_state(p) and any(p.iterdir())]
+
+
+def _holds_state(step_dir: Path) -> bool:
+    return (step_dir / MANIFEST).is_file() or (step_dir / TRAINER_STATE).is_file()
 
 
 def latest_checkpoint(root: str | Path | None) -> Path | None:
