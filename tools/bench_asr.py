@@ -319,8 +319,10 @@ def section_profile(args, device, dtype):
             runner.recognize(audio)
             sync()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
                 runner.recognize(audio)
                 sync()
+                wall_ms = (time.perf_counter() - t0) * 1e3
             kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=80)
             print(table, file=sys.stderr)
@@ -329,11 +331,32 @@ def section_profile(args, device, dtype):
                 Path(out, f"asr_profile_{mode}_b{b}.txt").write_text(table)
             emit(system=f"profile_{mode}", model=name, batch=b, new_tokens=args.new_tokens,
                  kernels_per_token=round(len(kernels) / args.new_tokens, 1),
-                 kernel_ms_per_token=round(sum(e.device_time for e in kernels) / 1e3 / args.new_tokens, 4))
+                 kernel_ms_per_token=round(sum(e.device_time for e in kernels) / 1e3 / args.new_tokens, 4),
+                 wall_ms=round(wall_ms, 2), **gpu_busy(kernels))
             runner = None
             torch.cuda.empty_cache()
     if hasattr(model, "fused_decode"):
         model.fused_decode = None
+
+
+def gpu_busy(kernels, top: int = 6) -> dict:
+    """How much of a profiled call the GPU worked: the union of the kernels' (and copies')
+    intervals, and the longest idle gaps between them, each with its start (ms from the first
+    kernel) and length, so host-side time on the critical path shows up."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    if not spans:
+        return {}
+    busy, gaps, (s0, end) = 0.0, [], spans[0]
+    start = s0
+    for s, e in spans[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append((round((end - s0) / 1e3, 2), round((s - end) / 1e3, 3)))
+            start = s
+        end = max(end, e)
+    busy += end - start
+    return {"span_ms": round((end - s0) / 1e3, 2), "busy_ms": round(busy / 1e3, 2),
+            "longest_gaps_ms": sorted(gaps, key=lambda g: -g[1])[:top]}
 
 
 def graph_us(fn, calls: int = 20, rounds: int = 7) -> float:
