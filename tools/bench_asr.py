@@ -355,8 +355,14 @@ def gpu_busy(kernels, top: int = 6) -> dict:
             start = s
         end = max(end, e)
     busy += end - start
+    sizes = {"<5us": 5, "5-20us": 20, "20-50us": 50, "50-200us": 200, ">=200us": float("inf")}
+    hist, low = {}, 0.0
+    for name, high in sizes.items():  # gaps of each size: count and total ms
+        inside = [g for _, g in gaps if low <= g * 1e3 < high]
+        hist[name] = [len(inside), round(sum(inside), 3)]
+        low = high
     return {"span_ms": round((end - s0) / 1e3, 2), "busy_ms": round(busy / 1e3, 2),
-            "longest_gaps_ms": sorted(gaps, key=lambda g: -g[1])[:top]}
+            "longest_gaps_ms": sorted(gaps, key=lambda g: -g[1])[:top], "gaps": hist}
 
 
 def graph_us(fn, calls: int = 20, rounds: int = 7) -> float:

@@ -484,7 +484,11 @@ def test_greedy_stops_once_every_row_has_ended() -> None:
     hyps = greedy_decode(step, batch=4, num_real=3, prompt=[0, 1], eos_id=eos, max_new_tokens=100,
                          rules=LogitsRules([], []), device="cpu", check_every=4)
     assert [h.tokens for h in hyps] == [[4, 4]] * 3
-    assert len(calls) == 1 + 4  # one prompt step, then generated steps up to the first check
+    # one prompt step, generated steps up to the first check, and the one queued before it is read
+    assert len(calls) == 1 + 4 + 1
+    every_step = greedy_decode(step, batch=4, num_real=3, prompt=[0, 1], eos_id=eos, max_new_tokens=100,
+                               rules=LogitsRules([], []), device="cpu", check_every=1)
+    assert [(h.tokens, h.avg_logprob) for h in every_step] == [(h.tokens, h.avg_logprob) for h in hyps]
 
 
 def test_a_failed_later_window_fails_the_whole_file() -> None:

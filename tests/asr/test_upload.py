@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from polyaccel.asr.upload import padded_batch
+from polyaccel.asr.upload import pack, padded_batch
 
 
 def _devices() -> list[str]:
@@ -24,6 +24,34 @@ def test_rows_hold_each_clips_samples_cropped_then_zeros(device):
     for row, clip in zip(got, clips, strict=True):
         flat = torch.from_numpy(np.asarray(clip, dtype=np.float32).reshape(-1)[:12])
         assert torch.equal(row[: flat.numel()], flat) and not row[flat.numel():].any()
+
+
+@pytest.mark.parametrize("piece,chunk", [(7, 21), (64, 64), (1000, 4000)])
+def test_pack_writes_clips_end_to_end_and_hands_on_each_chunk_once_filled(piece, chunk):
+    """Pieces cut across clip ends and chunk ends: the buffer holds the clips laid end to end
+    (float64 cast on the way), and each chunk is handed on in order, once, after it is filled."""
+    rng = np.random.default_rng(piece)
+    clips = [rng.standard_normal(int(n)).astype(np.float32) for n in rng.integers(0, 300, size=40)]
+    clips[3] = rng.standard_normal(2500)  # float64, longer than a chunk
+    want = np.concatenate(clips).astype(np.float32)
+    out = np.full(want.size + 5, -7.0, np.float32)
+    handed = []
+
+    def sent(a, b):
+        assert np.array_equal(out[a:b], want[a:b]), f"chunk {a}:{b} handed on before it was filled"
+        handed.append((a, b))
+
+    assert pack(clips, out, sent=sent, piece=piece, chunk=chunk) == want.size
+    assert np.array_equal(out[:want.size], want) and (out[want.size:] == -7.0).all()
+    assert handed == [(a, min(a + chunk, want.size)) for a in range(0, want.size, chunk)]
+
+
+def test_pack_refuses_a_short_buffer_and_a_chunk_not_made_of_pieces():
+    clips = [np.ones(10, np.float32), np.ones(5, np.float32)]
+    with pytest.raises(ValueError, match="holds 14 samples, the clips 15"):
+        pack(clips, np.zeros(14, np.float32))
+    with pytest.raises(ValueError, match="multiple of piece"):
+        pack(clips, np.zeros(15, np.float32), piece=4, chunk=6)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,9 @@ and generation), applies the logits rules of Hugging Face ``generate()`` for Whi
 (``suppress_tokens`` always, ``begin_suppress_tokens`` at the first generated position),
 takes the argmax, and keeps finished rows on ``eos``. Everything stays on the device; the
 host looks at the ``finished`` flags every ``check_every`` steps only to stop early, which
-never changes the tokens.
+never changes the tokens. It reads each check with the next step already queued, so a batch
+whose rows all ended runs one step past the check (a step that changes nothing), and the
+device never idles waiting for the host to read a check.
 
 Shape legend: B batch (bucket), V vocab, T generated tokens.
 """
@@ -221,6 +223,29 @@ def greedy_update(logits_BV: torch.Tensor, bias_V: torch.Tensor, buf: GreedyBuff
     buf.step.add_(1)
 
 
+class _FinishedCheck:
+    """"Has every row finished?", asked after one step and read after the next is queued: on
+    CUDA the answer is copied into pinned host memory without blocking, so the host waits on
+    it while the device runs the next step, instead of the device idling while the host
+    reads the answer and queues that step (~90 us per check at batch 1 on an H200)."""
+
+    def __init__(self, finished_B: torch.Tensor) -> None:
+        self.finished = finished_B
+        self.cuda = finished_B.device.type == "cuda"
+        self.host = torch.zeros((), dtype=torch.bool, pin_memory=self.cuda)
+        self.event = torch.cuda.Event() if self.cuda else None
+
+    def record(self) -> None:
+        self.host.copy_(self.finished.all(), non_blocking=self.cuda)
+        if self.event is not None:
+            self.event.record()
+
+    def read(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.host)
+
+
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 AdvanceFn = Callable[[torch.Tensor], object]
 
@@ -265,7 +290,7 @@ def greedy_decode(step: StepFn, *, batch: int, num_real: int, prompt: Sequence[i
             no_speech = torch.softmax(logits[:num_real].float(), dim=-1)[:, no_speech_id]
         buf.position.add_(1)
     buf.tokens.fill_(prompt[-1])
-    steps = 0
+    steps, check, pending = 0, _FinishedCheck(buf.finished), 0
     for t in range(max_new_tokens):
         if advance is not None:
             advance(rules.bias(t, vocab_size, device))
@@ -273,8 +298,14 @@ def greedy_decode(step: StepFn, *, batch: int, num_real: int, prompt: Sequence[i
             logits = step(buf.tokens, buf.position)
             greedy_update(logits, rules.bias(t, logits.shape[-1], logits.device), buf, eos_id, timestamps)
         steps = t + 1
-        if steps % check_every == 0 and bool(buf.finished.all()):
-            break
+        if pending:  # read with this step already queued: the device does not wait for the host
+            if check.read():
+                steps = pending  # the step after it changed nothing (every row was finished)
+                break
+            pending = 0
+        if steps % check_every == 0 and steps < max_new_tokens:
+            check.record()
+            pending = steps
 
     tokens = buf.out[:num_real, :steps].tolist()
     avg = (buf.logprob_sum / buf.counted.clamp(min=1)).tolist() if with_logprobs else [None] * num_real
