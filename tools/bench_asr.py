@@ -78,13 +78,10 @@ def build_model(name: str, device: str, dtype: torch.dtype):
         with torch.device(device):
             model = WhisperASR(cfg)
     elif name in CONFORMER_SHAPES:
-        from polyaccel.asr import conformer_config
         from polyaccel.asr.conformer import ConformerAED
 
-        preset = {"canary-1b-flash-shape": conformer_config.canary_1b_flash_shape,
-                  "canary-180m-flash-shape": conformer_config.canary_180m_flash_shape}[name]()
         with torch.device(device):
-            model = ConformerAED(preset)
+            model = ConformerAED(_conformer_preset(name))
     else:
         raise SystemExit(f"unknown model {name!r}")
     with torch.no_grad():  # Hugging Face-style init (std 0.02) so greedy tokens vary with the input
@@ -95,6 +92,13 @@ def build_model(name: str, device: str, dtype: torch.dtype):
     if name in WHISPER_SHAPES:  # random weights ship no tokenizer; text is not measured here
         model.decode_text = lambda ids: ""
     return model
+
+
+def _conformer_preset(name: str):
+    from polyaccel.asr import conformer_config
+
+    return {"canary-1b-flash-shape": conformer_config.canary_1b_flash_shape,
+            "canary-180m-flash-shape": conformer_config.canary_180m_flash_shape}[name]()
 
 
 def make_runner(model, backend: str, batch: int, new_tokens: int, use_graphs: bool):
@@ -318,17 +322,21 @@ def section_profile(args, device, dtype):
             runner = make_runner(model, args.backend, b, args.new_tokens, True)
             runner.recognize(audio)
             sync()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.profile_ops else [])
+                         ) as prof:
                 t0 = time.perf_counter()
                 runner.recognize(audio)
                 sync()
                 wall_ms = (time.perf_counter() - t0) * 1e3
             kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=80)
+            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=120)
             print(table, file=sys.stderr)
             out = os.environ.get("OUT")
             if out:
                 Path(out, f"asr_profile_{mode}_b{b}.txt").write_text(table)
+                if args.profile_ops:  # the torch ops behind the kernels, by their kernels' total time
+                    Path(out, f"asr_profile_ops_{mode}_b{b}.txt").write_text(prof.key_averages(group_by_input_shape=True).table(
+                        sort_by="cuda_time_total", row_limit=60, max_name_column_width=60, max_shapes_column_width=90))
             emit(system=f"profile_{mode}", model=name, batch=b, new_tokens=args.new_tokens,
                  kernels_per_token=round(len(kernels) / args.new_tokens, 1),
                  kernel_ms_per_token=round(sum(e.device_time for e in kernels) / 1e3 / args.new_tokens, 4),
@@ -425,6 +433,12 @@ def section_kernels(args, device, dtype):
     from polyaccel.cuda import fused_decode as fd
 
     name = args.models.split(",")[0]
+    if name in CONFORMER_SHAPES:  # its decoder step's one Triton op: the cross-attention
+        cfg = _conformer_preset(name)
+        heads = cfg.decoder_heads
+        _cross_attention_splits(args, device, dtype, heads, cfg.decoder_dim // heads,
+                                frames=-(-int(AUDIO_S * 100) // 8), fp8=False)
+        return
     d, _, _, heads, ffn, _, vocab = WHISPER_SHAPES[name]
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -515,7 +529,8 @@ def section_kernels(args, device, dtype):
     _cross_attention_splits(args, device, dtype, heads, d // heads)
 
 
-def _cross_attention_splits(args, device, dtype, heads: int, head_dim: int, frames: int = 1500) -> None:
+def _cross_attention_splits(args, device, dtype, heads: int, head_dim: int, frames: int = 1500,
+                            fp8: bool = True) -> None:
     """Cross-attention's key splits (``polyaccel.cuda.decode_attention.SplitConfig``) at 1, 16
     and 128 rows over the encoder's frames, with ``dtype`` keys and with e4m3 keys and values
     (``--fp8-encoder``'s cross-attention), beside core's reference: each launch checked against
@@ -526,11 +541,15 @@ def _cross_attention_splits(args, device, dtype, heads: int, head_dim: int, fram
     g = torch.Generator(device=device).manual_seed(1)
     q, k, v = (torch.randn(128, heads, n, head_dim, generator=g, device=device).to(dtype) for n in (1, frames, frames))
     (k8, ks), (v8, vs) = ((x.view(k.shape), s.view(k.shape[:-1])) for x, s in (ops.rows_to_fp8(t) for t in (k, v)))
-    kinds = {"": ((q, k, v), {}, ops.decode_attention.reference(q.float(), k.float(), v.float()), da.CONFIG),
+    kinds = {"": ((q, k, v), {}, ops.decode_attention.reference(q.float(), k.float(), v.float()),
+                  da.config_for(head_dim, False)),
              "_fp8": ((q, k8, v8), {"k_scale": ks, "v_scale": vs},
-                      ops.decode_attention.reference(q, k8, v8, None, ks, vs).float(), da.FP8_CONFIG)}
-    configs = [da.CONFIG, da.FP8_CONFIG] + [da.SplitConfig(n, b, w) for n in (2, 3, 6, 12, 24) for b in (64, 128, 256, 512)
-                                           for w in (4, 8) if -(-frames // n) >= b // 2]
+                      ops.decode_attention.reference(q, k8, v8, None, ks, vs).float(), da.config_for(head_dim, True))}
+    if not fp8:
+        del kinds["_fp8"]
+    configs = [da.config_for(head_dim, False), da.config_for(head_dim, True)] + [
+        da.SplitConfig(n, b, w) for n in (1, 2, 3, 4, 6, 12, 24) for b in (32, 64, 128, 256, 512) for w in (2, 4, 8)
+        if -(-frames // n) >= b // 2 and b * head_dim <= 65536 and (w != 2 or b <= 128)]
     deadline = time.monotonic() + args.kernels_budget / 4
     turn = itertools.count()
 
@@ -1053,6 +1072,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--hf-modes", default="generate",
                    help="hf section: generate (as called), compile (static cache + torch.compile)")
+    p.add_argument("--profile-ops", action="store_true",
+                   help="profile section: also record the host's torch ops (slower call; a table of ops by their kernels' time)")
     p.add_argument("--kernels-budget", type=float, default=300.0, help="kernels section: seconds of search")
     p.add_argument("--runtime-model", default="whisper-base")
     p.add_argument("--runtime-batches", default="1,8,64")

@@ -37,6 +37,15 @@ four warps keep more programs resident (24.4 / 144 us at 16 / 128 rows against e
 28 / 176; 5.0 us at 1 row)."""
 
 
+def config_for(head_dim: int, scaled: bool) -> SplitConfig:
+    """The launch a head dim takes (never the batch): :data:`FP8_CONFIG` for e4m3 keys,
+    else :data:`CONFIG`, with at most 32K values in a [keys, head dim] fp32 tile (head dim
+    128: 256 keys a load)."""
+    splits, block_s, num_warps = FP8_CONFIG if scaled else CONFIG
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    return SplitConfig(splits, min(block_s, 32768 // max(block_d, 64)), num_warps)
+
+
 @triton_kernels
 def _kernels():
     from polyaccel.cuda import _decode_attention_triton  # imports Triton
@@ -69,10 +78,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
         return core_op.reference(q, k, v, mask, k_scale, v_scale)
     scaled = k_scale is not None
-    splits, block_s, num_warps = config or (FP8_CONFIG if scaled else CONFIG)
+    splits, block_s, num_warps = config or config_for(D, scaled)
     block_d = max(16, 1 << (D - 1).bit_length())
-    if config is None:
-        block_s = min(block_s, 32768 // max(block_d, 64))  # a [keys, D] fp32 tile of at most 32K values (D 128: 256 keys)
     splits = min(splits, cdiv(S, block_s))  # no piece without a key (short caches)
     kernels = _kernels()
     rows = B * H
