@@ -48,6 +48,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_gaps import gpu_busy  # noqa: E402
+
 # name: (d_model, enc_layers, dec_layers, heads, ffn, n_mels, vocab)
 WHISPER_SHAPES = {
     "whisper-large-v3-turbo": (1280, 32, 4, 20, 5120, 128, 51866),
@@ -345,32 +348,6 @@ def section_profile(args, device, dtype):
             torch.cuda.empty_cache()
     if hasattr(model, "fused_decode"):
         model.fused_decode = None
-
-
-def gpu_busy(kernels, top: int = 6) -> dict:
-    """How much of a profiled call the GPU worked: the union of the kernels' (and copies')
-    intervals, and the longest idle gaps between them, each with its start (ms from the first
-    kernel) and length, so host-side time on the critical path shows up."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    if not spans:
-        return {}
-    busy, gaps, (s0, end) = 0.0, [], spans[0]
-    start = s0
-    for s, e in spans[1:]:
-        if s > end:
-            busy += end - start
-            gaps.append((round((end - s0) / 1e3, 2), round((s - end) / 1e3, 3)))
-            start = s
-        end = max(end, e)
-    busy += end - start
-    sizes = {"<5us": 5, "5-20us": 20, "20-50us": 50, "50-200us": 200, ">=200us": float("inf")}
-    hist, low = {}, 0.0
-    for name, high in sizes.items():  # gaps of each size: count and total ms
-        inside = [g for _, g in gaps if low <= g * 1e3 < high]
-        hist[name] = [len(inside), round(sum(inside), 3)]
-        low = high
-    return {"span_ms": round((end - s0) / 1e3, 2), "busy_ms": round(busy / 1e3, 2),
-            "longest_gaps_ms": sorted(gaps, key=lambda g: -g[1])[:top], "gaps": hist}
 
 
 def graph_us(fn, calls: int = 20, rounds: int = 7) -> float:

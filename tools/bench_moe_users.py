@@ -158,6 +158,17 @@ def profile_categories(run, a, name: str) -> dict[str, float]:  # noqa: ANN001
             totals[category(avg.key)] = totals.get(category(avg.key), 0.0) + us / 1e3
     with open(os.path.join(os.environ.get("OUT") or a.out_dir, name), "w") as f:
         f.write(averages.table(sort_by=key, row_limit=80, max_name_column_width=100))
+    if a.device == "cuda":  # once more, kernels only (host ops recorded stretch the gaps): where the GPU idles
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from profile_gaps import gpu_busy
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            run()
+            _sync(a.device)
+            wall_ms = (time.perf_counter() - t0) * 1e3
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        a.profile_gaps = {"wall_ms": round(wall_ms, 2), **gpu_busy(kernels)}
     return {k: round(v, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
@@ -242,7 +253,7 @@ def run_one(shape: str, entry: str, a) -> dict:
         rec = cli_run(shape, a)
         step_s, loss, peak, fast = rec["step_time_s"], rec["final_loss"], rec["peak_memory_gib"], rec.get("fast_path")
     else:
-        a.profile_ms = None
+        a.profile_ms = a.profile_gaps = None
         times, loss = (trainer_run if "trainer" in entry else plain_loop)(entry, config, a)
         step_s = statistics.median(times)
         peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
@@ -255,6 +266,7 @@ def run_one(shape: str, entry: str, a) -> dict:
             "mfu_spec": round(tok_s * fpt / (SPEC_TFLOPS * 1e12), 4),
             "loss": None if loss is None else round(loss, 4), "fast_path": fast,
             **({"profile_ms": a.profile_ms} if getattr(a, "profile_ms", None) else {}),
+            **({"profile_gaps": a.profile_gaps} if getattr(a, "profile_gaps", None) else {}),
             "wall_s": round(time.perf_counter() - t_start, 1), "torch": torch.__version__}
 
 
