@@ -419,7 +419,10 @@ def test_a_metrics_log_line_nested_too_deeply_is_refused_naming_the_file(tmp_pat
     assert metrics.read_bytes() == b'{"step": 1}\n' + DEEP + b"\n" and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("cut", [DEEP, b'{"step": 3, "loss": "\xc3'], ids=["nested too deeply", "cut UTF-8"])
+# A cut line starts as every line is written ('{"step": '); one that does not is not a metrics
+# log's (session 21: a one-line note without newline was taken for one and emptied by a resume).
+@pytest.mark.parametrize("cut", [b'{"step": 3, "x": ' + DEEP, b'{"step": 3, "loss": "\xc3'],
+                         ids=["nested too deeply", "cut UTF-8"])
 def test_a_cut_last_line_of_the_metrics_log_is_dropped_whatever_its_bytes(tmp_path, capsys, cut):
     metrics = tmp_path / "m.jsonl"
     metrics.write_bytes(b'{"step": 1, "loss": 9.0}\n' + cut)  # no newline: the line a kill cut

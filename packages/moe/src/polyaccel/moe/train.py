@@ -1246,13 +1246,20 @@ def _writable_dir(key: str, path: Path) -> None:
                           f"({why})") from None
 
 
+_RECORD_HEAD = b'{"step": '
+"""How every line of a metrics log starts (:func:`_write_metrics` writes ``step`` first)."""
+
+
 def _foreign_line(path: Path) -> int | None:
     """The first line of an existing file at ``path`` that a metrics log cannot hold (a JSON
     object with an integer ``step``), or None; a last line without newline (cut by a kill)
-    is allowed."""
+    is allowed when it is the start of a step record (``{"step": ``, as every line is
+    written), whatever follows: a file of one line without newline (a note, a one-line JSON
+    config) is not a metrics log, and a resume would have emptied it."""
     if not path.is_file():
         return None
-    lines = path.read_bytes().split(b"\n")[:-1]  # the last piece is empty or a cut line
+    lines = path.read_bytes().split(b"\n")
+    lines, cut = lines[:-1], lines[-1]  # the last piece is empty or a cut line
     for n, line in enumerate(lines, 1):
         try:
             rec = json.loads(line) if line.strip() else {"step": 0}
@@ -1260,6 +1267,8 @@ def _foreign_line(path: Path) -> int | None:
             return n
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
             return n
+    if cut and not (cut.startswith(_RECORD_HEAD) or _RECORD_HEAD.startswith(cut)):
+        return len(lines) + 1
     return None
 
 
