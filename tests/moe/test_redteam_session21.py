@@ -5,6 +5,11 @@
   note or a one-line JSON config counted as a metrics log. A run from step 0 renamed it aside
   (``notes.txt.1``) and wrote its metrics there; a resume rewrote it keeping only step
   records: emptied.
+- A checkpoint written before trainer states recorded the model shape, whose ``config.json``
+  is nested deeper than json parses or is not an object: resuming from it ended in a traceback
+  (``RecursionError``, ``AttributeError``) where the other readers of checkpoint JSON give a
+  reason; its shape now counts as unknown, as for an unreadable file (the weights' own shapes
+  are still checked when they load).
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+from polyaccel.moe import checkpoint as ckpt
 from polyaccel.moe import train
 from polyaccel.moe.cli import main
 from polyaccel.moe.train_config import load_config
@@ -65,3 +72,16 @@ def test_a_metrics_log_cut_anywhere_in_its_last_record_is_still_one(tmp_path, mo
                              "log.progress_bar=false", "train.max_steps=4", f"log.metrics_jsonl={log}"])
     with pytest.raises(Reached):
         train.finetune(cfg)
+
+
+@pytest.mark.parametrize("config", ["[" * 200_000, "[1, 2]", '"a string"'],
+                         ids=["nested too deeply", "a list", "a string"])
+def test_an_old_checkpoints_config_json_that_is_no_object_is_an_unknown_shape_not_a_crash(tmp_path, config):
+    from polyaccel.moe.resume_settings import saved_run
+
+    d = ckpt.step_dir(tmp_path, 1)
+    d.mkdir(parents=True)
+    torch.save({"step": 1, "optimizer": None, "config": {}}, d / ckpt.TRAINER_STATE)  # no model_shape: older
+    (d / "config.json").write_text(config)
+    ckpt.write_manifest(d, 1)
+    assert saved_run(d) == {"config": {}, "model_shape": {}}

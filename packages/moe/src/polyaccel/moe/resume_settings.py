@@ -56,7 +56,7 @@ def saved_run(path: Path) -> dict[str, Any]:
     if shape is None and (path / "config.json").is_file():  # a full model saved before model_shape existed
         try:
             shape = {k: v for k, v in json.loads((path / "config.json").read_text()).items() if k in SHAPE_KEYS}
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError, AttributeError):  # unreadable, nested too deeply, not an object
             shape = None
     return {"config": state.get("config") if isinstance(state.get("config"), dict) else {},
             "model_shape": shape if isinstance(shape, dict) else {}}
