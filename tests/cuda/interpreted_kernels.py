@@ -282,6 +282,22 @@ def check_depthwise_conv1d():
         assert (got.stride(1) == 1) == channels_last, got.stride()
 
 
+def check_conv2d_subsample():
+    """Stacked stride-2 convs, channels-last, ReLU and the length mask in one pass == core's
+    reference: rows cut at odd lengths, a row of length 0, a full row, no lengths at all."""
+    from polyaccel.cuda.conv_subsample import conv2d_subsample
+
+    x = torch.randn(4, 1, 37, 20)
+    ws = [torch.randn(6, 1, 3, 3) / 3, torch.randn(8, 6, 3, 3) / 7, torch.randn(5, 8, 3, 3) / 8]
+    bs = [torch.randn(6), None, torch.randn(5)]
+    for lengths in (torch.tensor([37, 11, 0, 24]), None):
+        got = conv2d_subsample(x, ws, bs, lengths=lengths)
+        err = rel_err(got, ops.conv2d_subsample.reference(x, ws, bs, lengths=lengths))
+        print(f"conv2d_subsample lengths={lengths}: rel err {err:.2e}")
+        assert err < 1e-5, err
+        assert got.is_contiguous(memory_format=torch.channels_last)
+
+
 def fp8_rows_of(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, H, S, D] -> its rows in e4m3 (same shape) and their scales [B, H, S] (core's reference)."""
     values, scale = ops.rows_to_fp8.reference(t)
@@ -352,6 +368,7 @@ def main() -> None:
     check_decode_attention()
     check_rows_to_fp8()
     check_depthwise_conv1d()
+    check_conv2d_subsample()
 
 
 if __name__ == "__main__":

@@ -139,6 +139,20 @@ def test_conv2d_subsample_x8_matches_reference(impl, dtype):
     _close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_conv2d_subsample_zeroes_each_layers_input_past_the_lengths(impl):
+    """With ``lengths``, frames past each row's length (halved per layer) are cleared before
+    each layer, as core's reference does: a padded row gives what the unpadded one gives."""
+    x = torch.randn(2, 1, 45, 27)
+    ws = [torch.randn(16, 1, 3, 3) / 3, torch.randn(24, 16, 3, 3) / 12]
+    bs = [torch.randn(16), torch.randn(24)]
+    lengths = torch.tensor([45, 19])
+    out = conv2d_mod.conv2d_subsample(x, ws, bs, lengths=lengths, impl=impl)
+    _close(out, ops.conv2d_subsample.reference(x, ws, bs, lengths=lengths), torch.float32)
+    alone = ops.conv2d_subsample.reference(x[1:, :, :19], ws, bs)
+    _close(out[1:, :, :alone.shape[2]], alone, torch.float32)
+
+
 def test_conv2d_subsample_loads_weights_once():
     x, w, b = torch.randn(3, 4, 64, 40), torch.randn(8, 4, 3, 3), torch.randn(8)
     conv2d_mod.conv2d_subsample(x, [w], [b], impl="sim")

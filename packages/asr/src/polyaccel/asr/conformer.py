@@ -114,11 +114,9 @@ class ConvSubsampling(nn.Module):
 
     def forward(self, features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = features.transpose(1, 2).unsqueeze(1)  # [B, 1, F, M]
-        for conv in self.convs:
-            # Past each length the previous layer left ReLU(bias), not zeros: clear it so a
-            # frame's receptive field sees what it would see with no padding at all.
-            x = x * lengths_to_mask(lengths, x.shape[2])[:, None, :, None].to(x.dtype)
-            x = ops.conv2d_subsample(x, [conv.weight], [conv.bias])
+        # each layer's input zeroed past each length (ReLU(bias) there otherwise)
+        x = ops.conv2d_subsample(x, [c.weight for c in self.convs], [c.bias for c in self.convs], lengths=lengths)
+        for _ in self.convs:
             lengths = (lengths + 1) // 2
         B, C, S, M = x.shape
         return self.out(x.permute(0, 2, 1, 3).reshape(B, S, C * M)), lengths

@@ -40,10 +40,12 @@ four warps keep more programs resident (24.4 / 144 us at 16 / 128 rows against e
 def config_for(head_dim: int, scaled: bool) -> SplitConfig:
     """The launch a head dim takes (never the batch): :data:`FP8_CONFIG` for e4m3 keys,
     else :data:`CONFIG`, with at most 32K values in a [keys, head dim] fp32 tile (head dim
-    128: 256 keys a load)."""
+    128: 256 keys a load), and four warps from head dim 128 on. On an H200 over canary's 375
+    frames of 8 heads of 128 (2026-12-03, docs/benchmarks.md) four warps took 6.2 / 10.0 /
+    66.0 us at 1 / 16 / 128 rows against eight warps' 5.7 / 11.4 / 89.2."""
     splits, block_s, num_warps = FP8_CONFIG if scaled else CONFIG
     block_d = max(16, 1 << (head_dim - 1).bit_length())
-    return SplitConfig(splits, min(block_s, 32768 // max(block_d, 64)), num_warps)
+    return SplitConfig(splits, min(block_s, 32768 // max(block_d, 64)), 4 if block_d >= 128 else num_warps)
 
 
 @triton_kernels

@@ -17,6 +17,7 @@
 | ``ln_qkv_into_cache_`` | Triton, one kernel for LayerNorm + q, k, v projections of up to 16 rows, k and v stored into the cache at each row's position; core's reference above 16 rows (:mod:`.fused_decode`) |
 | ``greedy_pick`` / ``greedy_advance_`` | Triton, one kernel: argmax and its log-probability of ``logits + bias``, each row's vocabulary in fixed parts combined in a fixed order; ``greedy_advance_`` also does the step's bookkeeping (:mod:`.fused_decode`) |
 | ``depthwise_conv1d`` | Triton, a [T, C] tile per program, K taps in fp32; the output keeps the input's layout (channels-last in, channels-last out) (:mod:`.depthwise_conv`) |
+| ``conv2d_subsample`` | cuDNN channels-last convolutions; ReLU and the next layer's length mask in one Triton pass (:mod:`.conv_subsample`) |
 | ``rows_to_fp8`` | Triton, one pass: a row's LayerNorm or GELU, absolute maximum, e4m3 values and scale (:mod:`.fp8_rows`) |
 | ``adamw_step_`` | one Triton pass over a flat buffer, fp32 math, optional grad zeroing (:mod:`.adamw`) |
 
@@ -32,6 +33,7 @@ from polyaccel.cuda._triton import has_triton
 from polyaccel.cuda.adamw import adamw_step_
 from polyaccel.cuda.add_scaled import add_scaled_
 from polyaccel.cuda.attention import attention
+from polyaccel.cuda.conv_subsample import conv2d_subsample
 from polyaccel.cuda.cross_entropy import linear_cross_entropy, linear_cross_entropy_grads
 from polyaccel.cuda.decode_attention import decode_attention
 from polyaccel.cuda.depthwise_conv import depthwise_conv1d
@@ -76,6 +78,7 @@ def register_all(registry) -> None:
         registry.register("greedy_advance_", "cuda", greedy_advance_, impl="triton", backend=BACKEND)
         registry.register("rows_to_fp8", "cuda", rows_to_fp8, impl="triton", backend=BACKEND)
         registry.register("depthwise_conv1d", "cuda", depthwise_conv1d, impl="triton", backend=BACKEND)
+        registry.register("conv2d_subsample", "cuda", conv2d_subsample, impl="cudnn-nhwc+triton", backend=BACKEND)
     registry.register("moe_permute", "cuda", moe_permute, impl="device-sort", backend=BACKEND)
     registry.register("attention", "cuda", attention, impl="sdpa", backend=BACKEND)
     if hasattr(torch, "_grouped_mm"):

@@ -257,13 +257,20 @@ def depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 @registry.define
 def conv2d_subsample(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
-                     stride: int = 2) -> torch.Tensor:
+                     stride: int = 2, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Stacked conv2d (3x3, stride 2, padding 1) + ReLU, one per weight: x [B, Cin, T, F].
 
     Three layers give the x8 time subsampling of conformer front ends. Returns
-    [B, Cout, T / stride**n, F / stride**n] (rounded up per layer).
+    [B, Cout, T / stride**n, F / stride**n] (rounded up per layer). With ``lengths`` [B]
+    (valid frames of dim 2), each layer's input is zero at and past its row's length (which
+    is divided by ``stride``, rounded up, per layer): past a length the previous layer left
+    ReLU(bias), and a frame's receptive field must see what it would see with no padding.
     """
     for w, b in zip(weights, biases, strict=True):
+        if lengths is not None:
+            valid = torch.arange(x.shape[2], device=x.device)[None, :] < lengths.to(x.device)[:, None]
+            x = x * valid[:, None, :, None].to(x.dtype)
+            lengths = (lengths + stride - 1) // stride
         x = F.relu(F.conv2d(x, w, b, stride=stride, padding=w.shape[-1] // 2))
     return x
 

@@ -97,9 +97,9 @@ def conv2d_subsample_kernel(x, w_k, bias):
     return out
 
 
-def conv2d_subsample(x, weights, biases, stride=2, impl=None):
+def conv2d_subsample(x, weights, biases, stride=2, lengths=None, impl=None):
     """Torch-facing stacked conv2d subsampling with ``ops.conv2d_subsample`` semantics:
-    one kernel call per layer (3 layers -> x8)."""
+    one kernel call per layer (3 layers -> x8), each layer's input zeroed past ``lengths``."""
     import torch
 
     if stride != 2:
@@ -112,6 +112,10 @@ def conv2d_subsample(x, weights, biases, stride=2, impl=None):
         if bias is None:
             bias = torch.zeros(cout, dtype=w.dtype, device=w.device)
         b = bias.reshape(cout, 1).to(w.dtype)
+        if lengths is not None:
+            valid = torch.arange(x.shape[2], device=x.device)[None, :] < lengths.to(x.device)[:, None]
+            x = x * valid[:, None, :, None].to(x.dtype)
+            lengths = (lengths + 1) // 2
         x = conv2d_subsample_kernel(x.contiguous(), w_k, b.contiguous(), impl=impl)
     return x
 
