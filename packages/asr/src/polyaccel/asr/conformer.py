@@ -187,10 +187,10 @@ class ConformerBlock(nn.Module):
         self.out_norm = LayerNorm(d, eps=eps)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + 0.5 * self.ffn1(self.ffn1_norm(x))
+        x = torch.add(x, self.ffn1(self.ffn1_norm(x)), alpha=0.5)  # one pass: x + FFN / 2
         x = x + self.self_attn(self.self_attn_norm(x), mask)
         x = x + self.conv(self.conv_norm(x), mask)
-        x = x + 0.5 * self.ffn2(self.ffn2_norm(x))
+        x = torch.add(x, self.ffn2(self.ffn2_norm(x)), alpha=0.5)
         return self.out_norm(x)
 
 
