@@ -172,6 +172,35 @@ def test_a_refused_capture_decodes_eagerly_not_fails(model, caplog):
     assert backend.compiled.count("decode_step{'batch': 4}") == 1
 
 
+class _RefusingEncodeBackend(_RefusingBackend):
+    """The CPU reference, except that "capturing" the encoder fails."""
+
+    def compile_graph(self, fn, example_inputs, *, name="graph"):
+        if name.startswith("encode"):
+            self.compiled.append("refused " + name)
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.compiled.append(name)
+        return super(_RefusingBackend, self).compile_graph(fn, example_inputs, name=name)
+
+
+def test_a_refused_encoder_capture_encodes_eagerly_not_fails(model, caplog):
+    """A capture of the encoder that the backend refuses (an op a CUDA graph cannot hold) used
+    to fail every batch of that bucket; the bucket now encodes eagerly, with the same tokens,
+    logged and tried once, and its decoder still runs from graphs."""
+    import logging
+
+    audio = _random_audio(np.random.default_rng(5), 3)
+    want = [h.tokens for h in ASRRunner(model, backend="cpu", batch_buckets=(4,), use_graphs=False).recognize(audio)]
+    backend = _RefusingEncodeBackend()
+    runner = ASRRunner(model, backend=backend, batch_buckets=(4,))
+    caplog.set_level(logging.WARNING, logger="polyaccel.asr.runner")
+    for _ in range(3):
+        assert [h.tokens for h in runner.recognize(audio)] == want
+    assert sum("encoding bucket" in r.getMessage() for r in caplog.records) == 1
+    assert backend.compiled.count("refused encode{'batch': 4}") == 1
+    assert "greedy_step{'batch': 4}" in backend.compiled
+
+
 def test_padding_rows_do_not_change_real_rows(model):
     """Garbage in padding rows of a bucket leaves the real rows' tokens unchanged."""
     torch.manual_seed(4)

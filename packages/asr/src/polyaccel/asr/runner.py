@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -89,6 +90,7 @@ class ASRRunner:
             greedy = GraphSpec("greedy_step", self._greedy_step, self._decode_buckets, self._no_example)
             self.graphs = GraphCache(self.backend, [*specs.values(), greedy])
         self._slots: dict[tuple[tuple[str, int], ...], _Slot] = {}
+        self._eager_encode: set[tuple[tuple[str, int], ...]] = set()  # buckets whose capture was refused
         self._on_stream = self.backend.replica_stream(self.device)
         self._rules = LogitsRules(model.suppress_ids(), model.begin_suppress_ids(), model.eos_token_id,
                                   self.min_new_tokens)
@@ -129,13 +131,8 @@ class ASRRunner:
         if B > n:  # padding rows: any finite input works, rows are independent
             features = F.pad(features, (0, 0, 0, 0, 0, B - n))
             lengths = F.pad(lengths, (0, B - n))
-        if self.graphs is not None:
-            enc_bucket = dict(bucket)
-            if "frames" in self.graphs.specs["encode"].buckets.sizes:  # models with frame buckets
-                enc_bucket["frames"] = features.shape[-1]
-            enc, enc_mask = self.graphs("encode", enc_bucket, features, lengths)
-        else:
-            enc, enc_mask = self.model.encode(features, lengths)
+        encode = self._encoder(bucket, features.shape[-1])
+        enc, enc_mask = encode(features, lengths)
         slot = self._slot(self._decode_bucket(B, features.shape[-1]))
         self.model.new_decoder_state(enc, enc_mask, self.cache_len, out=slot.state)
         no_speech_id, no_speech = self._no_speech_id, None
@@ -176,6 +173,24 @@ class ASRRunner:
         return len(self.graphs)
 
     # ---- per-bucket state and graphs --------------------------------------------------------
+    def _encoder(self, bucket: dict[str, int], frames: int) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+        """The encode graph of a batch's bucket; the model's eager ``encode`` without graphs or
+        where the backend refused the capture (logged once per bucket; the same results)."""
+        if self.graphs is None:
+            return self.model.encode
+        enc_bucket = dict(bucket)
+        if "frames" in self.graphs.specs["encode"].buckets.sizes:  # models with frame buckets
+            enc_bucket["frames"] = frames
+        key = tuple(sorted(enc_bucket.items()))
+        if key in self._eager_encode:
+            return self.model.encode
+        try:
+            return self.graphs.get("encode", enc_bucket)
+        except RuntimeError as e:  # a capture the backend refuses: this bucket encodes eagerly
+            logger.warning("encoding bucket %s without graphs: capture failed (%s)", enc_bucket, e)
+            self._eager_encode.add(key)
+            return self.model.encode
+
     def _decode_bucket(self, B: int, frames: int) -> tuple[tuple[str, int], ...]:
         """The decode graphs' bucket of a batch: its batch bucket, and its feature frames
         where the decode graphs are per frame bucket."""
