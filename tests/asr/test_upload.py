@@ -46,6 +46,31 @@ def test_pack_writes_clips_end_to_end_and_hands_on_each_chunk_once_filled(piece,
     assert handed == [(a, min(a + chunk, want.size)) for a in range(0, want.size, chunk)]
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_pack_in_a_forked_child_after_the_parent_packed():
+    """The copy threads are the parent's: a child forked after the parent packed (a process
+    pool's worker) makes its own pool instead of waiting forever on threads it lacks."""
+    import os
+
+    clips = [np.arange(3_000_000, dtype=np.float32), np.ones(10, np.float32)]
+    out = np.empty(3_000_010, np.float32)
+    pack(clips, out, piece=1 << 16)  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:  # child: exit 0 only if it packs, fast
+        code = 1
+        try:
+            import signal
+
+            signal.alarm(20)
+            child = np.empty_like(out)
+            pack(clips, child, piece=1 << 16)
+            code = 0 if np.array_equal(child, out) else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_pack_refuses_a_short_buffer_and_a_chunk_not_made_of_pieces():
     clips = [np.ones(10, np.float32), np.ones(5, np.float32)]
     with pytest.raises(ValueError, match="holds 14 samples, the clips 15"):
