@@ -598,7 +598,7 @@ def _local_records(tr: Any, todo: list[Any], model: str) -> Iterator[dict[str, A
 
 
 def _transcriber(args: argparse.Namespace, batch_size: int | None = None) -> Any:
-    from polyaccel.asr.transcriber import Transcriber
+    from polyaccel.asr.transcriber import Transcriber, WeightsReplaced
     from polyaccel.core import BackendUnavailable
 
     try:
@@ -609,7 +609,8 @@ def _transcriber(args: argparse.Namespace, batch_size: int | None = None) -> Any
                                            fp8_encoder=getattr(args, "fp8_encoder", False),
                                            batch_invariant=getattr(args, "batch_invariant", False),
                                            no_speech_threshold=getattr(args, "no_speech_threshold", None))
-    except (BackendUnavailable, KeyError, ValueError, OSError, ModuleNotFoundError) as e:  # OSError: not the -o's
+    except (BackendUnavailable, KeyError, ValueError, OSError, ModuleNotFoundError,
+            WeightsReplaced) as e:  # OSError: not the -o's
         raise _usage_error(e) from None
 
 

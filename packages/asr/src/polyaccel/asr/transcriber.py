@@ -77,6 +77,15 @@ CLOSED_ERROR = "not transcribed: the transcriber was closed (close() during tran
 called :meth:`Transcriber.close`."""
 
 
+LOAD_ATTEMPTS = 3
+"""Loads of a model whose weight files another process replaced during the load (a conversion
+renamed into the cache) before :meth:`Transcriber.from_pretrained` gives up."""
+
+
+class WeightsReplaced(RuntimeError):
+    """The model's weight files were replaced during every one of :data:`LOAD_ATTEMPTS` loads."""
+
+
 class TranscriberClosed(RuntimeError):
     """A window refused because :meth:`Transcriber.close` closed the pool (becomes
     :data:`CLOSED_ERROR` on its input's result, never raised to the caller)."""
@@ -311,8 +320,6 @@ class Transcriber:
         batch_size = batch_size or be.default_batch_size
         n = replicas or be.default_replicas()
         dtype = dtype or be.default_dtype()
-        resolved = _resolve_model(path_or_name)  # offline: installed packages, directories, HF cache
-        path = resolved.path
         devices = be.replica_devices(n)
         models: dict[str, Any] = {}
         load_lock = threading.Lock()
@@ -332,12 +339,22 @@ class Transcriber:
                         to_fp8(models[key])
                 return models[key]
 
-        before = _weights_identity(path)
-        first = model_on(devices[0])  # loaded up front: its rate and window length shape the job
-        sha = _weights_sha256(path)  # once per transcriber; cached by path, size, mtime, inode
-        if _weights_identity(path) != before:
-            raise RuntimeError(f"{path}: the model's weights were replaced while it loaded (converted again by "
-                               "another process?); load it again")
+        for attempt in range(1, LOAD_ATTEMPTS + 1):
+            resolved = _resolve_model(path_or_name)  # offline: installed packages, directories, HF cache
+            path = resolved.path
+            models.clear()
+            before = _weights_identity(path)
+            first = model_on(devices[0])  # loaded up front: its rate and window length shape the job
+            sha = _weights_sha256(path)  # once per transcriber; cached by path, size, mtime, inode
+            if _weights_identity(path) == before:
+                break
+            # Another process renamed a new conversion in (a new folder, swapped in whole): the
+            # hash must be of the weights loaded, so load what is there now.
+            log.warning("%s: the model's weights were replaced while they loaded (converted again by another "
+                        "process?); loading them again (%d of %d)", printable(path), attempt, LOAD_ATTEMPTS)
+        else:
+            raise WeightsReplaced(f"{path}: the model's weights were replaced while it loaded, {LOAD_ATTEMPTS} "
+                                  "times (converted again and again by another process?); load it again")
         if replicas is None and be.device_type == "cuda":
             import torch
 

@@ -6,8 +6,9 @@ or a Hugging Face directory into a Hugging Face directory, converting once into 
 ``$POLYACCEL_CACHE/models/<name>`` (default ``~/.cache/polyaccel/models/<name>``). A
 conversion writes to a temporary sibling directory and renames it into place, so a crash
 or a concurrent process never leaves a half-written model behind. Each conversion is stamped
-with its sources (real path, size, mtime_ns): a replaced ``model.bin`` or an upgraded weights
-package is converted again, and temporary folders of killed conversions are cleaned up.
+with its sources (real path, size, mtime_ns, sha256): a replaced ``model.bin`` or an upgraded
+weights package is converted again (the same bytes installed at another path, in another
+virtualenv, are not), and temporary folders of killed conversions are cleaned up.
 
 Names are taken as users write them: ``openai/whisper-tiny.en``, ``whisper-tiny.en`` and
 ``tiny.en`` are one model. A name that is no installed package is looked up in the local
@@ -118,8 +119,10 @@ def is_ct2_dir(path: Path) -> bool:
 
 
 SOURCES_STAMP = "polyaccel-sources.json"
-"""Written into each converted folder: the real path, size and mtime_ns of every file it was
-converted from. A folder whose stamp does not match its sources now is converted again."""
+"""Written into each converted folder: the real path, size, mtime_ns and sha256 of every file it
+was converted from. A folder whose stamp does not match its sources now is converted again;
+sources at other paths with the same bytes (the same weights package installed in another
+virtualenv) match by their sha256, so two installations do not convert in turn over each other."""
 
 STALE_TEMP_S = 30 * 60
 """A ``.<name>.*`` temporary folder untouched this long was left by a killed conversion."""
@@ -138,15 +141,16 @@ def convert_cached(name: str, sources: list[Path] | Path, assets: Path | None = 
     """
     target = cache_dir(cache) / name
     stamp = source_stamp(sources, assets)
-    if _stamp_matches(target, stamp):
+    if _stamp_matches(target, stamp, cache):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(target.parent, name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
     try:
+        hashed = [[*entry, file_sha256(Path(entry[0]), cache=cache)] for entry in stamp]
         convert_ct2_whisper(sources, tmp, assets_dir=assets)
-        (tmp / SOURCES_STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
-        _install(tmp, target, stamp)
+        (tmp / SOURCES_STAMP).write_text(json.dumps(hashed, indent=1) + "\n")
+        _install(tmp, target, stamp, cache)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -163,16 +167,29 @@ def source_stamp(sources: list[Path] | Path, assets: Path | None = None) -> list
     return out
 
 
-def _stamp_matches(target: Path, stamp: list[list]) -> bool:
-    """True when ``target`` holds a complete conversion stamped with exactly ``stamp``."""
+def _stamp_matches(target: Path, stamp: list[list], cache: str | os.PathLike | None = None) -> bool:
+    """True when ``target`` holds a complete conversion of the sources ``stamp`` describes: its
+    stamp names them (path, size, mtime), or names files of the same sizes and sha256 (the same
+    package installed elsewhere: its converted model is this one, byte for byte)."""
     try:
         written = json.loads((target / SOURCES_STAMP).read_text())
     except (OSError, ValueError, RecursionError):  # RecursionError: nested deeper than json parses
         return False
-    return written == stamp and is_hf_whisper_dir(target)
+    if not (isinstance(written, list) and len(written) == len(stamp)
+            and all(isinstance(w, list) and len(w) >= 3 for w in written)):
+        return False
+    if [w[:3] for w in written] != stamp:
+        if not all(len(w) == 4 and w[1] == s[1] for w, s in zip(written, stamp, strict=True)):
+            return False  # an older stamp without hashes, or files of other sizes
+        try:
+            if any(file_sha256(Path(s[0]), cache=cache) != w[3] for w, s in zip(written, stamp, strict=True)):
+                return False
+        except OSError:
+            return False
+    return is_hf_whisper_dir(target)
 
 
-def _install(tmp: Path, target: Path, stamp: list[list]) -> None:
+def _install(tmp: Path, target: Path, stamp: list[list], cache: str | os.PathLike | None = None) -> None:
     """Rename ``tmp`` to ``target``, first moving a stale ``target`` aside; a ``target`` that
     another process filled with the same conversion meanwhile is kept."""
     for _ in range(3):
@@ -180,7 +197,7 @@ def _install(tmp: Path, target: Path, stamp: list[list]) -> None:
             os.rename(tmp, target)
             return
         except OSError:
-            if _stamp_matches(target, stamp):
+            if _stamp_matches(target, stamp, cache):
                 return  # a concurrent process installed the same conversion
         _move_aside(target)
     raise OSError(f"cannot replace {target}: another process keeps writing it; remove it and run again")
