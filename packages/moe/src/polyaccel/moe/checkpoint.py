@@ -14,7 +14,9 @@ manifest is written atomically (temporary file, then ``os.replace``) and the dir
 renamed to ``step_N`` (rename is atomic on one file system); what follows the rename (syncing
 its parent directory, pruning old checkpoints) cannot fail the save: a failure there is a
 warning naming the path. A Ctrl-C or SIGTERM mid-save removes its ``.tmp``; a crash leaves
-one that resume ignores and the next save clears (of its own step, or any later one); a ``step_N`` without a valid manifest, or whose files no longer match it,
+one that resume ignores and the next save clears (of its own step, or any later one); an old
+checkpoint is pruned trainer state first and manifest last, so a crash while it is removed
+leaves a ``step_N`` whose manifest names missing files (skipped, pruned again next time); a ``step_N`` without a valid manifest, or whose files no longer match it,
 is not resumed from (:func:`find_resume` falls back to the newest intact one). Everything is
 loaded with ``torch.load(weights_only=True)``: tensors and plain containers only, never code.
 With several ranks the directory must be on a shared file system.
@@ -457,10 +459,26 @@ def _prune(root: str | Path, final: Path, keep_last: int) -> None:
         return
     for path in old:
         try:
-            shutil.rmtree(path)
+            _remove_checkpoint(path)
         except Exception as e:
             logger.warning("polyaccel.moe: old checkpoint %s could not be removed (checkpoint.keep_last=%d: %s); "
                            "remove it yourself", path, keep_last, describe(e))
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Remove the complete checkpoint ``path``, its manifest last: a kill in the middle of the
+    removal leaves a ``step_N`` that still has its manifest (resume skips it: files are missing;
+    the next prune removes it), never one holding its trainer state without its manifest (that
+    passed for a checkpoint written before manifests, and pruning, which counts checkpoints by
+    their manifest, never removed it again)."""
+    for entry in sorted(path.iterdir(), key=lambda p: p.name == TRAINER_STATE, reverse=True):
+        if entry.name == MANIFEST:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    shutil.rmtree(path)
 
 
 def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
