@@ -10,6 +10,13 @@ transcribe`` while another checkout's test suite ran on the same machine.
 - Weights replaced while they load are now loaded again (up to ``LOAD_ATTEMPTS`` times); only
   a model replaced during every attempt is refused, and the CLI says so in one line (exit 2),
   not with a traceback.
+- A WAV/AIFF cut right after its header (the data chunk still declaring its length) was
+  "empty audio (0 samples)", the error of a valid file without samples; it is now "truncated
+  audio: header declares N s, file holds 0.00 s", as for a file cut anywhere later.
+
+Checked and solid: SIGKILL (after 0-11 of 14 lines), SIGINT and SIGTERM of a real whisper-tiny.en
+run over LibriVox clips plus empty, garbage, text, huge-header and cut files: every rerun kept
+each file once, the results file stayed valid JSONL, exits 130/143/1 as documented.
 
 The converter is a fake that copies the ``model.bin`` bytes, as in ``test_convert_cache.py``.
 """
@@ -121,3 +128,25 @@ def test_the_cli_refuses_weights_replaced_during_every_load_in_one_line(tmp_path
     assert code == 2 and len(loads) == LOAD_ATTEMPTS
     assert "replaced while it loaded" in err and str(tmp_path / "hf") in err and "Traceback" not in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("fmt", ["WAV", "AIFF"])
+def test_a_copy_cut_right_after_its_header_is_truncated_not_empty(tmp_path: Path, fmt: str) -> None:
+    """A download cut after the header (the data chunk's size still says 2 s) was reported as
+    "empty audio (0 samples)", the words for a valid file without samples."""
+    import numpy as np
+    import soundfile as sf
+
+    from polyaccel.asr.audio import AudioError, audio_duration
+
+    whole = tmp_path / f"whole.{fmt.lower()}"
+    sf.write(whole, np.full(32000, 0.1, np.float32), 16000, format=fmt)
+    data = whole.read_bytes()
+    cut = tmp_path / f"cut.{fmt.lower()}"
+    cut.write_bytes(data[: data.index(b"data" if fmt == "WAV" else b"SSND") + (8 if fmt == "WAV" else 16)])
+    with pytest.raises(AudioError, match=r"truncated audio: header declares 2\.00 s, file holds 0\.00 s"):
+        audio_duration(cut)
+    empty = tmp_path / f"empty.{fmt.lower()}"
+    sf.write(empty, np.zeros(0, np.float32), 16000, format=fmt)  # a valid file without samples
+    with pytest.raises(AudioError, match=r"^empty audio \(0 samples\)$"):
+        audio_duration(empty)

@@ -397,6 +397,10 @@ def audio_extent(path: str | os.PathLike, raw: RawFormat | None = None) -> tuple
     with _decode_errors(path):
         info = _soundfile().info(os.fsencode(path))
     if info.frames <= 0:
+        _check_rate(info.samplerate)
+        declared = _declared_frames(path)  # a header whose data was cut off is no empty recording
+        if declared:
+            raise AudioError(f"truncated audio: header declares {declared / info.samplerate:.2f} s, file holds 0.00 s")
         raise AudioError("empty audio (0 samples)")
     _check_rate(info.samplerate)
     return float(info.frames) / info.samplerate, info.frames * info.channels
