@@ -159,17 +159,24 @@ def test_a_refused_capture_decodes_eagerly_not_fails(model, caplog):
     graph bound to buffers the next batch re-allocated, so every later batch failed with
     "compiled over other input tensors". Now the bucket falls back to eager decoding (logged
     once) with the same tokens, batch after batch."""
+    backend = _RefusingBackend()
+    warnings = _three_batches_as_eager(model, backend, caplog, seed=4)
+    assert sum("decoding batch bucket" in m for m in warnings) == 1
+    assert backend.compiled.count("decode_step{'batch': 4}") == 1
+
+
+def _three_batches_as_eager(model, backend, caplog, seed: int) -> list[str]:
+    """Three batches through ``backend``'s graphs give the eager runner's tokens each time;
+    returns the runner's warnings."""
     import logging
 
-    audio = _random_audio(np.random.default_rng(4), 3)
+    audio = _random_audio(np.random.default_rng(seed), 3)
     want = [h.tokens for h in ASRRunner(model, backend="cpu", batch_buckets=(4,), use_graphs=False).recognize(audio)]
-    backend = _RefusingBackend()
     runner = ASRRunner(model, backend=backend, batch_buckets=(4,))
     caplog.set_level(logging.WARNING, logger="polyaccel.asr.runner")
     for _ in range(3):
         assert [h.tokens for h in runner.recognize(audio)] == want
-    assert sum("without graphs" in r.getMessage() for r in caplog.records) == 1
-    assert backend.compiled.count("decode_step{'batch': 4}") == 1
+    return [r.getMessage() for r in caplog.records if r.name == "polyaccel.asr.runner"]
 
 
 class _RefusingEncodeBackend(_RefusingBackend):
@@ -187,16 +194,9 @@ def test_a_refused_encoder_capture_encodes_eagerly_not_fails(model, caplog):
     """A capture of the encoder that the backend refuses (an op a CUDA graph cannot hold) used
     to fail every batch of that bucket; the bucket now encodes eagerly, with the same tokens,
     logged and tried once, and its decoder still runs from graphs."""
-    import logging
-
-    audio = _random_audio(np.random.default_rng(5), 3)
-    want = [h.tokens for h in ASRRunner(model, backend="cpu", batch_buckets=(4,), use_graphs=False).recognize(audio)]
     backend = _RefusingEncodeBackend()
-    runner = ASRRunner(model, backend=backend, batch_buckets=(4,))
-    caplog.set_level(logging.WARNING, logger="polyaccel.asr.runner")
-    for _ in range(3):
-        assert [h.tokens for h in runner.recognize(audio)] == want
-    assert sum("encoding bucket" in r.getMessage() for r in caplog.records) == 1
+    warnings = _three_batches_as_eager(model, backend, caplog, seed=5)
+    assert sum("encoding bucket" in m for m in warnings) == 1
     assert backend.compiled.count("refused encode{'batch': 4}") == 1
     assert "greedy_step{'batch': 4}" in backend.compiled
 
