@@ -224,3 +224,17 @@ def test_sigterm_ends_a_run_like_ctrl_c_and_the_rerun_resumes(asr_cli, tmp_path:
     assert not Path(f"{out}.lock").exists()
     assert cli.main(["transcribe", *wavs, "-o", str(out), "-q"]) == 0
     assert out.read_text().startswith(done) and out.read_text().count("\n") == 20
+
+
+@pytest.mark.parametrize("command", ["transcribe", "wer", "bench", "compile"])
+def test_each_subcommands_help_says_what_it_does_and_its_exit_statuses(command, capsys):
+    """`polyaccel-asr COMMAND --help` describes the command and lists its exit statuses, not
+    only its options."""
+    from polyaccel.asr.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "exit status: 0" in text and " 2 " in text.split("exit status:")[1]
+    assert len(text.split("options:")[0].split("\n\n", 1)[1].split()) >= 20  # a description above the options

@@ -103,6 +103,34 @@ def _model_name(text: str) -> str:
     return text
 
 
+WER_HELP = """\
+Word error rate of a `transcribe` results file against reference texts, both normalized first
+(lowercase, no punctuation, numbers spelled out, fillers and [annotations] dropped); files are
+matched by path or by file stem. Prints one JSON
+line: wer, files scored, reference words, substitutions / deletions / insertions, failed
+files and results without a reference (with --per-file, a line per file first).
+
+exit status: 0 scored, 1 standard output could not be written, 2 a usage error (a missing or
+unreadable file, --refs and --hyps the same file, nothing to score)."""
+
+BENCH_HELP = """\
+Real-time factor of the whole pipeline (audio already decoded into memory, features, model,
+text) at each of --batch-sizes, after a warm-up batch: one JSON line per size with the
+transcriber's metrics and the number of failed items. Unreadable inputs are skipped with a
+message.
+
+exit status: 0 done, 1 standard output could not be written, 2 a usage error (no readable
+audio, bad --batch-sizes, --batch-size given, an unknown model or backend)."""
+
+COMPILE_HELP = """\
+Loads the model and compiles every (graph, shape bucket) for the backend ahead of time, so a
+later run starts warm; prints one JSON line (backend, graphs compiled, seconds). The CPU
+backend runs eagerly: nothing to compile, said on stderr.
+
+exit status: 0 done (or nothing to compile), 1 standard output could not be written, 2 a usage
+error (an unknown or unavailable backend, a model that cannot be loaded)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for all subcommands."""
     p = argparse.ArgumentParser(prog="polyaccel-asr", description="High-throughput batch speech-to-text.",
@@ -156,19 +184,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "it joins whatever cluster a local user advertises)")
     t.add_argument("--num-actors", type=integer(1), default=None, help="with --ray: Ray actors (default: one per device/node)")
 
-    w = sub.add_parser("wer", help="word error rate of a results file against references")
+    fmt = argparse.RawDescriptionHelpFormatter
+    w = sub.add_parser("wer", help="word error rate of a results file against references", formatter_class=fmt,
+                       description=WER_HELP)
     w.add_argument("--refs", required=True, help="JSONL {path|id, text} or Sphinx transcription file")
     w.add_argument("--hyps", required=True, help="results JSONL written by `transcribe`")
     w.add_argument("--per-file", action="store_true", help="also print one JSON line per file")
 
-    b = sub.add_parser("bench", help="RTFx at several batch sizes (one JSON line each)")
+    b = sub.add_parser("bench", help="RTFx at several batch sizes (one JSON line each)", formatter_class=fmt,
+                       description=BENCH_HELP)
     b.add_argument("inputs", nargs="+", metavar="INPUT", help="audio files, directories or manifests")
     model_args(b, batch_size_help=argparse.SUPPRESS)  # refused: --batch-sizes says which sizes run
     b.add_argument("--batch-sizes", default="1,4,8",
                    help="comma-separated batch sizes to run, one JSON line each (default: %(default)s)")
     b.add_argument("--repeat", type=integer(1), default=1, help="use the inputs this many times (fills large batches)")
 
-    c = sub.add_parser("compile", help="compile every shape bucket ahead of time")
+    c = sub.add_parser("compile", help="compile every shape bucket ahead of time", formatter_class=fmt,
+                       description=COMPILE_HELP)
     model_args(c)
 
     from polyaccel.asr.export import add_parser as add_export_parser
