@@ -238,3 +238,46 @@ def test_each_subcommands_help_says_what_it_does_and_its_exit_statuses(command, 
     text = capsys.readouterr().out
     assert "exit status: 0" in text and " 2 " in text.split("exit status:")[1]
     assert len(text.split("options:")[0].split("\n\n", 1)[1].split()) >= 20  # a description above the options
+
+
+def test_a_path_inside_a_folder_we_may_not_enter_is_that_inputs_error_not_the_runs(tmp_path, monkeypatch):
+    """For a user without search permission on ``locked/`` (root never sees this, so the
+    denial is simulated), ``locked/x.wav`` used to stop the whole run ("cannot read ...", exit
+    2) beside readable inputs, and alone was called "no such file or directory". It is now an
+    input like a missing file: the others run, and its own error says why."""
+    import pathlib
+
+    from polyaccel.asr import cli, manifest
+
+    ok = tmp_path / "ok.wav"
+    ok.write_bytes(b"RIFF")
+    locked = str(tmp_path / "locked" / "x.wav")
+    real_is_dir, real_lstat = pathlib.Path.is_dir, os.lstat
+
+    def is_dir(self, *a, **k):
+        if str(self) == locked:
+            raise PermissionError(13, "Permission denied", locked)
+        return real_is_dir(self, *a, **k)
+
+    def lstat(path, *a, **k):
+        if os.fspath(path) == locked:
+            raise PermissionError(13, "Permission denied", locked)
+        return real_lstat(path, *a, **k)
+
+    def stat(self, *a, **k):
+        if str(self) == locked:
+            raise PermissionError(13, "Permission denied", locked)
+        return real_stat(self, *a, **k)
+
+    real_stat = pathlib.Path.stat
+    monkeypatch.setattr(pathlib.Path, "is_dir", is_dir)
+    monkeypatch.setattr(pathlib.Path, "stat", stat)
+    monkeypatch.setattr(os, "lstat", lstat)
+    from polyaccel.asr.audio import AudioError, load_audio
+
+    with pytest.raises(AudioError, match="permission denied: a folder on its path may not be entered"):
+        load_audio(locked)
+    assert [it.path for it in manifest.expand_inputs([str(ok), locked])] == [str(ok), locked]
+    assert [it.path for it in cli._gather([locked])] == [locked]  # not "no such file or directory"
+    with pytest.raises(cli.UsageError, match="no such file or directory"):
+        cli._gather([str(tmp_path / "missing.wav")])

@@ -99,10 +99,14 @@ def _soundfile():
 def _checked_path(path: str | os.PathLike, raw: RawFormat | None) -> tuple[Path, RawFormat | None]:
     """The path, after the checks a decoder would report badly, and its raw format (if any)."""
     path = Path(path)
-    if not path.exists():
+    try:
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
         if path.is_symlink():  # the same words in the log and in the results line
-            raise AudioError(f"broken symbolic link (to {os.readlink(path)})")
-        raise AudioError("missing file")
+            raise AudioError(f"broken symbolic link (to {os.readlink(path)})") from None
+        raise AudioError("missing file") from None
+    except PermissionError:  # stat needs no permission on the file itself, only on its folders
+        raise AudioError("permission denied: a folder on its path may not be entered") from None
     if path.is_dir():
         raise AudioError("is a directory, not an audio file")
     st = path.stat()  # never open(): opening a FIFO blocks until something writes to it

@@ -646,6 +646,18 @@ def _transcriber(args: argparse.Namespace, batch_size: int | None = None) -> Any
         raise _usage_error(e) from None
 
 
+def _may_exist(spec: str) -> bool:
+    """False only when nothing is at ``spec``; a path we may not look at (inside a folder we
+    may not enter) may exist: it becomes a per-file error saying so, not "no such file"."""
+    try:
+        os.lstat(spec)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def _gather(specs: Sequence[str]) -> list[Any]:
     from polyaccel.asr.manifest import expand_inputs
 
@@ -654,7 +666,7 @@ def _gather(specs: Sequence[str]) -> list[Any]:
             raise UsageError("an input is an empty name (an unset shell variable?)")
         if spec.endswith(("/", os.sep)) and not os.path.isdir(spec):
             raise UsageError(f"no such directory: {spec}")
-    if specs and not any(os.path.lexists(spec) for spec in specs):
+    if specs and not any(_may_exist(spec) for spec in specs):
         # Every input mistyped: nothing to do, nothing written (one missing file among others
         # is a per-file error instead, so the rest still run).
         raise UsageError(f"no such file or directory: {' '.join(specs)}")
