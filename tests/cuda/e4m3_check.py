@@ -31,7 +31,9 @@ def check_rows_to_fp8(kernel, x: torch.Tensor, prologue: str, *, exact: bool, ma
     err, err_ref = (float((v.float() * s - exact_rows).norm() / exact_rows.norm().clamp(min=1e-30))
                     for v, s in ((q, scale), (q_ref, scale_ref)))
     assert err <= 1.02 * err_ref + 1e-7, f"rows stand for values {err:.4f} off, the reference's {err_ref:.4f}"
-    moved = q.view(torch.uint8) != q_ref.view(torch.uint8)
+    # bits, except that a tiny value may round to +0 on one side and -0 on the other: one value
+    zero = (q.float() == 0) & (q_ref.float() == 0)
+    moved = (q.view(torch.uint8) != q_ref.view(torch.uint8)) & ~zero
     if exact:
         assert not moved.any(), f"{int(moved.sum())} values differ from the reference"
     gap = (q.float() - q_ref.float()).abs()

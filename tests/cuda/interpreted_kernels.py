@@ -344,7 +344,7 @@ def check_rows_to_fp8():
 
 
 def main() -> None:
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = int(os.environ.get("POLYACCEL_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))  # a failed run: rerun its seed
     torch.manual_seed(seed)
     print(f"seed {seed}")
     check_fwd_bwd("rms_norm fp32", triton_rmsnorm.rms_norm, ops.rms_norm.reference,

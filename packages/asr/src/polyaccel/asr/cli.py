@@ -120,7 +120,7 @@ transcriber's metrics and the number of failed items. Unreadable inputs are skip
 message.
 
 exit status: 0 done, 1 standard output could not be written, 2 a usage error (no readable
-audio, bad --batch-sizes, --batch-size given, an unknown model or backend)."""
+audio, bad --batch-sizes or one size asked for outside it, an unknown model or backend)."""
 
 COMPILE_HELP = """\
 Loads the model and compiles every (graph, shape bucket) for the backend ahead of time, so a
