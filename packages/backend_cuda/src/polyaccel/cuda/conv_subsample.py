@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from polyaccel.core.ops import conv2d_subsample as core_op
+from polyaccel.core.ops import zero_frames_past
 from polyaccel.cuda._triton import triton_kernels, use_triton
 
 BLOCK = 2048
@@ -60,13 +62,10 @@ def conv2d_subsample(x: torch.Tensor, weights: list[torch.Tensor], biases: list[
     channels-last [B, Cout, T', F'] tensor), ReLU and the next layer's length mask in one
     pass. Without ``lengths`` each ReLU runs in place."""
     if not use_triton(x) or x.dim() != 4:
-        from polyaccel.core.ops import conv2d_subsample as core_op
-
         return core_op.reference(x, weights, biases, stride, lengths)
     if lengths is not None:
         lengths = lengths.to(device=x.device, dtype=torch.int64)
-        valid = torch.arange(x.shape[2], device=x.device)[None, :] < lengths[:, None]
-        x = x * valid[:, None, :, None].to(x.dtype)
+        x = zero_frames_past(x, lengths)
     x = x.contiguous(memory_format=torch.channels_last)
     last = len(weights) - 1
     for i, (w, b) in enumerate(zip(weights, biases, strict=True)):

@@ -255,6 +255,13 @@ def depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.conv1d(x, w, bias, padding=pad, groups=x.shape[1])
 
 
+def zero_frames_past(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, C, T, F] with the frames ``t >= lengths[b]`` of each row zeroed (a new tensor,
+    in ``x``'s dtype): how ``conv2d_subsample`` clears each layer's input."""
+    valid = torch.arange(x.shape[2], device=x.device)[None, :] < lengths.to(x.device)[:, None]
+    return x * valid[:, None, :, None].to(x.dtype)
+
+
 @registry.define
 def conv2d_subsample(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
                      stride: int = 2, lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -268,8 +275,7 @@ def conv2d_subsample(x: torch.Tensor, weights: list[torch.Tensor], biases: list[
     """
     for w, b in zip(weights, biases, strict=True):
         if lengths is not None:
-            valid = torch.arange(x.shape[2], device=x.device)[None, :] < lengths.to(x.device)[:, None]
-            x = x * valid[:, None, :, None].to(x.dtype)
+            x = zero_frames_past(x, lengths)
             lengths = (lengths + stride - 1) // stride
         x = F.relu(F.conv2d(x, w, b, stride=stride, padding=w.shape[-1] // 2))
     return x

@@ -102,6 +102,8 @@ def conv2d_subsample(x, weights, biases, stride=2, lengths=None, impl=None):
     one kernel call per layer (3 layers -> x8), each layer's input zeroed past ``lengths``."""
     import torch
 
+    from polyaccel.core.ops import zero_frames_past
+
     if stride != 2:
         raise ValueError(f"the NKI conv2d_subsample kernel is stride 2 only, got {stride}")
     for w, bias in zip(weights, biases, strict=True):
@@ -113,8 +115,7 @@ def conv2d_subsample(x, weights, biases, stride=2, lengths=None, impl=None):
             bias = torch.zeros(cout, dtype=w.dtype, device=w.device)
         b = bias.reshape(cout, 1).to(w.dtype)
         if lengths is not None:
-            valid = torch.arange(x.shape[2], device=x.device)[None, :] < lengths.to(x.device)[:, None]
-            x = x * valid[:, None, :, None].to(x.dtype)
+            x = zero_frames_past(x, lengths)
             lengths = (lengths + 1) // 2
         x = conv2d_subsample_kernel(x.contiguous(), w_k, b.contiguous(), impl=impl)
     return x
