@@ -13,6 +13,7 @@ one is filled.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -83,20 +84,15 @@ def pack(clips: Sequence[np.ndarray], out: np.ndarray, *, sent: Callable[[int, i
         out[d:d + b - a] = clips[i][a:b]
 
     pool = _pool() if total > piece else None
-    group: list[tuple[int, int, int, int]] = []
-    for task in [*_pieces([c.shape[0] for c in clips], piece), None]:
-        if group and (task is None or task[0] // chunk != group[0][0] // chunk):
-            if pool is not None and len(group) > 1:
-                list(pool.map(copy, group))
-            else:
-                for t in group:
-                    copy(t)
-            if sent is not None:
-                start = group[0][0] // chunk * chunk
-                sent(start, min(start + chunk, total))
-            group = []
-        if task is not None:
-            group.append(task)
+    for k, tasks in itertools.groupby(_pieces([c.shape[0] for c in clips], piece), key=lambda t: t[0] // chunk):
+        group = list(tasks)
+        if pool is not None and len(group) > 1:
+            list(pool.map(copy, group))
+        else:
+            for t in group:
+                copy(t)
+        if sent is not None:
+            sent(k * chunk, min((k + 1) * chunk, total))
     return total
 
 
