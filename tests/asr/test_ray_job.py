@@ -307,3 +307,67 @@ def test_a_node_killed_mid_job_loses_and_repeats_nothing(tmp_path: Path) -> None
     for r in recs:
         by_clip.setdefault(Path(r["path"]).name[3:], set()).add(r["text"])
     assert all(len(texts) == 1 for texts in by_clip.values()), "a clip's copies read alike"
+
+
+def test_a_model_missing_here_is_refused_before_a_cluster_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capfd: pytest.CaptureFixture) -> None:
+    """``--ray --model <typo>`` started a cluster whose actors died loading it: a 150-line Ray
+    traceback, exit 1. The model is resolved here first (the actors read the inputs' paths here
+    too): one line, exit 2, no cluster, nothing written."""
+    from polyaccel.core import ray_local
+
+    started = []
+    monkeypatch.setattr(ray_local, "init_local", lambda *a, **k: started.append(a))
+    wav = tmp_path / "a.wav"
+    wav.write_bytes(b"RIFF")
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["transcribe", str(wav), "-o", str(out), "--ray", "--model", str(tmp_path / "nomodel"),
+                     "-q"]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith("polyaccel-asr transcribe: error: ") and err.count("\n") == 1, err
+    assert "is not installed here" in err
+    assert not started and not out.exists()
+
+
+def test_actors_that_cannot_load_the_model_are_a_usage_error_in_one_line(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    """A model that resolves but does not load on the cluster: the job's actors die as they
+    start. The CLI ends with the actor's own error in one line, exit 2, nothing written."""
+    from polyaccel.asr import ray_job
+
+    def fake_job(items, opts):
+        raise ray_job.ActorsFailed("the Ray actors could not start: " + ray_job._actor_init_error(
+            "The actor died because of an error raised in its creation task\n  File \"x.py\", line 1\n"
+            "polyaccel.asr.weights.ModelNotInstalled: 'm' is not installed here\n"))
+        yield  # a generator, as the real one
+
+    monkeypatch.setattr(ray_job, "import_ray", lambda: None)
+    monkeypatch.setattr(ray_job, "transcribe_with_ray", fake_job)
+    wav = tmp_path / "a.wav"
+    wav.write_bytes(b"RIFF")
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["transcribe", str(wav), "-o", str(out), "--ray", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("polyaccel-asr transcribe: error: the Ray actors could not start: "
+                   "ModelNotInstalled: 'm' is not installed here\n"), err
+    assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_model_that_does_not_load_on_the_actors_ends_the_job_in_one_line(tmp_path: Path,
+                                                                           capfd: pytest.CaptureFixture) -> None:
+    """On a real local cluster: weights that resolve but cannot be read kill every actor in its
+    constructor; the driver gets Ray's ActorDiedError, which was a traceback (exit 1)."""
+    pytest.importorskip("ray")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "whisper"}))
+    (model / "model.safetensors").write_bytes(b"garbage")
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["transcribe", _two_clips()[0], "-o", str(out), "--ray", "--backend", "cpu",
+                     "--model", str(model), "-q"]) == 2
+    last = capfd.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("polyaccel-asr transcribe: error: the Ray actors could not start: "), last
+    assert not out.exists()

@@ -397,7 +397,7 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[st
     --overwrite truncates, the file) opens only when the first record is in hand, so a model or
     backend that fails to load leaves the file as it was; so does a resume whose ``kept`` records
     were made another way (another model, timestamps on or off, ...): a usage error."""
-    from polyaccel.asr.ray_job import RowsLost  # (no Ray needed to import it)
+    from polyaccel.asr.ray_job import ActorsFailed, RowsLost  # (no Ray needed to import it)
     from polyaccel.asr.results_file import ResultsWriter
 
     c = _Counts()
@@ -433,6 +433,10 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[st
     except OSError as e:
         c.stopped = f"cannot write {args.output}: {e.strerror or e}"
     except RowsLost as e:  # what came back is written; the rerun does the rest
+        c.stopped = str(e)
+    except ActorsFailed as e:  # the model does not load on the cluster: a usage error if nothing came back
+        if writer is None:
+            raise UsageError(str(e)) from None
         c.stopped = str(e)
     finally:
         if bar is not None:
@@ -608,6 +612,12 @@ def _results(todo: list[Any], args: argparse.Namespace) -> Iterator[dict[str, An
             from polyaccel.core.plugins import unknown_backend_message
 
             raise UsageError(unknown_backend_message(args.backend, backends()))
+        from polyaccel.asr.weights import resolve
+
+        try:  # here, before a cluster starts: the actors read the inputs' paths here too
+            resolve(args.model)
+        except (KeyError, ValueError, OSError) as e:
+            raise _usage_error(e) from None
         opts = RayJobOptions(model=args.model, backend=args.backend, replicas=args.replicas,
                              batch_size=args.batch_size, dtype=args.dtype, overlap_s=args.overlap,
                              address=args.address, num_actors=args.num_actors, timestamps=args.timestamps)

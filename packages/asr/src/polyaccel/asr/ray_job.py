@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -134,6 +135,19 @@ class RowsLost(RuntimeError):
     """A Ray job ended without returning every row (the rows it did return were yielded)."""
 
 
+class ActorsFailed(RuntimeError):
+    """The job's actors could not start (a model that does not load on the cluster); the message
+    is the actor's own error, in one line."""
+
+
+def _actor_init_error(error_msg: str) -> str:
+    """The last line of an actor's creation traceback, without the exception's module path
+    (``polyaccel.asr.weights.ModelNotInstalled: ...`` -> ``ModelNotInstalled: ...``)."""
+    lines = [x for x in error_msg.strip().splitlines() if x.strip()]
+    last = lines[-1].strip() if lines else "the actor died while it started"
+    return re.sub(r"^(?:\w+\.)+(?=\w+: )", "", last)
+
+
 def exactly_once_indexed(batches: Iterable[dict[str, Any]], n: int) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(row, record)`` for each of rows ``0..n-1`` once, in input order, from ``{"idx", "record"}``
     batches.
@@ -237,7 +251,12 @@ def transcribe_with_ray(items: Sequence[InputItem], opts: RayJobOptions) -> Iter
         ds = ds.map_batches(TranscribeActor, fn_constructor_kwargs={"opts": opts, "backend": backend},
                             batch_size=per_call, batch_format="numpy",
                             compute=ray.data.ActorPoolStrategy(size=actors), **resources)
-        yield from records_of(ds.iter_batches(batch_size=None, batch_format="numpy"), items)
+        try:
+            yield from records_of(ds.iter_batches(batch_size=None, batch_format="numpy"), items)
+        except ray.exceptions.RayActorError as e:
+            if not getattr(e, "actor_init_failed", False):
+                raise
+            raise ActorsFailed(f"the Ray actors could not start: {_actor_init_error(e.error_msg)}") from None
     finally:
         ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
         if started_here:
