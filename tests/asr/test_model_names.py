@@ -177,11 +177,14 @@ def test_weights_hash_is_cached_by_path_size_and_mtime(tmp_path: Path) -> None:
     st = os.stat(model / "model.safetensors")
     os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert weights.weights_sha256(model, cache=cache_root) == hashlib.sha256(b"B" * 1000).hexdigest()
-    # two shards: one hash over sha256sum-style lines, in file-name order
+    # two shards (the files the index names): one hash over sha256sum-style lines, in file-name order
+    (model / "model.safetensors").rename(model / "model-00001.safetensors")
     (model / "model-00002.safetensors").write_bytes(b"C")
+    (model / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00002.safetensors", "b": "model-00001.safetensors"}}))
     combined = weights.weights_sha256(model, cache=cache_root)
     lines = "".join(f"{hashlib.sha256(d).hexdigest()}  {n}\n"
-                    for n, d in [("model-00002.safetensors", b"C"), ("model.safetensors", b"B" * 1000)])
+                    for n, d in [("model-00001.safetensors", b"B" * 1000), ("model-00002.safetensors", b"C")])
     assert combined == hashlib.sha256(lines.encode()).hexdigest()
 
 

@@ -72,3 +72,21 @@ def test_an_index_naming_a_file_outside_the_folder_is_refused(tmp_path: Path, sh
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: shard for k in state}}))
     with pytest.raises(ValueError, match="not a file in"):
         WhisperASR.from_pretrained(folder)
+
+
+def test_the_recorded_weights_sha256_is_of_the_files_loaded_not_a_backup_beside_them(tmp_path: Path) -> None:
+    """Each results line's weights_sha256 hashed every ``*.safetensors`` in the folder, also the
+    backup the loader ignores: the line named weights it was not made with, and copying a backup
+    in made a resume refuse the folder's earlier results as made by other weights."""
+    import hashlib
+
+    from polyaccel.asr.weights import weights_identity, weights_sha256
+
+    folder, state = _folder(tmp_path)
+    cache = tmp_path / "cache"
+    before = weights_sha256(folder, cache=cache)
+    assert before == hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    identity = weights_identity(folder)
+    save_file(_zeros(state), str(folder / "model.fp32.safetensors"))
+    assert weights_sha256(folder, cache=cache) == before
+    assert weights_identity(folder) == identity

@@ -407,9 +407,11 @@ def _write_index(path: Path, index: dict) -> None:
 
 
 def weights_sha256(path: Path, *, cache: str | os.PathLike | None = None) -> str:
-    """One sha256 for a model directory's weights: the file's own for a single file, else the
-    sha256 of ``sha256sum``-style lines (``<sha256>  <name>``) over :func:`weight_files`."""
-    files = weight_files(path)
+    """One sha256 for the weights a model directory is loaded from (:func:`loaded_weight_files`:
+    a backup ``*.safetensors`` beside ``model.safetensors`` is not loaded, so not hashed): the
+    file's own for a single file, else the sha256 of ``sha256sum``-style lines
+    (``<sha256>  <name>``) over them."""
+    files = loaded_weight_files(path)
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weights")
     sums = [(file_sha256(f, cache=cache), f.name) for f in files]
@@ -422,7 +424,7 @@ def weights_identity(path: Path) -> list[tuple]:
     """(real path, inode, size, mtime_ns) of each weight file: equal before and after a load
     means the load and the hash saw the same files (a new conversion is renamed in whole)."""
     out = []
-    for f in weight_files(path):
+    for f in loaded_weight_files(path):
         st = os.stat(f)
         out.append((os.path.realpath(f), st.st_ino, st.st_size, st.st_mtime_ns))
     return out
