@@ -245,6 +245,9 @@ def load_tokenizer(path: str | None):
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot load a tokenizer from {path}: {e}") from e
+    except Exception as e:  # a damaged file: tokenizers' bare Exception, KeyError, TypeError... from its parsing
+        raise ConfigError(f"cannot load a tokenizer from {path}: {type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:300]}") from e
 
 
 def _encode(tokenizer, text: str) -> list[int]:
