@@ -225,3 +225,20 @@ def test_export_rerun_is_up_to_date_and_a_run_that_writes_nothing_leaves_no_fold
     deep = tmp_path / "new" / "srt"
     assert cli.main(["export", str(out), "-f", "srt", "-d", str(deep), "-q"]) == 3  # no segments
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("fmt", ["txt", "srt", "vtt"])
+def test_export_of_text_holding_a_lone_surrogate_writes_every_file(tmp_path: Path, fmt: str,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """A results line whose text holds a ``\\udXXX`` escape (a lone surrogate, which a results file
+    can hold: its writer escapes them) stopped export with a UnicodeEncodeError traceback, the
+    other inputs not exported. It is written as U+FFFD and the rest go on."""
+    seg = [{"start": 0.0, "end": 1.0, "text": "hi \udc80"}]
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(json.dumps({"path": f"{n}.wav", "text": t, "duration_s": 1.0, "error": None,
+                                       "segments": seg}) + "\n" for n, t in (("a", "hi \ud800"), ("b", "fine"))))
+    subs = tmp_path / "subs"
+    assert cli.main(["export", str(out), "-f", fmt, "-d", str(subs), "-q"]) == 0
+    assert "hi \ufffd" in (subs / f"a.{fmt}").read_text(encoding="utf-8")
+    assert (subs / f"b.{fmt}").is_file()
+    assert cli.main(["export", str(out), "-f", fmt, "-d", str(subs), "-q"]) == 0  # a rerun: up to date

@@ -77,15 +77,20 @@ def to_vtt(segments: Sequence[dict[str, Any]]) -> str:
                                   for a, b, t in _cues(segments))
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def render(record: dict[str, Any], fmt: str) -> str:
-    """The file for one record; ValueError if it cannot be made (no segments for srt/vtt)."""
+    """The file for one record; ValueError if it cannot be made (no segments for srt/vtt). A lone
+    surrogate in the text (a ``\\udXXX`` escape in the JSON), which UTF-8 cannot hold, is
+    written as U+FFFD."""
     if fmt == "txt":
-        return str(record.get("text", "")).strip() + "\n"
+        return _SURROGATE.sub("\ufffd", str(record.get("text", "")).strip() + "\n")
     segments = record.get("segments")
     if not isinstance(segments, list):
         raise ValueError("no segments in the record (transcribe with --timestamps, into a new -o or with --overwrite)")
     try:
-        return to_srt(segments) if fmt == "srt" else to_vtt(segments)
+        return _SURROGATE.sub("\ufffd", to_srt(segments) if fmt == "srt" else to_vtt(segments))
     except (TypeError, KeyError, AttributeError, ValueError, OverflowError):
         raise ValueError("malformed segments in the record (each needs a finite start and end)") from None
 
