@@ -2,7 +2,9 @@
 (no traceback): a tokenizer whose files parse but are not what Transformers or tokenizers
 expect (raised as KeyError, TypeError, AttributeError or tokenizers' bare Exception, which
 only ``output_dir``'s tokenizer check caught: with data to tokenize and no output_dir the run
-died with a traceback, exit 1)."""
+died with a traceback, exit 1); and a ``step_N`` in ``checkpoint.dir`` that is a link to a
+checkpoint kept elsewhere, which ``checkpoint.keep_last`` pruned by deleting the files of the
+folder it points to (all but its manifest), outside ``checkpoint.dir``."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from polyaccel.moe import checkpoint as ckpt
 from polyaccel.moe.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,3 +38,18 @@ def test_a_damaged_tokenizer_for_the_data_is_one_line_and_exit_2(tmp_path, with_
     assert code == 2, err
     assert f"polyaccel-moe: error: cannot load a tokenizer from {base}: " in err
     assert "Traceback" not in err and not (tmp_path / "ck").exists()
+
+
+def test_pruning_a_linked_checkpoint_removes_the_link_never_the_files_it_points_to(tmp_path):
+    root, kept = tmp_path / "ck", tmp_path / "archive" / "step_00000001"
+    for d, step in ((kept, 1), (ckpt.step_dir(root, 2), 2), (ckpt.step_dir(root, 3), 3)):
+        d.mkdir(parents=True)
+        for name in ("config.json", "model.safetensors", ckpt.TRAINER_STATE):
+            (d / name).write_bytes(name.encode() * step)
+        ckpt.write_manifest(d, step)
+    ckpt.step_dir(root, 1).symlink_to(kept, target_is_directory=True)
+    before = sorted(p.name for p in kept.iterdir())
+    ckpt._prune(root, ckpt.step_dir(root, 3), keep_last=1)
+    assert sorted(p.name for p in kept.iterdir()) == before, "the archived checkpoint lost its files"
+    assert ckpt.verify_checkpoint(kept) is None
+    assert [p.name for p in root.iterdir()] == ["step_00000003"]

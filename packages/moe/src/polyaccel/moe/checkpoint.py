@@ -470,7 +470,11 @@ def _remove_checkpoint(path: Path) -> None:
     removal leaves a ``step_N`` that still has its manifest (resume skips it: files are missing;
     the next prune removes it), never one holding its trainer state without its manifest (that
     passed for a checkpoint written before manifests, and pruning, which counts checkpoints by
-    their manifest, never removed it again)."""
+    their manifest, never removed it again). A ``step_N`` that is a link (a checkpoint kept
+    elsewhere) loses only the link: what it points to is outside ``checkpoint.dir``."""
+    if path.is_symlink():
+        path.unlink()
+        return
     for entry in sorted(path.iterdir(), key=lambda p: p.name == TRAINER_STATE, reverse=True):
         if entry.name == MANIFEST:
             continue
