@@ -151,6 +151,27 @@ def test_a_nul_in_a_manifest_or_results_path_is_a_usage_error(fake: None, tmp_pa
         assert cli.main(["wer", "--refs", str(manifest), "--hyps", str(res)]) == 2
 
 
+def test_a_lone_surrogate_in_a_manifest_or_results_path_is_a_usage_error(fake: None, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    """A ``\\ud800`` escape in a JSON path stands for no byte, so no file has that name (``\\udc80``
+    to ``\\udcff`` are a non-UTF-8 name's bytes and stay file names): a manifest line with one
+    crashed the run with a UnicodeEncodeError traceback, a results line with one crashed export."""
+    sf.write(tmp_path / "a.wav", _tone(0.1), SR)
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"audio_filepath": "a\ud800.wav"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["transcribe", str(manifest), "-o", str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "bad manifest" in err and "lone surrogate" in err and not out.exists()
+    res = tmp_path / "res.jsonl"
+    res.write_text(json.dumps({"path": "x\ud800y.wav", "text": "t", "duration_s": 1.0, "error": None}) + "\n")
+    assert cli.main(["export", str(res), "-f", "txt", "-d", str(tmp_path / "subs")]) == 2
+    assert "not a polyaccel-asr results file" in capsys.readouterr().err
+    manifest.write_text(json.dumps({"audio_filepath": "a\udce9.wav"}) + "\n")  # the byte 0xe9: a file name
+    assert cli.main(["transcribe", str(manifest), "-o", str(out), "-q"]) == 3  # missing file: its own error
+    assert [r["error"] for r in (json.loads(x) for x in out.read_text().splitlines())] == ["missing file"]
+
+
 # ---- many channels ----------------------------------------------------------------------------------------
 
 

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from polyaccel.asr.audio import AUDIO_EXTENSIONS
-from polyaccel.asr.results_file import ResultsWriter, load_results, path_key
+from polyaccel.asr.results_file import ResultsWriter, file_name_problem, load_results, path_key
 
 __all__ = ["InputItem", "ResultsWriter", "attach_refs", "expand_inputs", "load_results", "read_manifest",
            "read_refs"]
@@ -103,8 +103,8 @@ def read_manifest(path: str | os.PathLike) -> list[InputItem]:
             raise ValueError(f"{path}:{lineno}: no 'audio_filepath' or 'path' field")
         if not isinstance(audio, str):
             raise ValueError(f"{path}:{lineno}: the audio path must be a string, got {audio!r}")
-        if "\x00" in audio:
-            raise ValueError(f"{path}:{lineno}: the audio path {audio!r} holds a NUL character")
+        if problem := file_name_problem(audio):
+            raise ValueError(f"{path}:{lineno}: the audio path {audio!r} {problem}")
         text = rec.get("text")
         if text is not None and not isinstance(text, str):
             raise ValueError(f"{path}:{lineno}: 'text' must be a string, got {text!r}")

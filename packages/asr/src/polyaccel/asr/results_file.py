@@ -48,6 +48,19 @@ def path_key(path: str) -> str:
     return os.path.join(os.path.realpath(head), tail)
 
 
+def file_name_problem(path: str) -> str | None:
+    """Why no file can have ``path`` as its name (None if one can): a NUL character, or a lone
+    surrogate that stands for no byte (a JSON ``\\ud800`` escape; ``\\udc80``-``\\udcff`` are the
+    bytes of a name that is not UTF-8, as Python holds them). Every file call would raise on it."""
+    if "\x00" in path:
+        return "holds a NUL character"
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:
+        return "holds a lone surrogate that is no byte of a file name"
+    return None
+
+
 def printable(text: object) -> str:
     """``text`` (a path, or a message quoting one) safe on one line of a terminal: undecodable
     bytes as ``\\xNN`` (as in a record's ``path``), control and other unprintable characters
@@ -120,13 +133,14 @@ def _lines(f: Any) -> Iterator[tuple[int, bytes | None, bool]]:
 
 def _parse(line: bytes, fields: tuple[str, ...]) -> dict[str, Any] | None:
     """The record on ``line`` if it is an object with ``fields`` and a string path that a file
-    can have (no NUL: no run writes one, and every file call would raise on it), else None."""
+    can have (:func:`file_name_problem`: no run writes one, and every file call would raise on
+    it), else None."""
     try:
         rec = json.loads(line)
     except (ValueError, RecursionError):  # also invalid UTF-8, or nested deeper than json parses
         return None
     if isinstance(rec, dict) and all(k in rec for k in fields) and isinstance(rec.get("path"), str):
-        return rec if "\x00" not in record_path(rec) else None
+        return rec if file_name_problem(record_path(rec)) is None else None
     return None
 
 
