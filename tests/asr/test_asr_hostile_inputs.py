@@ -172,6 +172,20 @@ def test_a_lone_surrogate_in_a_manifest_or_results_path_is_a_usage_error(fake: N
     assert [r["error"] for r in (json.loads(x) for x in out.read_text().splitlines())] == ["missing file"]
 
 
+def test_an_input_whose_name_is_too_long_is_that_inputs_error_not_the_runs(fake: None, tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    """A name longer than the file system allows (ENAMETOOLONG) beside a good input stopped the
+    whole run before anything was transcribed ("cannot read ...: File name too long", exit 2);
+    it is that input's error, and the good one is transcribed."""
+    sf.write(tmp_path / "a.wav", _tone(0.1), SR)
+    long_name = str(tmp_path / ("x" * 300 + ".wav"))
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["transcribe", str(tmp_path / "a.wav"), long_name, "-o", str(out), "-q"]) == 1
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["path"], r["error"]) for r in recs] == [(str(tmp_path / "a.wav"), None),
+                                                       (long_name, "cannot read it: File name too long")]
+
+
 # ---- many channels ----------------------------------------------------------------------------------------
 
 

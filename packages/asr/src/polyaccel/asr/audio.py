@@ -107,6 +107,8 @@ def _checked_path(path: str | os.PathLike, raw: RawFormat | None) -> tuple[Path,
         raise AudioError("missing file") from None
     except PermissionError:  # stat needs no permission on the file itself, only on its folders
         raise AudioError("permission denied: a folder on its path may not be entered") from None
+    except OSError as e:  # a name too long (ENAMETOOLONG), an I/O error
+        raise AudioError(f"cannot read it: {e.strerror or e}") from None
     if path.is_dir():
         raise AudioError("is a directory, not an audio file")
     st = path.stat()  # never open(): opening a FIFO blocks until something writes to it

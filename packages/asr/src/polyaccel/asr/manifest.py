@@ -49,7 +49,7 @@ def expand_inputs(specs: Iterable[str | os.PathLike]) -> list[InputItem]:
     FIFO, a socket, a device) as per-file errors instead of skipping them silently; a ``.jsonl``
     file is read as a manifest (relative paths resolved against the manifest's folder); anything
     else is taken as an audio path, even if missing, so the job reports it as a per-file error.
-    A path inside a folder that may not be entered is taken as an audio path too. A file named twice
+    A path inside a folder that may not be entered (or too long a name) is taken as an audio path too. A file named twice
     (by any spelling: relative, absolute, through a symlinked folder) is kept once. A folder
     that cannot be listed (no permission) raises OSError instead of being skipped silently.
     """
@@ -60,7 +60,7 @@ def expand_inputs(specs: Iterable[str | os.PathLike]) -> list[InputItem]:
         try:
             is_dir = p.is_dir()
             is_manifest = not is_dir and p.suffix.lower() in MANIFEST_EXTENSIONS and p.is_file()
-        except PermissionError:  # inside a folder we may not enter: an error of this input alone
+        except OSError:  # inside a folder we may not enter, a name too long: an error of this input alone
             is_dir = is_manifest = False
         if is_dir:
             found = [InputItem(str(f)) for f in sorted(_files_under(p)) if f.suffix.lower() in AUDIO_EXTENSIONS]
