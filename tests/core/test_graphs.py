@@ -61,3 +61,35 @@ def test_graph_cache_refuses_other_buffers_for_a_compiled_graph():
     fresh.get("inc", {"batch": 2})
     with pytest.raises(RuntimeError, match="compiled over other input tensors"):
         fresh.get("inc", {"batch": 2}, example_inputs=[mine])
+
+
+def test_a_failed_cuda_capture_closes_the_generator_capture_then_raises_its_own_error(monkeypatch) -> None:
+    """The control flow of ``cuda_graph_capture`` (the GPU test in tests/cuda/test_failed_capture.py
+    shows the generator usable after a real failed capture): the repair runs after a failure
+    only, and a repair that fails itself never hides the capture's error."""
+    import contextlib
+
+    from polyaccel.core import graphs
+
+    repairs: list[int] = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, capture_error_mode="global"):  # noqa: ANN001, ANN202
+        yield
+
+    monkeypatch.setattr(graphs.torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(graphs.torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(graphs, "_close_generator_capture", repairs.append)
+    with graphs.cuda_graph_capture(object()):
+        pass
+    assert repairs == []
+    with pytest.raises(ValueError, match="capture refused"), graphs.cuda_graph_capture(object()):
+        raise ValueError("capture refused")
+    assert repairs == [3]
+
+    def repair_fails(device: int) -> None:
+        raise RuntimeError("repair failed too")
+
+    monkeypatch.setattr(graphs, "_close_generator_capture", repair_fails)
+    with pytest.raises(ValueError, match="capture refused"), graphs.cuda_graph_capture(object()):
+        raise ValueError("capture refused")

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from polyaccel.core.graphs import cuda_graph_capture
+
 
 class CaptureGate:
     """Replicas' GPU work (shared) against graph captures (exclusive), in one process.
@@ -118,7 +120,7 @@ class CudaGraphRunner:
                     fn(*self.static_inputs)
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            with cuda_graph_capture(self.graph, pool=pool, capture_error_mode="thread_local"):
                 self.static_outputs = fn(*self.static_inputs)
             torch.cuda.current_stream().wait_stream(stream)
 

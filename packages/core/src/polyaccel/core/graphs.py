@@ -10,14 +10,18 @@ replays it. Buckets are data (``ShapeBuckets``), not code.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
+import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from polyaccel.core.backend import Backend
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -130,3 +134,42 @@ class GraphCache:
 
     def __len__(self) -> int:
         return len(self._compiled)
+
+
+@contextlib.contextmanager
+def cuda_graph_capture(graph: torch.cuda.CUDAGraph, *, pool: Any = None,
+                       capture_error_mode: str = "global") -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=..., capture_error_mode=...)`` that leaves the process's
+    CUDA random generator usable when the capture fails.
+
+    A capture that fails (an op that synchronizes, an allocation the capture refuses) ends
+    without torch closing the default generator's capture: it stays marked as capturing, and
+    from then on every random op on that device and every replay of any other graph raises
+    "Offset increment outside graph capture encountered unexpectedly". Callers that catch the
+    failure and run eagerly instead would fail later, somewhere else. Here, a failed capture
+    is followed by a one-op capture that closes the generator's capture state; then the
+    original error propagates.
+    """
+    device = torch.cuda.current_device()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+            yield
+    except BaseException:
+        try:
+            _close_generator_capture(device)
+        except Exception as repair_error:  # the capture's own error is the one to report
+            logger.warning("could not close the CUDA generator's capture state after a failed "
+                           "capture: %s", repair_error)
+        raise
+
+
+def _close_generator_capture(device: int) -> None:
+    """Capture and drop a one-op graph on ``device``: ending a capture marks the default
+    generator as no longer capturing."""
+    scratch = torch.zeros(1, device=f"cuda:{device}")
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        repair = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(repair):
+            scratch.add_(1)
+    del repair

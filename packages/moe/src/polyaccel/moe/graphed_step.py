@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from polyaccel.core.graphs import cuda_graph_capture
 from polyaccel.moe.grouped_linear import (
     defers,
     flush_wgrad,
@@ -249,7 +250,7 @@ class GraphedMicroStep:
         kind.inputs = {name: t.clone() for name, t in batch.items()}
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with cuda_graph_capture(graph, pool=self._pool):
             kind.loss = self._forward_backward(kind.inputs, key)
         self._pool = self._pool if self._pool is not None else graph.pool()
         kind.kept = kept_wgrad()
