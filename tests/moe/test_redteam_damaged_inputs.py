@@ -4,7 +4,11 @@ expect (raised as KeyError, TypeError, AttributeError or tokenizers' bare Except
 only ``output_dir``'s tokenizer check caught: with data to tokenize and no output_dir the run
 died with a traceback, exit 1); and a ``step_N`` in ``checkpoint.dir`` that is a link to a
 checkpoint kept elsewhere, which ``checkpoint.keep_last`` pruned by deleting the files of the
-folder it points to (all but its manifest), outside ``checkpoint.dir``."""
+folder it points to (all but its manifest), outside ``checkpoint.dir``. LoRA runs: a
+``lora.target_modules`` naming no module (a typo) or a module PEFT cannot adapt, and a
+checkpoint's adapter files that cannot be loaded (one resumed unverified, without a manifest),
+were PEFT tracebacks (exit 1); adapters on ``lm_head`` with the fused loss (the default) were
+never trained, silently beside other targets, a backward error alone."""
 
 from __future__ import annotations
 
@@ -18,6 +22,13 @@ from polyaccel.moe.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "packages/moe/examples/tiny_synthetic_cpu.yaml"
+LORA = REPO / "packages/moe/examples/lora_tiny_cpu.yaml"
+
+
+def _lora(tmp_path: Path, *sets: str) -> int:
+    sets = ("log.progress_bar=false", "train.max_steps=1", "train.grad_accum=1", "checkpoint.every_steps=1",
+            f"checkpoint.dir={tmp_path / 'ck'}", f"output_dir={tmp_path / 'out'}", *sets)
+    return main(["finetune", str(LORA), *[a for s in sets for a in ("--set", s)]])
 
 
 @pytest.mark.parametrize("name, content", [
@@ -53,3 +64,29 @@ def test_pruning_a_linked_checkpoint_removes_the_link_never_the_files_it_points_
     assert sorted(p.name for p in kept.iterdir()) == before, "the archived checkpoint lost its files"
     assert ckpt.verify_checkpoint(kept) is None
     assert [p.name for p in root.iterdir()] == ["step_00000003"]
+
+
+@pytest.mark.parametrize("targets, why", [
+    ("[q_prj]", "lora: PEFT cannot place the adapters (NoMatchingPeftModuleError: Target modules {'q_prj'} not found"),
+    ("[mlp]", "lora: PEFT cannot place the adapters (ValueError: Target module SparseMoeBlock is not supported."),
+    ("[lm_head]", "lora.target_modules: adapters on lm_head are never trained with the fused loss"),
+    ("[q_proj, lm_head]", "lora.target_modules: adapters on lm_head are never trained with the fused loss"),
+])
+def test_lora_targets_it_cannot_train_are_one_line_and_exit_2(tmp_path, capsys, targets, why):
+    assert _lora(tmp_path, f"lora.target_modules={targets}", "lora.experts=false") == 2
+    err = capsys.readouterr().err
+    assert f"polyaccel-moe: error: {why}" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ck").exists()
+
+
+def test_lora_adapters_that_cannot_be_loaded_on_resume_are_one_line_and_exit_2(tmp_path, capsys):
+    assert _lora(tmp_path) == 0
+    step = ckpt.step_dir(tmp_path / "ck", 1)
+    (step / ckpt.MANIFEST).unlink()  # as one written before manifests: resumed unverified when named
+    adapters = step / "adapter_model.safetensors"
+    adapters.write_bytes(adapters.read_bytes()[: adapters.stat().st_size // 2])
+    capsys.readouterr()
+    assert _lora(tmp_path, "train.max_steps=2", f"checkpoint.resume={step}") == 2
+    err = capsys.readouterr().err
+    assert (f"polyaccel-moe: error: checkpoint.resume: the LoRA adapters in {step} cannot be loaded (SafetensorError: "
+            in err and "Traceback" not in err)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import re
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -456,10 +457,30 @@ def finetune_setup(model: nn.Module, section: Any, train: Any, resume_from: Any,
         logger.warning("polyaccel.moe fast path: CUDA graph per micro-batch off: lora.recompute=selective "
                        "checkpoints save RNG state on the host")
         train = dataclasses.replace(train, cuda_graph=False)
-    if resume_from is not None:
-        model = load_adapter(model, str(resume_from), trainable=True, settings=settings, **shape)
-    else:
-        model = apply_lora(model, settings, **shape)
+    backend = getattr(model, "backend_config", None)
+    try:
+        if resume_from is not None:
+            model = load_adapter(model, str(resume_from), trainable=True, settings=settings, **shape)
+        else:
+            model = apply_lora(model, settings, **shape)
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # PEFT's ValueErrors (no module matched, one it cannot adapt), a damaged adapter file
+        why = re.sub(r"^(Target module \w+)\(.*\)( is not supported)", r"\1\2", " ".join(str(e).split()))  # a module's repr
+        why = f"{type(e).__name__}: {why[:300]}{' ...' if len(why) > 300 else ''}"
+        if resume_from is None:
+            if not isinstance(e, ValueError):
+                raise
+            raise ConfigError(f"lora: PEFT cannot place the adapters ({why}); check lora.target_modules "
+                              "(names of linear layers, e.g. q_proj)", key="lora.target_modules") from None
+        from polyaccel.moe.checkpoint import CheckpointError
+
+        raise CheckpointError(f"checkpoint.resume: the LoRA adapters in {resume_from} cannot be loaded ({why}); "
+                              "resume from another checkpoint, or use a new checkpoint.dir") from None
+    if backend is not None and backend.loss == "fused" and hasattr(model.get_output_embeddings(), "lora_A"):
+        raise ConfigError("lora.target_modules: adapters on lm_head are never trained with the fused loss (it reads "
+                          "lm_head.weight, not the adapters); remove lm_head, or set model.backend.loss=standard",
+                          key="lora.target_modules")
     return model, dataclasses.replace(train, wgrad_window=1)
 
 
