@@ -226,6 +226,46 @@ def test_sigterm_ends_a_run_like_ctrl_c_and_the_rerun_resumes(asr_cli, tmp_path:
     assert out.read_text().startswith(done) and out.read_text().count("\n") == 20
 
 
+def test_a_second_ctrl_c_while_the_run_unwinds_ends_the_process_instead_of_raising_again(
+        asr_cli, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C, then Ctrl-C again while the run waits for the batch in flight: the second raised
+    inside that wait too, the run exited with the replicas' threads still in torch, and the
+    process died of SIGABRT ("terminate called without an active exception", a core dump;
+    reproduced with whisper-tiny.en and two SIGINTs 0.3 s apart). After the first, Ctrl-C is
+    the default action (as a second SIGTERM already was), and stays so for the exit."""
+    wavs = [str(asr_cli.wav(tmp_path / f"c{i:02d}.wav")) for i in range(6)]
+    out = tmp_path / "out.jsonl"
+    calls, during_unwind = [], []
+
+    def factory(i):
+        def recognize(batch):
+            calls.append(1)
+            if len(calls) == 3:
+                deadline = time.monotonic() + 10
+                while not (out.exists() and out.read_text()) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)  # the main thread unwinds meanwhile, waiting for this batch
+                during_unwind.append(signal.getsignal(signal.SIGINT))
+            return [f"{len(a)} samples" for a in batch]
+        return recognize
+
+    monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(lambda *a, **kw: Transcriber(
+        factory, sample_rate=SR, max_audio_seconds=30.0, replicas=1, batch_size=1, model_name="fake")))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as in a shell
+    try:
+        assert cli.main(["transcribe", *wavs, "-o", str(out), "-q"]) == 130
+        assert during_unwind == [signal.SIG_DFL]
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        assert capsys.readouterr().err == "interrupted; rerun the same command to resume\n"
+        assert not Path(f"{out}.lock").exists()
+        assert cli.main(["transcribe", *wavs, "-o", str(out), "-q"]) == 0  # no Ctrl-C: the handler is put back
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("command", ["transcribe", "wer", "bench", "compile"])
 def test_each_subcommands_help_says_what_it_does_and_its_exit_statuses(command, capsys):
     """`polyaccel-asr COMMAND --help` describes the command and lists its exit statuses, not

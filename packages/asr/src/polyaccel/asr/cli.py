@@ -4,7 +4,8 @@ Exit status: 0 when every input has a transcript; 2 for usage errors (bad argume
 model or backend, no inputs, an output that may not be written), with nothing written. Under
 ``transcribe``: 1 when some files failed (their lines say why) or the run stopped early, 3 when
 nothing was transcribed (every file failed). Every command: 130 on Ctrl-C and 143 on SIGTERM
-(both unwind the command: results written so far are kept, its lock is released); 141 when the
+(both unwind the command: results written so far are kept, its lock is released; a second one
+while it unwinds ends the process at once); 141 when the
 reader of its output went away (``polyaccel-asr wer ... --per-file | head``), quietly, like a
 standard tool; 1 with one line naming it when another pipe it writes broke, or stdout cannot be
 written (a full disk).
@@ -13,10 +14,13 @@ written (a full disk).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
@@ -215,10 +219,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     _fill_closed_standard_streams()
     try:
-        with sigterm_as_interrupt():
+        with sigterm_as_interrupt(), _second_ctrl_c_ends_at_once():
             return _main(list(sys.argv[1:] if argv is None else argv))
     except BrokenPipeError as e:  # `... | head`: the reader left (141, no traceback); another pipe: exit 1
         return broken_pipe(e, "polyaccel-asr")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _second_ctrl_c_ends_at_once() -> Iterator[None]:
+    """Ctrl-C raises ``KeyboardInterrupt`` once; a second one, while the command unwinds (waiting
+    for the batch in flight) or the interpreter exits, ends the process at once, as a second
+    SIGTERM does (what was written is whole lines; its lock file is taken over by the rerun). It
+    raised again inside that unwinding, which then exited with the replicas' threads still
+    running: "terminate called without an active exception", SIGABRT and a core dump. Only
+    where Python's own handler is set (not where Ctrl-C is ignored), in the main thread."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        yield
+    finally:  # after a Ctrl-C it stays at the default: the exit that follows is not interrupted
+        if signal.getsignal(signal.SIGINT) is _interrupt:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _fill_closed_standard_streams() -> None:
