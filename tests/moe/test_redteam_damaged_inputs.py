@@ -8,7 +8,9 @@ folder it points to (all but its manifest), outside ``checkpoint.dir``. LoRA run
 ``lora.target_modules`` naming no module (a typo) or a module PEFT cannot adapt, and a
 checkpoint's adapter files that cannot be loaded (one resumed unverified, without a manifest),
 were PEFT tracebacks (exit 1); adapters on ``lm_head`` with the fused loss (the default) were
-never trained, silently beside other targets, a backward error alone."""
+never trained, silently beside other targets, a backward error alone. Model configs of an odd
+rotary head size (``head_dim: 7``, or ``hidden_size`` / heads odd) or an activation nobody
+implements crashed at the first forward or while the model was built, with a traceback."""
 
 from __future__ import annotations
 
@@ -90,3 +92,24 @@ def test_lora_adapters_that_cannot_be_loaded_on_resume_are_one_line_and_exit_2(t
     err = capsys.readouterr().err
     assert (f"polyaccel-moe: error: checkpoint.resume: the LoRA adapters in {step} cannot be loaded (SafetensorError: "
             in err and "Traceback" not in err)
+
+
+@pytest.mark.parametrize("sets, why", [
+    (["model.config.head_dim=7"], "rotary head size is 7"),
+    (["model.config.head_dim=null", "model.config.hidden_size=36"], "rotary head size is 9"),
+    (["model.config.model_type=mixtral", "model.config.head_dim=null", "model.config.hidden_size=36"],
+     "rotary head size is 9"),
+    (["model.config.hidden_act=nope"], "hidden_act='nope' is not an activation polyaccel or Transformers knows"),
+])
+def test_model_configs_no_forward_can_run_are_one_line_and_exit_2(tmp_path, capsys, sets, why):
+    args = ["log.progress_bar=false", "train.max_steps=1", f"checkpoint.dir={tmp_path / 'ck'}", "output_dir=null", *sets]
+    assert main(["finetune", str(TINY), *[a for s in args for a in ("--set", s)]]) == 2
+    err = capsys.readouterr().err
+    assert f"polyaccel-moe: error: the model config's {why}" in err and "Traceback" not in err
+    assert not (tmp_path / "ck").exists()
+
+
+def test_an_even_head_size_that_hidden_size_does_not_divide_into_still_trains(tmp_path, capsys):
+    args = ["log.progress_bar=false", "train.max_steps=1", f"checkpoint.dir={tmp_path / 'ck'}", "output_dir=null",
+            "model.config.head_dim=6"]
+    assert main(["finetune", str(TINY), *[a for s in args for a in ("--set", s)]]) == 0

@@ -243,8 +243,10 @@ negative count) trains and saves an empty decoder; 0 heads or widths crash mid-r
 
 
 def _check_model_sizes(model_config: Any) -> None:
-    """Refuse a model config with a size in :data:`_SIZE_FIELDS` below 1, or query heads that
-    the key/value heads do not divide; raises :class:`ConfigError`."""
+    """Refuse a model config with a size in :data:`_SIZE_FIELDS` below 1, query heads that the
+    key/value heads do not divide, an odd rotary head size (in the architectures polyaccel
+    implements, which all use RoPE) or an activation no implementation knows; raises
+    :class:`ConfigError`."""
     for key in _SIZE_FIELDS:
         value = getattr(model_config, key, None)
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:
@@ -254,6 +256,23 @@ def _check_model_sizes(model_config: Any) -> None:
         raise ConfigError(f"the model config's num_attention_heads={heads} is not a multiple of "
                           f"num_key_value_heads={kv} (each key/value head serves a whole group of query heads)",
                           key="model.config.num_attention_heads")
+    from transformers.activations import ACT2FN
+
+    from polyaccel.core.ops import _ACTIVATIONS
+    from polyaccel.moe.models import MODEL_TYPES
+
+    rotary = getattr(model_config, "qk_rope_head_dim", None) or getattr(model_config, "head_dim", None)
+    hidden = getattr(model_config, "hidden_size", None)
+    if not rotary and isinstance(hidden, int) and isinstance(heads, int):
+        rotary = hidden // heads
+    if getattr(model_config, "model_type", None) in MODEL_TYPES and isinstance(rotary, int) and rotary % 2:  # else a shape error at the first forward
+        raise ConfigError(f"the model config's rotary head size is {rotary} (qk_rope_head_dim, else head_dim, else "
+                          "hidden_size / num_attention_heads), an odd number: rotary embeddings turn pairs of "
+                          "dimensions", key="model.config.head_dim")
+    act = getattr(model_config, "hidden_act", None)
+    if isinstance(act, str) and act not in ACT2FN and act not in _ACTIVATIONS:  # Transformers' KeyError mid-build
+        raise ConfigError(f"the model config's hidden_act={act!r} is not an activation polyaccel or Transformers "
+                          f"knows (e.g. {', '.join(_ACTIVATIONS)})", key="model.config.hidden_act")
 
 
 def auto_model_class(implementation: str) -> tuple[type, type | None]:
