@@ -10,7 +10,9 @@ checkpoint's adapter files that cannot be loaded (one resumed unverified, withou
 were PEFT tracebacks (exit 1); adapters on ``lm_head`` with the fused loss (the default) were
 never trained, silently beside other targets, a backward error alone. Model configs of an odd
 rotary head size (``head_dim: 7``, or ``hidden_size`` / heads odd) or an activation nobody
-implements crashed at the first forward or while the model was built, with a traceback."""
+implements crashed at the first forward or while the model was built, with a traceback. A config
+file setting one key twice (a second ``train:`` section) trained with the first one dropped,
+silently: YAML keeps the last."""
 
 from __future__ import annotations
 
@@ -113,3 +115,15 @@ def test_an_even_head_size_that_hidden_size_does_not_divide_into_still_trains(tm
     args = ["log.progress_bar=false", "train.max_steps=1", f"checkpoint.dir={tmp_path / 'ck'}", "output_dir=null",
             "model.config.head_dim=6"]
     assert main(["finetune", str(TINY), *[a for s in args for a in ("--set", s)]]) == 0
+
+
+def test_a_config_that_sets_a_key_twice_is_refused_naming_both_lines(tmp_path, capsys):
+    conf = tmp_path / "sft.yaml"
+    conf.write_text(f"model:\n  preset: qwen3-moe-tiny\ndata:\n  synthetic: {{}}\ntrain:\n  seq_len: 16\n  device: cpu\n"
+                    f"checkpoint:\n  dir: {tmp_path / 'ck'}\ntrain:\n  max_steps: 1\n")
+    assert main(["finetune", str(conf), "--set", "log.progress_bar=false"]) == 2
+    err = capsys.readouterr().err
+    assert f"polyaccel-moe: error: {conf}: the key 'train' appears twice in one mapping (lines 5 and 10)" in err
+    assert not (tmp_path / "ck").exists()
+    assert main(["finetune", str(TINY), "--set", "train={lr: 1, lr: 2}"]) == 2
+    assert "the key 'lr' appears twice" in capsys.readouterr().err

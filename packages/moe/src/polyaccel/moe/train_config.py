@@ -440,7 +440,8 @@ def load_yaml(text: str, where: str) -> Any:
 
 def _expanded_values(node: yaml.Node, seen: dict[int, int | None], where: str) -> int:
     """Values under ``node`` with every alias expanded (each distinct node counted once and
-    reused); ``seen`` maps a node in progress to None, so a node inside itself is refused."""
+    reused); ``seen`` maps a node in progress to None, so a node inside itself is refused, as
+    is a mapping that sets one key twice."""
     key = id(node)
     if key in seen:
         count = seen[key]
@@ -450,7 +451,14 @@ def _expanded_values(node: yaml.Node, seen: dict[int, int | None], where: str) -
     seen[key] = None
     count = 1
     if isinstance(node, yaml.MappingNode):
+        first: dict[tuple[str, str], int] = {}
         for k, v in node.value:
+            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":  # YAML keeps the last silently
+                if (k.tag, k.value) in first:
+                    raise ConfigError(f"{where}: the key {k.value!r} appears twice in one mapping (lines "
+                                      f"{first[k.tag, k.value]} and {k.start_mark.line + 1}); only the last would "
+                                      "count, dropping the first silently. Merge them into one")
+                first[k.tag, k.value] = k.start_mark.line + 1
             count += _expanded_values(k, seen, where) + _expanded_values(v, seen, where)
             if count > MAX_YAML_VALUES:
                 break
