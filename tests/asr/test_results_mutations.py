@@ -207,3 +207,32 @@ def test_a_symlink_to_an_input_is_an_input_of_its_own_on_resume(asr_cli, loads: 
     assert cli.main(["transcribe", wav, str(tmp_path / "utt2.wav"), "-o", str(out), "-q"]) == 0
     assert "1 ok, 0 failed, 1 skipped" in capsys.readouterr().err
     assert [r["path"] for r in scan_results(out).records] == [wav, str(tmp_path / "utt2.wav")]
+
+
+def test_a_rerun_from_another_folder_does_not_take_other_files_of_the_same_relative_names_for_done(
+        asr_cli, loads: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """Relative inputs are matched from the folder of the run that wrote them (each such record
+    holds its run's ``cwd``): ``clips/a.wav`` run from /d1, then from /d2, is two inputs. Before,
+    the second run answered "nothing to do", exit 0, and /d2's recordings were never transcribed."""
+    out = tmp_path / "out.jsonl"
+    for d in ("d1", "d2"):
+        (tmp_path / d / "clips").mkdir(parents=True)
+        asr_cli.wav(tmp_path / d / "clips" / "a.wav")
+    monkeypatch.chdir(tmp_path / "d1")
+    assert cli.main(["transcribe", "clips/a.wav", "-o", str(out), "-q"]) == 0
+    monkeypatch.chdir(tmp_path / "d2")
+    assert cli.main(["transcribe", "clips/a.wav", "-o", str(out), "-q"]) == 0
+    records = scan_results(out).records
+    assert [(r["path"], r["cwd"]) for r in records] == [("clips/a.wav", str(tmp_path / "d1")),
+                                                       ("clips/a.wav", str(tmp_path / "d2"))]
+    monkeypatch.chdir(tmp_path / "d1")  # back in the first folder its input is done
+    asr_cli.wav(tmp_path / "d1" / "clips" / "b.wav")
+    capsys.readouterr()
+    assert cli.main(["transcribe", "clips/a.wav", "./clips/b.wav", "-o", str(out), "-q"]) == 0
+    assert "1 ok, 0 failed, 1 skipped" in capsys.readouterr().err
+    # a record written before runs kept their folder is still taken from the current one
+    legacy = tmp_path / "legacy.jsonl"
+    legacy.write_bytes(_line("clips/a.wav"))
+    assert cli.main(["transcribe", "clips/a.wav", "-o", str(legacy), "-q"]) == 0
+    assert len(scan_results(legacy).records) == 1

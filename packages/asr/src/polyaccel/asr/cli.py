@@ -305,7 +305,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     """Transcribe inputs into args.output, resuming if it exists; print a summary; return the
     exit status (see the module docstring)."""
     from polyaccel.asr.manifest import attach_refs, read_refs
-    from polyaccel.asr.results_file import completed, path_key, printable, record_path
+    from polyaccel.asr.results_file import completed, path_key, printable, record_key
 
     ray_only = [flag for flag, value in (("--address", args.address), ("--num-actors", args.num_actors))
                 if value is not None]
@@ -318,7 +318,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     with _locked(out, args.output):
         previous = _previous_results(out, args.output)
         kept = [] if args.overwrite else completed(previous)
-        done = {path_key(record_path(r)) for r in kept}
+        done = {record_key(r) for r in kept}
         todo = [it for it in items if path_key(it.path) not in done]
         skipped = len(items) - len(todo)
         if kept and not todo:  # nothing to run, but not "done" if the file was made another way

@@ -115,7 +115,13 @@ def add_parser(sub: Any) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write one file per transcribed input; see the module docstring for exit statuses."""
-    from polyaccel.asr.results_file import NotResultsFile, one_per_input, record_path, scan_results
+    from polyaccel.asr.results_file import (
+        NotResultsFile,
+        one_per_input,
+        record_file,
+        record_path,
+        scan_results,
+    )
 
     try:
         if not os.path.isfile(args.results):
@@ -135,7 +141,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     # one line per input: a resumed file's good line over its failed one; a failure said once
     written, same, problems, taken = 0, 0, 0, set()
     # --overwrite never replaces a recording (audio named talk.txt exports to talk.txt)
-    inputs = {_file_id(os.fsencode(record_path(r))) for r in records} - {None} if args.overwrite else set()
+    inputs = {_file_id(os.fsencode(record_file(r))) for r in records} - {None} if args.overwrite else set()
     for rec in one_per_input(records):
         path = record_path(rec)
         shown = rec.get("path", path)

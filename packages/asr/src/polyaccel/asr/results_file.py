@@ -77,32 +77,66 @@ def printable(text: object) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+_PATH_FIELDS = ("path", "cwd")
+"""Fields holding file system paths: the input, and for an input named by a relative path the
+working directory of the run that wrote it."""
+
+
 def encode_path(record: dict[str, Any]) -> dict[str, Any]:
-    """``record`` as written: a path that is not valid UTF-8 gets a readable ``path`` and an
-    exact ``path_bytes``."""
-    path = record.get("path")
-    if not isinstance(path, str):
-        return record
-    try:
-        path.encode("utf-8")
-        return record
-    except UnicodeEncodeError:
-        raw = os.fsencode(path)
-    out = dict(record)
-    out["path"] = raw.decode("utf-8", "backslashreplace")
-    out["path_bytes"] = base64.b64encode(raw).decode("ascii")
+    """``record`` as written: a path that is not valid UTF-8 gets a readable ``path`` (``cwd``)
+    and an exact ``path_bytes`` (``cwd_bytes``)."""
+    out = record
+    for field in _PATH_FIELDS:
+        value = record.get(field)
+        if not isinstance(value, str):
+            continue
+        try:
+            value.encode("utf-8")
+            continue
+        except UnicodeEncodeError:
+            raw = os.fsencode(value)
+        out = dict(out) if out is record else out
+        out[field] = raw.decode("utf-8", "backslashreplace")
+        out[f"{field}_bytes"] = base64.b64encode(raw).decode("ascii")
     return out
 
 
-def record_path(record: dict[str, Any]) -> str:
-    """The file system path a record was written for (inverse of :func:`encode_path`)."""
-    raw = record.get("path_bytes")
+def _decoded(record: dict[str, Any], field: str) -> str | None:
+    raw = record.get(f"{field}_bytes")
     if isinstance(raw, str):
         try:
             return os.fsdecode(base64.b64decode(raw, validate=True))
         except ValueError:
             pass
-    return str(record["path"])
+    value = record.get(field)
+    return None if value is None else str(value)
+
+
+def record_path(record: dict[str, Any]) -> str:
+    """The path a record was written for, as its run was given it (inverse of :func:`encode_path`)."""
+    return str(_decoded(record, "path"))
+
+
+def record_file(record: dict[str, Any]) -> str:
+    """The record's input as a path from here: a relative path joined to the ``cwd`` of the run
+    that wrote it (records from before that field: taken from the current directory)."""
+    path, cwd = record_path(record), _decoded(record, "cwd")
+    return os.path.join(cwd, path) if cwd else path
+
+
+def record_key(record: dict[str, Any]) -> str:
+    """:func:`path_key` of the record's input (:func:`record_file`)."""
+    return path_key(record_file(record))
+
+
+def with_run_dir(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` as a run writes it: an input named by a relative path also records the run's
+    working directory (``cwd``), so a rerun from another directory never takes other files of
+    the same relative names for done."""
+    path = record.get("path")
+    if not isinstance(path, str) or os.path.isabs(path) or "cwd" in record:
+        return record
+    return {**record, "cwd": os.getcwd()}
 
 
 def dumps(record: dict[str, Any]) -> bytes:
@@ -200,7 +234,7 @@ def completed(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     seen: set[str] = set()
     kept = []
     for rec in records:
-        key = path_key(record_path(rec))
+        key = record_key(rec)
         if not rec.get("error") and key not in seen:
             seen.add(key)
             kept.append(rec)
@@ -213,7 +247,7 @@ def one_per_input(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     later, its good one, or the same input twice."""
     best: dict[str, dict[str, Any]] = {}
     for rec in records:
-        key = path_key(record_path(rec))
+        key = record_key(rec)
         if key not in best or (best[key].get("error") and not rec.get("error")):
             best[key] = rec
     return list(best.values())
@@ -241,7 +275,7 @@ class ResultsWriter:
     ``resume=True`` (the default) first repairs an existing file: it keeps the records without
     an error, one per file (:func:`completed`), and drops the rest (a torn last line, failed
     files, duplicates); it is rewritten only when something is dropped. :attr:`done` holds the
-    paths kept. ``resume=False`` starts the file afresh.
+    kept inputs' :func:`record_key`. ``resume=False`` starts the file afresh.
     """
 
     def __init__(self, path: str | os.PathLike, resume: bool = True):
@@ -250,7 +284,7 @@ class ResultsWriter:
         if resume and self.path.exists():
             scan = scan_results(self.path, strict=False)
             kept = completed(scan.records)
-            self.done = {record_path(r) for r in kept}
+            self.done = {record_key(r) for r in kept}
             if len(kept) != len(scan.records) or not scan.clean:
                 _replace_with(self.path, kept)
         else:
@@ -262,7 +296,7 @@ class ResultsWriter:
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record`` as one line."""
         assert self._fd is not None, "writer is closed"
-        _write_all(self._fd, dumps(record))
+        _write_all(self._fd, dumps(with_run_dir(record)))
         if time.monotonic() - self._synced >= FSYNC_INTERVAL_S:
             os.fsync(self._fd)
             self._synced = time.monotonic()
