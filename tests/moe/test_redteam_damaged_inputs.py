@@ -127,3 +127,15 @@ def test_a_config_that_sets_a_key_twice_is_refused_naming_both_lines(tmp_path, c
     assert not (tmp_path / "ck").exists()
     assert main(["finetune", str(TINY), "--set", "train={lr: 1, lr: 2}"]) == 2
     assert "the key 'lr' appears twice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sets", [["train.grad_accum=10000000000"], ["train.micro_batch=10000000000"]])
+def test_a_step_whose_token_ids_could_not_fit_in_memory_is_refused_at_once(tmp_path, capsys, sets):
+    """A typo'd ``grad_accum`` (10^10) built that many micro-batches before the first step:
+    silent until the machine ran out of memory. It is refused before the model loads."""
+    argv = ["finetune", str(TINY), "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--set", "output_dir=null",
+            "--set", "log.progress_bar=false", *[a for s in sets for a in ("--set", s)]]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "GiB of token ids, over half of this machine's memory" in err and "Traceback" not in err

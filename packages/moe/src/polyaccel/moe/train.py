@@ -184,6 +184,11 @@ def _check_aliases(fields: dict[str, Any]) -> None:
                               f"one field; set only {name}", key=f"model.config.{name}")
 
 
+def _host_memory() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def validate(cfg: FinetuneConfig, model_config: Any) -> None:
     """Shape checks that need the model's config; raises :class:`ConfigError`."""
     t = cfg.train
@@ -193,6 +198,11 @@ def validate(cfg: FinetuneConfig, model_config: Any) -> None:
     if t.seq_len < 2:  # the model shifts labels: a one-token sample has nothing to predict
         raise ConfigError(f"train.seq_len must be >= 2 (a sample of {t.seq_len} token has no next token to "
                           "predict: nothing would train)")
+    step_bytes = 16 * t.seq_len * t.micro_batch * t.grad_accum  # int64 input ids and labels of one step
+    if step_bytes > _host_memory() // 2:
+        raise ConfigError(f"one optimizer step of train.micro_batch={t.micro_batch} x train.grad_accum={t.grad_accum} "
+                          f"sequences of {t.seq_len} tokens holds {step_bytes / 2**30:,.1f} GiB of token ids, over half "
+                          "of this machine's memory: lower train.grad_accum or train.micro_batch")
     for name in ("lr", "eps", "weight_decay"):
         if not (math.isfinite(getattr(t, name)) and getattr(t, name) >= 0):
             raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(t, name)}")
