@@ -275,7 +275,7 @@ class ResultsWriter:
     ``resume=True`` (the default) first repairs an existing file: it keeps the records without
     an error, one per file (:func:`completed`), and drops the rest (a torn last line, failed
     files, duplicates); it is rewritten only when something is dropped. :attr:`done` holds the
-    kept inputs' :func:`record_key`. ``resume=False`` starts the file afresh.
+    paths kept. ``resume=False`` starts the file afresh.
     """
 
     def __init__(self, path: str | os.PathLike, resume: bool = True):
@@ -284,7 +284,7 @@ class ResultsWriter:
         if resume and self.path.exists():
             scan = scan_results(self.path, strict=False)
             kept = completed(scan.records)
-            self.done = {record_key(r) for r in kept}
+            self.done = {record_path(r) for r in kept}
             if len(kept) != len(scan.records) or not scan.clean:
                 _replace_with(self.path, kept)
         else:
