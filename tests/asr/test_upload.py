@@ -93,3 +93,19 @@ def test_reused_pinned_buffer_keeps_earlier_batches():
     for batch, got in zip(batches, made, strict=True):
         for row, clip in zip(got.cpu(), batch, strict=True):
             assert torch.equal(row[: clip.size], torch.from_numpy(clip)) and not row[clip.size:].any()
+
+
+def test_on_another_device_the_samples_are_moved_there_before_they_are_scattered(monkeypatch):
+    """A device other than the CPU and CUDA (Neuron's) is given its samples on itself: a host
+    tensor scattered into a device tensor fails there (the meta device stands in for it)."""
+    seen = []
+    scatter = torch.Tensor.masked_scatter_
+
+    def spy(self, mask, source):  # noqa: ANN001, ANN202
+        seen.append((self.device, mask.device, source.device))
+        return scatter(self, mask, source)
+
+    monkeypatch.setattr(torch.Tensor, "masked_scatter_", spy)
+    meta = torch.device("meta")
+    assert padded_batch([np.ones(5, np.float32), np.ones(9, np.float32)], 8, meta).shape == (2, 8)
+    assert seen == [(meta, meta, meta)]

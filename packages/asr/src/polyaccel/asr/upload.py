@@ -129,6 +129,7 @@ def padded_batch(audio: list[np.ndarray], n: int, device: torch.device) -> torch
     else:
         flat = torch.empty(sum(samples), dtype=torch.float32)
         pack(clips, flat.numpy())
+        flat = flat.to(device)  # another device (Neuron) takes no host tensor in masked_scatter_
     valid = torch.arange(n, device=device) < torch.tensor(samples, device=device)[:, None]
     return torch.zeros(len(clips), n, device=device).masked_scatter_(valid, flat)
 
