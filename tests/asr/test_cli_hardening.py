@@ -189,6 +189,29 @@ def test_a_failed_convert_leaves_no_folders(tmp_path: Path, capsys: pytest.Captu
 # ---- SIGTERM ---------------------------------------------------------------------------------------------
 
 
+def _signal_at_third_batch(monkeypatch: pytest.MonkeyPatch, out: Path, sig: int, after=None) -> None:  # noqa: ANN001
+    """A fake one-replica model whose third batch, once a line of ``out`` is written, sends this
+    process ``sig`` and gives the main thread 0.2 s to unwind (then calls ``after``)."""
+    calls = []
+
+    def factory(i):  # noqa: ANN001, ANN202
+        def recognize(batch):  # noqa: ANN001, ANN202
+            calls.append(1)
+            if len(calls) == 3:
+                deadline = time.monotonic() + 10
+                while not (out.exists() and out.read_text()) and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the first lines are written
+                os.kill(os.getpid(), sig)
+                time.sleep(0.2)  # the main thread unwinds meanwhile, waiting for this batch
+                if after is not None:
+                    after()
+            return [f"{len(a)} samples" for a in batch]
+        return recognize
+
+    monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(lambda *a, **kw: Transcriber(
+        factory, sample_rate=SR, max_audio_seconds=30.0, replicas=1, batch_size=1, model_name="fake")))
+
+
 def test_sigterm_ends_a_run_like_ctrl_c_and_the_rerun_resumes(asr_cli, tmp_path: Path,
                                                               capsys: pytest.CaptureFixture,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,22 +219,8 @@ def test_sigterm_ends_a_run_like_ctrl_c_and_the_rerun_resumes(asr_cli, tmp_path:
     the lock and the folders it made left behind; now it unwinds as Ctrl-C does."""
     wavs = [str(asr_cli.wav(tmp_path / f"c{i:02d}.wav")) for i in range(20)]
     out = tmp_path / "out" / "out.jsonl"
-    calls, unhandled = [], []
-
-    def factory(i):
-        def recognize(batch):
-            calls.append(1)
-            if len(calls) == 3:
-                deadline = time.monotonic() + 10
-                while not (out.exists() and out.read_text()) and time.monotonic() < deadline:
-                    time.sleep(0.01)  # the first lines are written
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(0.2)  # the main thread unwinds meanwhile
-            return [f"{len(a)} samples" for a in batch]
-        return recognize
-
-    monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(lambda *a, **kw: Transcriber(
-        factory, sample_rate=SR, max_audio_seconds=30.0, replicas=1, batch_size=1, model_name="fake")))
+    unhandled = []
+    _signal_at_third_batch(monkeypatch, out, signal.SIGTERM)
     previous = signal.signal(signal.SIGTERM, lambda *a: unhandled.append(1))  # not this test process's end
     try:
         code = cli.main(["transcribe", *wavs, "-o", str(out), "-q"])
@@ -235,23 +244,9 @@ def test_a_second_ctrl_c_while_the_run_unwinds_ends_the_process_instead_of_raisi
     the default action (as a second SIGTERM already was), and stays so for the exit."""
     wavs = [str(asr_cli.wav(tmp_path / f"c{i:02d}.wav")) for i in range(6)]
     out = tmp_path / "out.jsonl"
-    calls, during_unwind = [], []
-
-    def factory(i):
-        def recognize(batch):
-            calls.append(1)
-            if len(calls) == 3:
-                deadline = time.monotonic() + 10
-                while not (out.exists() and out.read_text()) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                os.kill(os.getpid(), signal.SIGINT)
-                time.sleep(0.2)  # the main thread unwinds meanwhile, waiting for this batch
-                during_unwind.append(signal.getsignal(signal.SIGINT))
-            return [f"{len(a)} samples" for a in batch]
-        return recognize
-
-    monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(lambda *a, **kw: Transcriber(
-        factory, sample_rate=SR, max_audio_seconds=30.0, replicas=1, batch_size=1, model_name="fake")))
+    during_unwind = []
+    _signal_at_third_batch(monkeypatch, out, signal.SIGINT,
+                           after=lambda: during_unwind.append(signal.getsignal(signal.SIGINT)))
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as in a shell
     try:
         assert cli.main(["transcribe", *wavs, "-o", str(out), "-q"]) == 130
