@@ -174,9 +174,10 @@ def test_export_overwrite_never_replaces_a_transcribed_input(asr_cli, tmp_path: 
 
 def test_export_overwrite_from_another_directory_still_never_replaces_the_audio(
         asr_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    """The record holds the relative path ``talk.txt``; export run from another folder finds no
-    such input there, yet the WAV in -d is not text, so --overwrite leaves it. An earlier
-    export's text file there is replaced."""
+    """The record holds the relative path ``talk.txt`` and the folder its run was in, so export
+    run from another folder still knows the WAV in -d for an input; a record from before runs
+    kept their folder finds no such input there, yet the WAV is not text, so --overwrite leaves
+    it. An earlier export's text file there is replaced."""
     _fake(monkeypatch, "fake", None)
     data, elsewhere = tmp_path / "data", tmp_path / "home"
     data.mkdir()
@@ -189,9 +190,15 @@ def test_export_overwrite_from_another_directory_still_never_replaces_the_audio(
     assert cli.main(["transcribe", "talk.txt", "other.wav", "-o", str(out), "-q"]) == 0
     (data / "other.txt").write_text("an earlier export\n")
     monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert cli.main(["export", str(out), "-f", "txt", "-d", str(data), "--overwrite", "-q"]) == 1
+    assert "talk.txt is an input that was transcribed; never replaced" in capsys.readouterr().err
+    assert talk.read_bytes() == audio and (data / "other.txt").read_text() == "1600 samples\n"
+    legacy = [json.loads(line) for line in out.read_text().splitlines()]
+    out.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "cwd"}) + "\n" for r in legacy))
     assert cli.main(["export", str(out), "-f", "txt", "-d", str(data), "--overwrite", "-q"]) == 1
     assert "does not hold text (audio?); never replaced" in capsys.readouterr().err
-    assert talk.read_bytes() == audio and (data / "other.txt").read_text() == "1600 samples\n"
+    assert talk.read_bytes() == audio
 
 
 def test_srt_cue_text_never_holds_a_time_arrow() -> None:
