@@ -93,3 +93,40 @@ def test_a_failed_cuda_capture_closes_the_generator_capture_then_raises_its_own_
     monkeypatch.setattr(graphs, "_close_generator_capture", repair_fails)
     with pytest.raises(ValueError, match="capture refused"), graphs.cuda_graph_capture(object()):
         raise ValueError("capture refused")
+
+
+def test_no_garbage_collection_runs_inside_a_cuda_capture(monkeypatch) -> None:
+    """A collection inside a capture may destroy an unreachable old ``CUDAGraph``, which fails
+    the capture (seen on an H200); the collector is paused for the capture, nested captures
+    included, and is back on afterwards, after a failed capture too."""
+    import contextlib
+    import gc
+
+    from polyaccel.core import graphs
+
+    inside: list[bool] = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, capture_error_mode="global"):  # noqa: ANN001, ANN202
+        inside.append(gc.isenabled())
+        yield
+
+    monkeypatch.setattr(graphs.torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(graphs.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(graphs, "_close_generator_capture", lambda device: None)
+    assert gc.isenabled()
+    with graphs.cuda_graph_capture(object()):
+        with graphs.cuda_graph_capture(object()):
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer capture still runs
+    assert gc.isenabled() and inside == [False, False]
+    with pytest.raises(ValueError), graphs.cuda_graph_capture(object()):
+        raise ValueError("capture refused")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with graphs.cuda_graph_capture(object()):
+            pass
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import gc
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -139,8 +140,14 @@ class GraphCache:
 @contextlib.contextmanager
 def cuda_graph_capture(graph: torch.cuda.CUDAGraph, *, pool: Any = None,
                        capture_error_mode: str = "global") -> Iterator[None]:
-    """``torch.cuda.graph(graph, pool=..., capture_error_mode=...)`` that leaves the process's
-    CUDA random generator usable when the capture fails.
+    """``torch.cuda.graph(graph, pool=..., capture_error_mode=...)`` that no garbage collection
+    interrupts and that leaves the process's CUDA random generator usable when it fails.
+
+    Python's cyclic garbage collector, run inside a capture, may destroy an unreachable
+    ``CUDAGraph`` of an earlier runner; destroying a graph is not permitted while a stream
+    captures, and the capture fails ("operation failed due to a previous error during capture",
+    seen on an H200 as a decode bucket falling back to eager now and then). The collector is
+    paused for the capture.
 
     A capture that fails (an op that synchronizes, an allocation the capture refuses) ends
     without torch closing the default generator's capture: it stays marked as capturing, and
@@ -151,16 +158,39 @@ def cuda_graph_capture(graph: torch.cuda.CUDAGraph, *, pool: Any = None,
     original error propagates.
     """
     device = torch.cuda.current_device()
-    try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
-            yield
-    except BaseException:
+    with _gc_paused():
         try:
-            _close_generator_capture(device)
-        except Exception as repair_error:  # the capture's own error is the one to report
-            logger.warning("could not close the CUDA generator's capture state after a failed "
-                           "capture: %s", repair_error)
-        raise
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+                yield
+        except BaseException:
+            try:
+                _close_generator_capture(device)
+            except Exception as repair_error:  # the capture's own error is the one to report
+                logger.warning("could not close the CUDA generator's capture state after a failed "
+                               "capture: %s", repair_error)
+            raise
+
+
+_GC_PAUSE = {"depth": 0, "was_enabled": False}
+_GC_PAUSE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection within (nestable, across threads: the collector is back on,
+    if it was on, when the last pause ends)."""
+    with _GC_PAUSE_LOCK:
+        if _GC_PAUSE["depth"] == 0:
+            _GC_PAUSE["was_enabled"] = gc.isenabled()
+            gc.disable()
+        _GC_PAUSE["depth"] += 1
+    try:
+        yield
+    finally:
+        with _GC_PAUSE_LOCK:
+            _GC_PAUSE["depth"] -= 1
+            if _GC_PAUSE["depth"] == 0 and _GC_PAUSE["was_enabled"]:
+                gc.enable()
 
 
 def _close_generator_capture(device: int) -> None:
