@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +123,32 @@ def loopback_torch_config(backend: str) -> Any:
     return LoopbackTorchConfig(backend=backend)
 
 
+def interruptible_trainer(**kwargs: Any) -> Any:
+    """A ``TorchTrainer(**kwargs)`` whose ``fit()`` raises ``KeyboardInterrupt`` after a Ctrl-C.
+
+    Ray Train's own SIGINT handler aborts the run, then ``fit()`` raises ``SystemExit(1)`` (a
+    third Ctrl-C: ``SystemExit(0)``), so a Ctrl-C ended ``finetune --ray`` with status 1 or 0
+    and no line saying where a rerun resumes. Here its handler still aborts the run, and the
+    Ctrl-C is remembered (``trainer.interrupted``) so that :func:`run_with_ray` raises
+    ``KeyboardInterrupt`` instead of that exit."""
+    from ray.train.torch import TorchTrainer
+
+    class InterruptibleTrainer(TorchTrainer):
+        interrupted = False
+
+        def _register_sigint_handler(self, controller):  # noqa: ANN001, ANN202 - Ray Train's hook
+            super()._register_sigint_handler(controller)
+            rays = signal.getsignal(signal.SIGINT)
+
+            def on_sigint(signum, frame):  # noqa: ANN001, ANN202
+                self.interrupted = True
+                rays(signum, frame)
+
+            signal.signal(signal.SIGINT, on_sigint)
+
+    return InterruptibleTrainer(**kwargs)
+
+
 def read_summary(path: Path, cfg: FinetuneConfig) -> dict[str, Any]:
     """Rank 0's summary as Ray Train handed it back in ``path``. One that cannot be read (missing,
     not UTF-8, not JSON, nested deeper than json parses, not an object) is a :class:`ConfigError`
@@ -181,7 +209,6 @@ def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = Non
     """
     ray = _import_ray()
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
@@ -203,15 +230,27 @@ def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = Non
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
             check_on_driver(cfg, workers=workers, use_gpu=use_gpu, devices_only=True)
-        trainer = TorchTrainer(
-            _train_worker,
+        trainer = interruptible_trainer(
+            train_loop_per_worker=_train_worker,
             train_loop_config={"config": cfg.to_dict(), "use_gpu": use_gpu},
             scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
             torch_config=loopback_torch_config("nccl" if use_gpu else "gloo"),
             run_config=RunConfig(name="polyaccel-moe-finetune", storage_path=storage_path,
                                  failure_config=FailureConfig(max_failures=max_failures)),
         )
-        result = trainer.fit()
+        main_thread = threading.current_thread() is threading.main_thread()
+        sigint = signal.getsignal(signal.SIGINT) if main_thread else None
+        try:
+            result = trainer.fit()
+        except SystemExit:
+            if trainer.interrupted:
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            if sigint is not None:  # Ray Train leaves its handler in place after fit()
+                signal.signal(signal.SIGINT, sigint)
+        if trainer.interrupted:
+            raise KeyboardInterrupt
         if result.checkpoint is None:
             raise RuntimeError(f"the Ray Train run returned no summary (error: {result.error})")
         with result.checkpoint.as_directory() as d:
