@@ -205,7 +205,9 @@ def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = Non
         started here, a private temporary folder removed when the run ends (the run resumes
         from ``checkpoint.dir``, not from this state); on a cluster connected to, Ray's
         ``~/ray_results`` (on several nodes it must be shared storage).
-    :param max_failures: group restarts allowed before the run fails (bounded: never -1).
+    :param max_failures: group restarts allowed before the run fails (bounded: never -1); the
+        same bound for the controller's own failures (a worker group that cannot be placed:
+        Ray Train retried that forever by default).
     """
     ray = _import_ray()
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -230,13 +232,20 @@ def run_with_ray(cfg: FinetuneConfig, *, workers: int, address: str | None = Non
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
             check_on_driver(cfg, workers=workers, use_gpu=use_gpu, devices_only=True)
+        if started_here:  # a cluster of fixed size: Ray Train would wait for more forever
+            unit = "GPU" if use_gpu else "CPU"
+            have = ray.cluster_resources().get(unit, 0)
+            if workers > have:
+                raise ConfigError(f"--workers {workers}: the private local Ray cluster has {have:g} {unit}s and each "
+                                  f"worker takes one; use --workers {int(have) or 1} or less, or --address a larger cluster")
         trainer = interruptible_trainer(
             train_loop_per_worker=_train_worker,
             train_loop_config={"config": cfg.to_dict(), "use_gpu": use_gpu},
             scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
             torch_config=loopback_torch_config("nccl" if use_gpu else "gloo"),
             run_config=RunConfig(name="polyaccel-moe-finetune", storage_path=storage_path,
-                                 failure_config=FailureConfig(max_failures=max_failures)),
+                                 failure_config=FailureConfig(max_failures=max_failures,
+                                                              controller_failure_limit=max_failures)),
         )
         main_thread = threading.current_thread() is threading.main_thread()
         sigint = signal.getsignal(signal.SIGINT) if main_thread else None
