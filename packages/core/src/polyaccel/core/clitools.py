@@ -30,7 +30,12 @@ class Terminated(KeyboardInterrupt):
     ``KeyboardInterrupt`` would be, so the same cleanup runs (see :func:`sigterm_as_interrupt`)."""
 
 
+_sigterm_seen = False  # a SIGTERM arrived inside sigterm_as_interrupt (Ray's get turns Terminated into a plain KeyboardInterrupt)
+
+
 def _terminate(signum: int, frame: Any) -> None:
+    global _sigterm_seen
+    _sigterm_seen = True
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
     raise Terminated
 
@@ -40,9 +45,11 @@ def sigterm_as_interrupt() -> Iterator[None]:
     """While the block runs (in the main thread), SIGTERM raises :class:`Terminated`, a
     ``KeyboardInterrupt``: whatever a command does on Ctrl-C (close and keep what it wrote,
     release locks, stop private clusters) it does on SIGTERM too. Off the main thread: nothing."""
+    global _sigterm_seen
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _sigterm_seen = False
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         yield
@@ -52,8 +59,10 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 def interrupt_status(e: KeyboardInterrupt) -> tuple[int, str]:
     """(exit status, word) for a command ended by ``e``: 143 "terminated" for SIGTERM, 130
-    "interrupted" for Ctrl-C."""
-    return (EXIT_TERMINATED, "terminated") if isinstance(e, Terminated) else (EXIT_INTERRUPTED, "interrupted")
+    "interrupted" for Ctrl-C. A plain ``KeyboardInterrupt`` after a SIGTERM (Ray's ``get`` raises
+    one for whatever its signal handler raised) is the SIGTERM's."""
+    terminated = isinstance(e, Terminated) or _sigterm_seen
+    return (EXIT_TERMINATED, "terminated") if terminated else (EXIT_INTERRUPTED, "interrupted")
 
 
 def json_safe(obj: Any) -> Any:

@@ -33,6 +33,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -137,6 +138,21 @@ def _apply(values: dict[str, str]) -> None:
         raylet.AuthenticationTokenLoader.instance().reset_cache()
 
 
+@contextmanager
+def _keeping_sigterm_handler() -> Iterator[None]:
+    """``ray.init`` sets its own SIGTERM handler (``sys.exit``) over the one the application set
+    (the CLIs' :func:`polyaccel.core.clitools.sigterm_as_interrupt`, which ends a run as Ctrl-C
+    does: its line, status 143, files closed): put the application's back. Ray's stays where
+    none was set (it makes a SIGTERM run the exit hooks)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if callable(previous) and signal.getsignal(signal.SIGTERM) is not previous:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def import_ray(hint: str = RAY_INSTALL_HINT) -> Any:
     """``import ray`` with a message naming what to install."""
     try:
@@ -205,8 +221,6 @@ def _stop_and_remove_owned_temp_dirs() -> None:
     hung ``ray.shutdown()`` still ends the process and leaves nothing running."""
     if not _owned_temp_dirs:
         return
-    import threading
-
     watchdog = threading.Timer(EXIT_WAIT_S, _give_up, args=(list(_owned_temp_dirs),))
     watchdog.daemon = True
     watchdog.start()
@@ -223,8 +237,6 @@ def _hook_exit() -> None:
     (after Ray's own hook, registered at import, so it runs first)."""
     global _exit_hooked
     if not _exit_hooked:
-        import threading
-
         register = getattr(threading, "_register_atexit", None)
         if register is not None:
             register(_stop_and_remove_owned_temp_dirs)
@@ -245,7 +257,8 @@ def init_local(num_cpus: int | None = None, **kwargs: Any) -> Any:
         _owned_temp_dirs.append(os.path.dirname(kwargs["_temp_dir"]))
     kwargs.setdefault("include_dashboard", False)
     kwargs.setdefault("logging_level", "WARNING")
-    ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **kwargs)
+    with _keeping_sigterm_handler():
+        ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **kwargs)
     try:
         check_ports_are_ours(_node_ports(ray), os.getpid())
     except PortTakenError:
@@ -313,7 +326,8 @@ def connect(address: str | None = None, **kwargs: Any) -> Any:
         env.update(LOOPBACK_ENV)
     _apply(env)
     ray = import_ray()
-    ray.init(address=target, **kwargs)
+    with _keeping_sigterm_handler():
+        ray.init(address=target, **kwargs)
     return ray
 
 
