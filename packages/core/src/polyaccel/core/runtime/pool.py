@@ -169,7 +169,8 @@ class ReplicaPool:
         name: prefix of the worker thread names.
 
     The constructor returns once every replica is built; if a factory raises, the pool is
-    closed and :class:`ReplicaStartError` is raised from that error.
+    closed and :class:`ReplicaStartError` is raised from that error. Interrupted (Ctrl-C) while
+    replicas are built, it closes the pool (waiting for the factories running) and re-raises.
     """
 
     def __init__(self, replica_factory: ReplicaFactory, num_replicas: int, *,
@@ -219,12 +220,16 @@ class ReplicaPool:
         self._started = 0
         self._start_errors: list[tuple[int, BaseException]] = []
 
-        with self._lock:
-            for slot in range(num_replicas):
-                self._spawn(slot, first=True)
-            while self._started < num_replicas:
-                self._ready.wait()
-            errors = list(self._start_errors)
+        try:
+            with self._lock:
+                for slot in range(num_replicas):
+                    self._spawn(slot, first=True)
+                while self._started < num_replicas:
+                    self._ready.wait()
+                errors = list(self._start_errors)
+        except BaseException:  # Ctrl-C while replicas load: close the built ones, end every thread
+            self.close(cancel_pending=True)
+            raise
         if errors:
             self.close(cancel_pending=True)
             slot, error = min(errors, key=lambda e: e[0])

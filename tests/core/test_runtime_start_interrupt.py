@@ -1,0 +1,43 @@
+"""Ctrl-C while a ReplicaPool builds its replicas (a model load): the constructor raised
+KeyboardInterrupt and left the replicas already built never closed and their worker threads
+waiting for work for ever (nothing could close a pool the caller never got). Now it closes the
+pool (every built replica closed once, every thread ended) and re-raises."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from polyaccel.core import ReplicaPool
+
+
+@pytest.mark.timeout(30)
+def test_ctrl_c_while_replicas_start_closes_the_built_ones_and_ends_every_thread():
+    built, closed = [], []
+
+    class SlowToLoad:
+        def __init__(self, index: int) -> None:
+            self.index = index
+            if index == 1:
+                time.sleep(1.0)  # still loading when the Ctrl-C arrives
+            built.append(index)
+
+        def process(self, batch):
+            return batch
+
+        def close(self) -> None:
+            closed.append(self.index)
+
+    ctrl_c = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ReplicaPool(SlowToLoad, 2, name="start-interrupt")
+    finally:
+        ctrl_c.cancel()
+    assert sorted(built) == [0, 1] and sorted(closed) == [0, 1]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("start-interrupt")]
