@@ -117,3 +117,35 @@ def test_sigterm_ends_finetune_like_ctrl_c_exit_143_naming_the_newest_checkpoint
     assert code == 143 and out == ""
     assert err == ("polyaccel-moe: terminated; rerun the same command to resume from the last checkpoint "
                    f"({ck / 'step_00000002'})\n")
+
+
+def test_a_second_ctrl_c_while_finetune_unwinds_ends_the_process_instead_of_raising_again(capsys, tmp_path,
+                                                                                           monkeypatch):
+    """Ctrl-C, delivered for real, unwinds the run (exit 130, the resume line); from then on
+    Ctrl-C is the default action, so a second one while the run removes a half checkpoint or
+    the interpreter exits ends the process at once instead of raising inside that cleanup (a
+    traceback, or SIGABRT with threads left in torch). A run not interrupted puts Python's own
+    handler back."""
+    import os
+    import signal
+
+    during_unwind = []
+
+    def interrupted(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            pytest.fail("Ctrl-C did not end the run")
+        finally:
+            during_unwind.append(signal.getsignal(signal.SIGINT))
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as in a shell
+    try:
+        monkeypatch.setattr(train, "finetune", interrupted)
+        code, _, err = _finetune(capsys, f"checkpoint.dir={tmp_path / 'ck'}", f"output_dir={tmp_path / 'out'}")
+        assert code == 130 and "interrupted" in err
+        assert during_unwind == [signal.SIG_DFL] and signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        assert _main(capsys, ["presets"])[0] == 0
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)

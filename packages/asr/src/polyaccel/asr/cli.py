@@ -14,20 +14,23 @@ written (a full disk).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from polyaccel.core.argtypes import integer, number
-from polyaccel.core.clitools import broken_pipe, dumps, interrupt_status, sigterm_as_interrupt
+from polyaccel.core.clitools import (
+    broken_pipe,
+    dumps,
+    interrupt_status,
+    second_ctrl_c_ends_at_once,
+    sigterm_as_interrupt,
+)
 
 EXAMPLES = """\
 examples:
@@ -219,35 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     _fill_closed_standard_streams()
     try:
-        with sigterm_as_interrupt(), _second_ctrl_c_ends_at_once():
+        with sigterm_as_interrupt(), second_ctrl_c_ends_at_once():
             return _main(list(sys.argv[1:] if argv is None else argv))
     except BrokenPipeError as e:  # `... | head`: the reader left (141, no traceback); another pipe: exit 1
         return broken_pipe(e, "polyaccel-asr")
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def _second_ctrl_c_ends_at_once() -> Iterator[None]:
-    """Ctrl-C raises ``KeyboardInterrupt`` once; a second one, while the command unwinds (waiting
-    for the batch in flight) or the interpreter exits, ends the process at once, as a second
-    SIGTERM does (what was written is whole lines; its lock file is taken over by the rerun). It
-    raised again inside that unwinding, which then exited with the replicas' threads still
-    running: "terminate called without an active exception", SIGABRT and a core dump. Only
-    where Python's own handler is set (not where Ctrl-C is ignored), in the main thread."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
-        return
-    signal.signal(signal.SIGINT, _interrupt)
-    try:
-        yield
-    finally:  # after a Ctrl-C it stays at the default: the exit that follows is not interrupted
-        if signal.getsignal(signal.SIGINT) is _interrupt:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _fill_closed_standard_streams() -> None:

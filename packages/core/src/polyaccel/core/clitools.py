@@ -1,6 +1,7 @@
 """What the ``polyaccel``, ``polyaccel-moe`` and ``polyaccel-asr`` command lines share: strict
 JSON output, a quiet exit when the reader of their output goes away (``... | head``), an
-error for a broken pipe that is not stdout, and SIGTERM ended like Ctrl-C."""
+error for a broken pipe that is not stdout, SIGTERM ended like Ctrl-C, and a second Ctrl-C
+that ends the process at once."""
 
 from __future__ import annotations
 
@@ -55,6 +56,31 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:  # (None: a handler set outside Python)
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def second_ctrl_c_ends_at_once() -> Iterator[None]:
+    """Ctrl-C raises ``KeyboardInterrupt`` once; a second one, while the command unwinds (waiting
+    for work in flight, removing a half-written checkpoint) or the interpreter exits, ends the
+    process at once, as a second SIGTERM does. Raised again inside that unwinding it left worker
+    threads running in torch at exit: "terminate called without an active exception", SIGABRT
+    and a core dump (polyaccel-asr), or a traceback. Only where Python's own handler is set (not
+    where Ctrl-C is ignored), in the main thread."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    signal.signal(signal.SIGINT, _interrupt_once)
+    try:
+        yield
+    finally:  # after a Ctrl-C it stays at the default: the exit that follows is not interrupted
+        if signal.getsignal(signal.SIGINT) is _interrupt_once:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def interrupt_status(e: KeyboardInterrupt) -> tuple[int, str]:

@@ -8,7 +8,13 @@ import sys
 from collections.abc import Sequence
 
 from polyaccel.core.argtypes import integer, number
-from polyaccel.core.clitools import broken_pipe, dumps, interrupt_status, sigterm_as_interrupt
+from polyaccel.core.clitools import (
+    broken_pipe,
+    dumps,
+    interrupt_status,
+    second_ctrl_c_ends_at_once,
+    sigterm_as_interrupt,
+)
 
 _EPILOG = """examples:
   polyaccel-moe presets
@@ -33,7 +39,8 @@ checkpoint.dir, a fallback folder polyaccel-moe-rescue-* next to output_dir, els
 the working directory.
 130: interrupted (Ctrl-C), 143: terminated (SIGTERM: kill, timeout, a scheduler's pre-emption):
 one line names the newest complete checkpoint, which rerunning the same command resumes from (a
-checkpoint cut off while being written never counts: the previous one stays the newest).
+checkpoint cut off while being written never counts: the previous one stays the newest); a
+second Ctrl-C while the run unwinds ends the process at once.
 141: the reader of stdout went away (| head). JSON printed is strict (NaN, infinity: null).
 docs: docs/moe_finetune.md"""
 
@@ -171,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench" and not (args.preset or args.config):
         build_parser().error("bench needs --preset or --config")
     try:
-        with sigterm_as_interrupt():
+        with sigterm_as_interrupt(), second_ctrl_c_ends_at_once():
             return args.fn(args)
     except (ConfigError, NotImplementedError) as e:
         print(f"polyaccel-moe: error: {e}", file=sys.stderr)
