@@ -22,8 +22,9 @@ def test_ctrl_c_while_replicas_start_closes_the_built_ones_and_ends_every_thread
     class SlowToLoad:
         def __init__(self, index: int) -> None:
             self.index = index
-            if index == 1:
-                time.sleep(1.0)  # still loading when the Ctrl-C arrives
+            if index == 1:  # Ctrl-C while this one still loads (no timer: the same order under any load)
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1.0)
             built.append(index)
 
         def process(self, batch):
@@ -32,12 +33,11 @@ def test_ctrl_c_while_replicas_start_closes_the_built_ones_and_ends_every_thread
         def close(self) -> None:
             closed.append(self.index)
 
-    ctrl_c = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-    ctrl_c.start()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as in a shell
     try:
         with pytest.raises(KeyboardInterrupt):
             ReplicaPool(SlowToLoad, 2, name="start-interrupt")
     finally:
-        ctrl_c.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert sorted(built) == [0, 1] and sorted(closed) == [0, 1]
     assert not [t.name for t in threading.enumerate() if t.name.startswith("start-interrupt")]
