@@ -121,6 +121,33 @@ def test_left_padding_matches_on_real_tokens(pair):
     torch.testing.assert_close(out[real], ref[real], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("loss", ["standard", "fused"])
+def test_left_padding_loss_and_gradients_match(pair, loss):
+    """Labels of a left-padded row: the last padding position predicts the first real token, so
+    its output is in the loss. Its query sees no key: its attention output is zeros, as in
+    Transformers; it once attended everywhere, seeing the token it predicts: another loss,
+    other gradients."""
+    hf, ours = pair
+    ids = _batch(seed=7, S=9)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ids[0, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    ours.apply_backend(BackendConfig(backend="cpu", loss=loss))
+    hf.zero_grad(), ours.zero_grad()
+    try:
+        ref = hf(input_ids=ids, attention_mask=mask, labels=labels).loss
+        out = ours(input_ids=ids, attention_mask=mask, labels=labels).loss
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        ref.backward(), out.backward()
+        grads = dict(ours.named_parameters())
+        for name, p in hf.named_parameters():
+            torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+    finally:
+        hf.zero_grad(set_to_none=True), ours.zero_grad(set_to_none=True)
+        ours.apply_backend(BackendConfig(backend="cpu"))
+
+
 def test_greedy_generate_matches(pair):
     hf, ours = pair
     ids = _batch(seed=5, B=2, S=7)

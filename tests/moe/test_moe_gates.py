@@ -252,8 +252,9 @@ def test_router_jitter_multiplies_the_input_by_uniform_noise_in_training_only():
 
 def test_padding_mask_leaves_no_query_row_fully_masked():
     """Left padding: real queries attend causally to real keys only; a padding query (which
-    would have no key at all and give NaN in SDPA's fused kernels) attends everywhere instead."""
-    from polyaccel.moe.layers import AttentionContext, attention_mask_for
+    would have no key at all and give NaN in SDPA's fused kernels) attends everywhere instead,
+    and the attention's output for it is zeros (Transformers' value), its gradients too."""
+    from polyaccel.moe.layers import AttentionContext, attention_mask_for, causal_sdpa, mask_and_dead_rows
 
     pad = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     mask = attention_mask_for(AttentionContext(pad), 2, 5, 5, 0, torch.device("cpu"))
@@ -262,3 +263,11 @@ def test_padding_mask_leaves_no_query_row_fully_masked():
     assert torch.equal(mask[1, 0], causal)
     assert torch.equal(mask[0, 0, 2:], causal[2:] & pad[0].bool())  # real queries: real keys only
     assert bool(mask[0, 0, :2].all())  # padding queries attend everywhere
+    _, dead = mask_and_dead_rows(AttentionContext(pad), 2, 5, 5, 0, torch.device("cpu"))
+    assert dead.shape == (2, 1, 5, 1) and dead[:, 0, :, 0].tolist() == [[True, True] + [False] * 3, [False] * 5]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 4, generator=g, requires_grad=True) for _ in range(3))
+    out = causal_sdpa(q, k, v, AttentionContext(pad), 0, 0.5)
+    assert bool((out[0, :, :2] == 0).all()) and bool((out[0, :, 2:] != 0).any())
+    out[0, :, :2].sum().backward()  # the padding queries' outputs reach nothing
+    assert all(bool((t.grad == 0).all()) for t in (q, k, v))

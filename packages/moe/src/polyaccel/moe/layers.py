@@ -177,7 +177,7 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Attentio
     keys, ``past`` = tokens seen before this call) -> [B, NH, S, Dv].
     """
     B, _, S, _ = q.shape
-    mask = attention_mask_for(ctx, B, S, k.shape[-2], past, q.device)
+    mask, dead = mask_and_dead_rows(ctx, B, S, k.shape[-2], past, q.device)
     gqa = q.shape[1] != k.shape[1]
     # On CUDA only flash (no masks) and math kernels take GQA; repeat K/V for cuDNN and for
     # masked calls, where the memory-efficient kernel beats math.
@@ -186,8 +186,9 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Attentio
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         gqa = False
     with sdpa_backend(ctx.impl, q.device):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and S > 1,
-                                              scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and S > 1,
+                                             scale=scale, enable_gqa=gqa)
+    return out if dead is None else out.masked_fill(dead, 0.0)
 
 
 def attention_mask_for(ctx: AttentionContext, batch: int, q_len: int, kv_len: int, past: int,
@@ -195,8 +196,29 @@ def attention_mask_for(ctx: AttentionContext, batch: int, q_len: int, kv_len: in
     """The SDPA mask for one layer, or None when plain causal (``is_causal``) is exact.
 
     Query i sits at absolute position ``past + i``; key j at ``past + q_len - kv_len + j``
-    (a sliding-window cache keeps only the last keys).
+    (a sliding-window cache keeps only the last keys). A query that would see no key (left
+    padding) attends everywhere instead: :func:`causal_sdpa` zeroes its output.
     """
+    return mask_and_dead_rows(ctx, batch, q_len, kv_len, past, device)[0]
+
+
+def mask_and_dead_rows(ctx: AttentionContext, batch: int, q_len: int, kv_len: int, past: int,
+                       device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """:func:`attention_mask_for`'s mask and, for a 2-D padding mask, which queries see no key
+    ([B, 1, S, 1] bool; None otherwise): their output must be zeros, as in Transformers. A fully
+    masked row can give NaN in fused kernels, so such a query attends everywhere and its
+    output, and with it every gradient through it, is zeroed after the attention."""
+    keep = _keep_mask(ctx, batch, q_len, kv_len, past, device)
+    if keep is None or ctx.attention_mask is None or ctx.attention_mask.dim() != 2:
+        return keep, None
+    dead = ~keep.any(-1, keepdim=True)
+    return keep | dead, dead
+
+
+def _keep_mask(ctx: AttentionContext, batch: int, q_len: int, kv_len: int, past: int,
+               device: torch.device) -> torch.Tensor | None:
+    """Which keys each query sees (a ready 4-D mask as given), or None when plain causal
+    (``is_causal``) is exact; a left-padding query's row is all False."""
     m = ctx.attention_mask
     if m is not None and m.dim() == 4:
         return m
@@ -212,8 +234,7 @@ def attention_mask_for(ctx: AttentionContext, batch: int, q_len: int, kv_len: in
     keep = keep[None, None].expand(batch, 1, q_len, kv_len)
     if m is not None:
         keep = keep & m[:, None, None, -kv_len:].bool()
-    # A fully masked row (a padding query) would give NaN; let it attend everywhere instead.
-    return keep | ~keep.any(-1, keepdim=True)
+    return keep
 
 
 def sdpa_backend(impl: str, device: torch.device):
