@@ -11,6 +11,8 @@ process times, after checking each result against ``torch._grouped_mm`` (CUTLASS
   micro-batches as one pipelined loop per micro-batch (an experiment: slower at windows);
 - ``il(...)``: an experiment that interleaves the micro-batches in one loop, one descriptor
   pair each, zero-filled past each one's rows (slower too);
+- ``shipped(...)`` / ``shipped-acc(...)``: the shipped tensor-memory kernel at each tile of
+  :data:`SHIPPED` (one micro-batch), writing over the output and adding into it;
 - ``cutlass-concat``: ``torch._grouped_mm`` over the rows of all micro-batches at once (no
   accumulation into ``.grad``: a bound, not a replacement).
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 
 import torch
@@ -46,6 +49,14 @@ PTR = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 1
 TMA = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (256, 128, 64, 8, 4),
        (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 128, 128, 8, 3), (128, 256, 128, 8, 2),
        (256, 128, 128, 8, 2), (128, 256, 32, 8, 6)]
+SHIPPED = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 4), (256, 128, 64, 8, 3),
+           (128, 256, 32, 8, 6),
+           # one warpgroup and at most ~110 KB of shared memory: two programs per SM, so one's
+           # pipeline fill and .grad epilogue overlap the other's main loop
+           (128, 128, 64, 4, 3), (128, 128, 32, 4, 6), (128, 128, 32, 4, 4), (128, 128, 64, 4, 2),
+           (64, 256, 64, 4, 3), (256, 64, 64, 4, 3), (128, 256, 64, 8, 2)]
+"""Tile shapes for the shipped tensor-memory kernel (``shipped(...)`` writing over the output,
+``shipped-acc(...)`` adding into it), one micro-batch only."""
 IL = [(128, 256, 16, 8, 3), (128, 256, 16, 8, 4), (256, 128, 16, 8, 4), (128, 256, 32, 8, 2),
       (128, 128, 32, 8, 3), (128, 128, 32, 8, 4), (256, 128, 32, 8, 2), (128, 128, 16, 8, 5)]
 
@@ -131,7 +142,7 @@ def _launch(kernel, dys, xs, offs, out, cfg) -> None:  # noqa: ANN001
                                            num_warps=warps, num_stages=stages)
 
 
-def run_case(name: str) -> list[dict]:
+def run_case(name: str, only: str | None = None) -> list[dict]:
     from triton.testing import do_bench
 
     from polyaccel.cuda import grouped_wgrad as gw
@@ -150,6 +161,8 @@ def run_case(name: str) -> list[dict]:
 
     def record(variant: str, fn, check: bool = True) -> None:  # noqa: ANN001
         rec = {"case": name, "variant": variant}
+        if only and not re.search(only, variant):
+            return
         try:
             fn()
             torch.cuda.synchronize()
@@ -190,6 +203,16 @@ def run_case(name: str) -> list[dict]:
                                             ACCUMULATE=False, GRAD_FIRST=False, BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt, num_warps=w,
                                             num_stages=st))
     gw._ensure_scratch_allocator()
+    tma_plain = gw._tma_kernel()[0]
+    for cfg in SHIPPED if S == 1 else []:
+        bn, bk, bt, warps, stages = cfg
+        for acc in (False, True):
+            out.zero_()
+            record(f"shipped{'-acc' if acc else ''}{cfg}", lambda bn=bn, bk=bk, bt=bt, w=warps, st=stages, acc=acc:
+                   tma_plain[(-(-N // bn) * -(-K // bk), G)](
+                       dys[0], xs[0], offs[0], counts[0], out, N, K, gw._rows_key(R), dys[0].stride(0),
+                       xs[0].stride(0), ACCUMULATE=acc, GRAD_FIRST=False, BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt,
+                       num_warps=w, num_stages=st), check=not acc)
     for family, kernel, cfgs in (("tma", per_source_loops, TMA), ("il", interleaved, IL if S > 1 else [])):
         for cfg in cfgs:
             record(f"{family}{cfg}", lambda k=kernel, c=cfg: _launch(k, dys, xs, offs, out, c))
@@ -200,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     p.add_argument("--budget", type=float, default=600, help="seconds; no case starts after them")
+    p.add_argument("--only", help="run only the variants whose name this regular expression finds")
     a = p.parse_args(argv)
     from polyaccel.core import select_backend
 
@@ -212,12 +236,13 @@ def main(argv: list[str] | None = None) -> None:
         if time.time() - t0 > a.budget:
             print(f"budget spent: {name} and later cases not run", flush=True)
             break
-        rows += run_case(name)
+        rows += run_case(name, a.only)
         torch.cuda.empty_cache()
     print("best tile per kernel and case (TFLOP/s):")
     for case in dict.fromkeys(r["case"] for r in rows):
-        for family in ("prod", "cutlass", "ptr", "tma", "il"):
-            mine = [r for r in rows if r["case"] == case and r["variant"].startswith(family) and "tflops" in r]
+        for family in ("prod", "prod-acc", "cutlass", "ptr", "tma", "il", "shipped(", "shipped-acc"):
+            mine = [r for r in rows if r["case"] == case and r["variant"].startswith(family) and "tflops" in r
+                    and (family != "prod" or r["variant"] == "prod")]
             if mine:
                 best = max(mine, key=lambda r: r["tflops"])
                 print(f"  {case:<20} {best['variant']:<28} {best['tflops']:>7}")
