@@ -47,32 +47,37 @@ def test_random_ops_and_other_graphs_run_after_a_failed_capture() -> None:
     torch.cuda.synchronize()
 
 
-def _unreachable_graph() -> None:
-    """A captured graph left in a reference cycle: only the cyclic collector destroys it."""
-    cycle: dict = {}
-    cycle["self"] = cycle
+def _captured_graph() -> torch.cuda.CUDAGraph:
     x = torch.zeros(1, device="cuda")
     with torch.cuda.graph(graph := torch.cuda.CUDAGraph()):
         x.add_(1)
-    cycle["graph"], cycle["x"] = graph, x
+    return graph
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_garbage_collection_due_inside_a_capture_does_not_fail_it() -> None:
     """Destroying a graph is not permitted while a stream captures: a collection that ran inside
     a capture and destroyed an earlier runner's unreachable graphs failed the capture (an H200
-    decode bucket then fell back to eager, now and then). Here collections are due at every
-    allocation of a tracked object during the capture; the capture must still succeed."""
+    decode bucket then fell back to eager, now and then). Here graphs in reference cycles become
+    unreachable inside the capture and a collection is due at every allocation of a tracked
+    object; the capture must still succeed."""
     import gc
 
-    for _ in range(8):
-        _unreachable_graph()
+    graphs = [_captured_graph() for _ in range(8)]
     counter = torch.zeros(4, device="cuda")
     threshold = gc.get_threshold()
     gc.set_threshold(1, 1, 1)
     try:
         graph = torch.cuda.CUDAGraph()
         with cuda_graph_capture(graph):
+            # Each graph left only in a new (young) reference cycle: the next collection of the
+            # youngest generation destroys it. (torch.cuda.graph collects garbage before it
+            # starts capturing, so garbage from before the capture is gone by now.)
+            for g in graphs:
+                cycle = {"graph": g}
+                cycle["self"] = cycle
+            graphs.clear()
+            del g, cycle
             for _ in range(20):
                 counter.add_(1)
                 _ = [[i] for i in range(10)]  # tracked objects: a collection is due
