@@ -13,8 +13,8 @@ counter) trains ``--warmup + --steps`` optimizer steps of ``--accum`` micro-batc
 - ``loop-adamw``: our model with its default ``BackendConfig``, the same plain loop unchanged;
 - ``loop``: the same plain loop with the documented change: ``FlatAdamW`` (told the
   micro-step's ``overwritten_params``) in place of ``torch.optim.AdamW`` and ``loss = step(input_ids=ids, labels=ids)`` (a
-  ``GraphedMicroStep(model, grad_accum=4, wgrad_window="auto")``) in place of
-  ``loss = model(...).loss; loss.backward()``;
+  ``GraphedMicroStep(model, grad_accum=4, wgrad_window="auto")``; ``--wgrad-window N`` sets it) in
+  place of ``loss = model(...).loss; loss.backward()``;
 - ``trainer``: our model under ``polyaccel.moe.Trainer`` (batch 1, ``--accum`` accumulation steps);
 - ``cli``: ``polyaccel-moe bench --preset SHAPE`` with no speed flags.
 
@@ -22,6 +22,9 @@ counter) trains ``--warmup + --steps`` optimizer steps of ``--accum`` micro-batc
 and adds its kernel time by category (``profile_ms``: GEMMs, grouped GEMMs, attention, routing,
 norms, loss, optimizer, copies, the rest) to the row; the full kernel table goes to
 ``profile_<shape>_<entry>.txt`` in ``$OUT`` (else ``--out-dir``).
+
+The peak (``peak_gib``) is the whole run's, warm-up (compilation, autotuning, graph capture)
+included; plain-loop rows also give ``peak_after_warmup_gib``, the measured steps' alone.
 
 One JSON line per row on stdout (and ``--out``), then a table with tokens/s, peak GiB, MFU
 against the measured dense bf16 rate (790 TFLOP/s) and the H200 spec (989), and the ratio to
@@ -89,7 +92,8 @@ def plain_loop(entry: str, config, a) -> tuple[list[float], float]:
     if entry == "loop":  # the documented two-line change
         from polyaccel.moe import FlatAdamW, GraphedMicroStep
 
-        step = GraphedMicroStep(model, grad_accum=a.accum, wgrad_window="auto") if a.device == "cuda" else None
+        window = a.wgrad_window if a.wgrad_window == "auto" else int(a.wgrad_window)
+        step = GraphedMicroStep(model, grad_accum=a.accum, wgrad_window=window) if a.device == "cuda" else None
         opt = FlatAdamW(model.parameters(), lr=1e-5, grads_overwritten=step.overwritten_params if step else ())
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=a.device == "cuda")
@@ -109,7 +113,10 @@ def plain_loop(entry: str, config, a) -> tuple[list[float], float]:
         return loss
 
     times, loss = [], None
-    for _ in range(a.warmup + a.steps):
+    for i in range(a.warmup + a.steps):
+        if i == a.warmup and a.device == "cuda":  # the peak of the measured steps alone, too
+            a.peak_warmup = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
         _sync(a.device)
         t0 = time.perf_counter()
         loss = one_step()
@@ -248,20 +255,23 @@ def run_one(shape: str, entry: str, a) -> dict:
     config = shape_config(shape, a.layers)
     tokens = a.seq * a.accum
     t_start = time.perf_counter()
-    fast = None
+    fast = steady = None
     if entry == "cli":
         rec = cli_run(shape, a)
         step_s, loss, peak, fast = rec["step_time_s"], rec["final_loss"], rec["peak_memory_gib"], rec.get("fast_path")
     else:
-        a.profile_ms = a.profile_gaps = None
+        a.profile_ms = a.profile_gaps = a.peak_warmup = None
         times, loss = (trainer_run if "trainer" in entry else plain_loop)(entry, config, a)
         step_s = statistics.median(times)
         peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
+        if peak is not None and a.peak_warmup is not None:
+            steady, peak = peak, max(peak, a.peak_warmup)
     fpt = train_flops_per_token(config, a.seq)
     tok_s = tokens / step_s
     return {"shape": shape, "entry": entry, "layers": config.num_hidden_layers, "seq": a.seq, "accum": a.accum,
             "tokens_per_s": round(tok_s, 1), "step_s_median": round(step_s, 4),
             "peak_gib": None if peak is None else round(peak, 2),
+            **({"peak_after_warmup_gib": round(steady, 2)} if steady is not None else {}),
             "mfu_dense": round(tok_s * fpt / (DENSE_TFLOPS * 1e12), 4),
             "mfu_spec": round(tok_s * fpt / (SPEC_TFLOPS * 1e12), 4),
             "loss": None if loss is None else round(loss, 4), "fast_path": fast,
@@ -289,6 +299,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _window_arg(text: str) -> str:
+    if text != "auto" and not (text.isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: auto or a whole number >= 1")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
@@ -298,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--accum", type=int, default=4)
     p.add_argument("--steps", type=int, default=5, help="measured optimizer steps")
+    p.add_argument("--wgrad-window", default="auto", type=_window_arg,
+                   help="the loop entry's GraphedMicroStep weight-gradient window (auto or a count)")
     p.add_argument("--warmup", type=int, default=3, help="steps before measuring (compile, graph capture)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--timeout", type=float, default=900, help="seconds per row")
