@@ -357,3 +357,25 @@ def test_a_future_cancelled_while_waiting_is_never_run():
         assert first.result(timeout=5).ok
     assert log == [[0]]
     assert pool.metrics().cancelled == 1
+
+
+def test_a_dead_replica_whose_close_raises_system_exit_still_gets_a_successor():
+    """A dying replica is closed, then rebuilt; a ``close()`` that raises even ``SystemExit``
+    (not an ``Exception``) is that replica's own failure: the successor still starts and the
+    items still run (it once ended the slot's thread, and the pool waited for ever)."""
+    builds: list[int] = []
+    died = threading.Event()
+
+    class ExitsOnClose(DiesOnce):
+        def close(self):
+            raise SystemExit(3)
+
+    def factory(index):
+        builds.append(index)
+        return ExitsOnClose(index, died)
+
+    with ReplicaPool(factory, 1, restart_backoff_s=0.0, name=_NAME) as pool:
+        results = [f.result(timeout=5) for f in [pool.submit(ToyItem(i)) for i in range(3)]]
+        m = pool.metrics()
+    assert [r.value for r in results] == [0, 2, 4] and all(r.ok for r in results), results
+    assert m.restarts == 1 and builds == [0, 0]

@@ -47,12 +47,14 @@ def process_fn(replica: Any) -> Callable[[list[Any]], Sequence[Any]]:
 
 
 def close_replica(replica: Any) -> None:
-    """Call ``replica.close()`` if it has one; a failure there cannot hurt results any more."""
+    """Call ``replica.close()`` if it has one; a failure there cannot hurt results any more.
+    Even ``SystemExit`` is that replica's own failure: raised in a worker thread it would end
+    the thread before the successor starts. Only Ctrl-C (``KeyboardInterrupt``) goes on."""
     close = getattr(replica, "close", None)
     if callable(close):
         try:
             close()
-        except Exception:  # noqa: S110 - the replica is being thrown away anyway
+        except (Exception, SystemExit):  # noqa: S110 - the replica is being thrown away anyway
             pass
 
 
