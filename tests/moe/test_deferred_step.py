@@ -137,3 +137,22 @@ def test_forward_order_refuses_a_model_without_the_layout():
         forward_order(torch.nn.Linear(3, 3))
     with pytest.raises(ValueError, match="embed_tokens"):
         FlatAdamW(torch.nn.Linear(3, 3).parameters(), defer_to=torch.nn.Linear(3, 3))
+
+
+def test_a_hooked_expert_weight_keeps_its_gradient_for_the_deferred_step(model):
+    """An expert weight with a gradient hook is zeroed by the micro-step at a step's start (it
+    cannot be written over); a step deferred to that forward must have read it first."""
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    opts = []
+    for m, defer in ((a, False), (b, True)):
+        step = GraphedMicroStep(m, grad_accum=2)
+        step.overwritten_params[0].register_post_accumulate_grad_hook(lambda p: None)
+        opt = FlatAdamW(m.parameters(), lr=1e-2, grads_overwritten=step.overwritten_params,
+                        defer_to=m if defer else None)
+        opts.append(opt)
+        for s in range(3):
+            for i in range(2):
+                step(input_ids=_ids(s * 2 + i), labels=_ids(s * 2 + i))
+            opt.step()
+            opt.zero_grad()
+    _same_weights_and_state(a, opts[0], b, opts[1])

@@ -220,9 +220,11 @@ class GraphedMicroStep:
     def _zero_unfusable_experts(self) -> None:
         """At a step's first micro-batch, zero the expert weights that stopped being plain leaves
         (hooked since the optimizer was told they are written over): autograd adds into them."""
-        for p in self._experts:
-            if p.grad is not None and not fusable(p):
-                p.grad.zero_()
+        stale = [p for p in self._experts if p.grad is not None and not fusable(p)]
+        if stale and (deferred := pending_step(self.model)) is not None:
+            deferred.flush()  # a step deferred to this forward reads these gradients first
+        for p in stale:
+            p.grad.zero_()
 
     def _eager(self, batch: dict[str, torch.Tensor], key: tuple[int, bool, bool, bool]) -> torch.Tensor:
         self._kept_by = None
