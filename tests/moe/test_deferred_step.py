@@ -156,3 +156,19 @@ def test_a_hooked_expert_weight_keeps_its_gradient_for_the_deferred_step(model):
             opt.step()
             opt.zero_grad()
     _same_weights_and_state(a, opts[0], b, opts[1])
+
+
+def test_zeroing_every_grad_and_a_new_group_apply_the_pending_step_first(model):
+    from polyaccel.moe.graphed_step import overwritten_params
+
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    opt_a = FlatAdamW(a.parameters(), lr=1e-2, grads_overwritten=overwritten_params(a))
+    opt_b = FlatAdamW(b.parameters(), lr=1e-2, grads_overwritten=overwritten_params(b), defer_to=b)
+    for m, opt in ((a, opt_a), (b, opt_b)):
+        m(input_ids=_ids(1), labels=_ids(1)).loss.backward()
+        opt.step()
+        opt.zero_every_grad()  # (the Trainer's call when the graphed micro-step does not run)
+        m(input_ids=_ids(2), labels=_ids(2)).loss.backward()
+        opt.step()
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+    _same_weights_and_state(a, opt_a, b, opt_b)

@@ -139,6 +139,10 @@ class FlatAdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (torch's checks), then move its params into flat buffers."""
+        deferred = getattr(self, "_deferred", None)
+        if deferred is not None:  # a pending step first; the next one plans its parts anew
+            deferred.flush()
+            deferred.parts = None
         super().add_param_group(param_group)
         params = self.param_groups[-1]["params"]  # torch's normalised list of tensors
         try:
@@ -267,6 +271,7 @@ class FlatAdamW(torch.optim.Optimizer):
     def zero_every_grad(self) -> None:
         """Zero every gradient from now on, ``grads_overwritten``'s too (now and at each
         :meth:`step`): for a caller that planned to write over them and then does not."""
+        self.flush()  # a step deferred to the next forward reads the gradients first
         self._overwritten = frozenset()
         for flats in self._flats:
             for flat in flats:
