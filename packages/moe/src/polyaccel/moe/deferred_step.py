@@ -87,6 +87,8 @@ class DeferredStep:
             if device.type == "cuda":  # made here, not inside a graph capture
                 self.stream = torch.cuda.Stream(device)
                 self._events = [torch.cuda.Event() for _ in self.modules]
+                for event in self._events:  # created now (at its first record), not inside a capture
+                    event.record(self.stream)
         if grad_scale is None:
             self.scale.fill_(1.0)
         else:
