@@ -151,6 +151,19 @@ def test_an_existing_output_that_may_not_be_written_is_refused_before_the_model_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav", "out.jsonl"]
 
 
+def test_an_output_named_like_an_input_that_does_not_exist_yet_is_refused(
+        asr_cli, loads: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``-o`` naming an input that is missing (a recording still being copied): nothing is there
+    to compare inodes with, so the names decide. Without that check the run wrote its results
+    where the recording is to go (that input failing as "missing file"), and every rerun was
+    refused: -o had become an input."""
+    wav = str(asr_cli.wav(tmp_path / "a.wav"))
+    later = tmp_path / "take2.dat"
+    assert cli.main(["transcribe", wav, str(later), "-o", str(later), "-q"]) == 2
+    assert f"-o {later}: is an input ({later}); refusing" in capsys.readouterr().err
+    assert loads == [] and sorted(p.name for p in tmp_path.iterdir()) == ["a.wav"]
+
+
 def test_the_results_are_synced_and_closed_when_the_run_ends(asr_cli, loads: list[str], tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The writer fsyncs at most once a second while writing; the run's end must sync the last
