@@ -84,7 +84,7 @@ def test_cpu_defaults_report_what_ran(tmp_path):
     assert cfg.train.cuda_graph == "auto" and cfg.train.wgrad_window == "auto"
     result = finetune(cfg)
     assert result.fast_path == {"compiled_layers": False, "optimizer": "FlatAdamW", "cuda_graph": False,
-                                "wgrad_window": 1}
+                                "wgrad_window": 1, "defer_step": False}
     assert result.summary()["fast_path"] == result.fast_path
 
 
@@ -321,7 +321,7 @@ def test_gpu_defaults_take_the_fast_path_and_train_like_plain(tmp_path):
 
     fast, w_fast = run("fast")
     assert fast.fast_path == {"compiled_layers": True, "optimizer": "FlatAdamW", "cuda_graph": True,
-                              "wgrad_window": 4}
+                              "wgrad_window": 4, "defer_step": False}
     plain, w_plain = run("plain", "model.backend.compile=false", "train.optimizer=adamw",
                          "train.cuda_graph=false", "train.wgrad_window=1")
     assert plain.fast_path["cuda_graph"] is False and plain.fast_path["compiled_layers"] is False
