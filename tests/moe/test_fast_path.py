@@ -144,6 +144,33 @@ def test_trainer_trains_like_transformers_trainer(tmp_path):
     assert _relative_gap(w_still, w_ref, start) > 0.5
 
 
+def test_trainer_defer_step_trains_like_the_step_at_once_and_resumes(tmp_path):
+    """``Trainer(defer_step=True)``: each step applied by the next forward gives the same losses
+    and weights (a finished train() leaves none pending); a checkpoint holds the applied step,
+    so a resume ends where the straight run ends. The lr=0 run is the negative control."""
+    from polyaccel.moe import Trainer
+    from polyaccel.moe.deferred_step import pending_step
+
+    start = _model().state_dict()
+    at_once, w_at_once = _train(Trainer, _args(tmp_path / "a"))
+    deferred = Trainer(model=(model := _model()), args=_args(tmp_path / "d"), train_dataset=_data(), defer_step=True)
+    deferred.train()
+    assert pending_step(model) is None and deferred.flat_optimizer()._deferred is not None
+    w_deferred = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.testing.assert_close(_losses(deferred), _losses(at_once), rtol=1e-5, atol=1e-6)
+    assert _relative_gap(w_deferred, w_at_once, start) < 1e-4
+    _, w_still = _train(Trainer, _args(tmp_path / "still", learning_rate=0.0))
+    assert _relative_gap(w_still, w_at_once, start) > 0.5
+
+    args = _args(tmp_path / "r", save_strategy="steps", save_steps=2)
+    Trainer(model=_model(), args=args, train_dataset=_data(), defer_step=True).train()
+    resumed_model = _model(seed=1)
+    resumed = Trainer(model=resumed_model, args=args, train_dataset=_data(), defer_step=True)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "r" / "checkpoint-2"))
+    torch.testing.assert_close(_losses(resumed), _losses(at_once), rtol=1e-5, atol=1e-6)  # (the first 2 from the state)
+    assert _relative_gap(resumed_model.state_dict(), w_at_once, start) < 1e-4
+
+
 def _losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
