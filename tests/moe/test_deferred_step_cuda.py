@@ -1,6 +1,7 @@
 """``FlatAdamW(defer_to=model)`` on CUDA: the step's parts on a side stream, each decoder
 layer's forward waiting for its own part, and inside :class:`GraphedMicroStep`'s captured
-graphs (replayed with each step's own scalars) give what the step applied at once gives."""
+graphs (replayed with each step's own scalars, in a weight-gradient window of 2) give what
+the step applied at once gives."""
 
 from __future__ import annotations
 
@@ -68,12 +69,15 @@ def test_graphed_micro_steps_replay_the_deferred_step_with_each_steps_scalars():
 
     results = []
     for model, defer in ((a, False), (b, True)):
-        steps.append(GraphedMicroStep(model, warmup=1, grad_accum=2))
+        steps.append(GraphedMicroStep(model, warmup=1, grad_accum=2, wgrad_window=2))
         opt = FlatAdamW(model.parameters(), lr=1e-2, grads_overwritten=steps[-1].overwritten_params,
                         defer_to=model if defer else None)
         results.append(_train(model, opt, graphed, 6))
     update_kinds = [k for k, v in steps[1].kinds.items() if k[3] and v.graph is not None]
     assert update_kinds, steps[1].kinds.keys()  # the deferred step was captured and replayed
+    # ...and the window's next micro-batch, which reads what that graph kept, replays too
+    assert all(v.graph is not None for step in steps for v in step.kinds.values() if v.calls > 2), \
+        {k: (v.calls, v.graph is not None) for k, v in steps[1].kinds.items()}
     assert pending_step(b) is None
     torch.testing.assert_close(torch.tensor(results[1]), torch.tensor(results[0]), rtol=2e-3, atol=0)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):

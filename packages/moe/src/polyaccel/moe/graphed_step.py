@@ -151,8 +151,11 @@ class GraphedMicroStep:
         kind.calls += 1
         # A graph reads what the graph of the kind before it kept; after anything else
         # (an eager call) the deferred tensors are others, so run eagerly until the window ends.
-        before = self.kinds.get((kind_key[0] - 1, True, False, False)) if kind_key[0] else None
-        ready = (before is not None and self._kept_by is before) if kind_key[0] else not kept_wgrad_tensors()
+        if kind_key[0]:  # the kind before it in the window, with or without a deferred optimizer step
+            ready = self._kept_by is not None and any(
+                self._kept_by is self.kinds.get((kind_key[0] - 1, True, False, update)) for update in (False, True))
+        else:
+            ready = not kept_wgrad_tensors()
         if not self.graphs or not ready or (kind.graph is not None and not self._matches(kind, batch)):
             return self._eager(batch, kind_key)
         if kind.graph is None:
