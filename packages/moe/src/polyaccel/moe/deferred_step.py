@@ -6,9 +6,12 @@ memory's rate, while the GEMMs of a forward leave the memory mostly idle. The ne
 needs layer ``i``'s new weights only when it reaches layer ``i``. So with
 ``FlatAdamW(..., defer_to=model)``, ``step()`` only records the step (its seven scalars go to
 a device tensor, the gradient-clipping factor to another), and the model's next forward
-applies it: its first module launches the pass split per module (embedding, each decoder
-layer, then the rest: final norm, LM head) on a side stream, one event after each part, and
-each module's forward waits for its own part alone. On the CPU the parts run in line, before
+applies it: before its first part it launches the pass split per part (embedding, each decoder
+layer, then the rest: final norm, LM head) on a side stream, one event after each, and each
+part waits for its own alone. Our models call :attr:`MoeModel.before_part
+<polyaccel.moe.models.base.MoeModel.before_part>` at those points themselves (outside compiled
+layers, and before the fused embedding, which never calls ``embed_tokens``); other models get
+forward pre-hooks on the same modules. On the CPU the parts run in line, before
 the forward. Inside a CUDA graph capture the same launches are captured; the graph then
 replays them with the scalars of whichever step is pending (:class:`GraphedMicroStep` tells
 :meth:`DeferredStep.replayed`).
@@ -63,7 +66,15 @@ class DeferredStep:
         self.joined = True  # the side stream's work is ordered before the current stream's
         self.stream: Any = None
         self.scale: torch.Tensor | None = None  # the grad scale of the pending step (1 without clipping)
-        self._handles = [m.register_forward_pre_hook(self._hook(i)) for i, m in enumerate(self.modules)]
+        inner = model.model
+        if hasattr(type(inner), "before_part"):
+            # Our models call it themselves, outside the compiled layers (a hook would run
+            # inside them) and before the fused embedding (which never calls embed_tokens).
+            inner.before_part = self._before
+            # ...and a hook on the embedding for inputs_embeds made by calling it from outside
+            self._handles = [_Unset(inner), self.modules[0].register_forward_pre_hook(self._hook(0))]
+        else:
+            self._handles = [m.register_forward_pre_hook(self._hook(i)) for i, m in enumerate(self.modules)]
         self._handles.append(model.register_state_dict_pre_hook(lambda *args, **kwargs: self.flush()))
         model._polyaccel_deferred_step = self
 
@@ -143,16 +154,23 @@ class DeferredStep:
             ops.adamw_step_from_(flat.param[span], flat.grad[span], flat.exp_avg[span], flat.exp_avg_sq[span],
                                  flat.hyper, zero_grad=part.zero_grad, grad_scale=self.scale)
 
+    def _before(self, index: int) -> None:
+        """Before part ``index`` (:func:`forward_order`) runs: launch a pending step, and wait
+        for the parts up to this one."""
+        if self.pending:
+            self._launch(side_stream=True)
+        if self.events:
+            current = torch.cuda.current_stream(self.scale.device)
+            for i in sorted(k for k in self.events if k <= index):
+                current.wait_event(self.events.pop(i))
+        if index == len(self.modules) - 1:
+            self._join()
+
     def _hook(self, index: int):  # noqa: ANN202
         def before_forward(module: nn.Module, args: Any) -> None:  # noqa: ARG001
-            if self.pending:
-                self._launch(side_stream=True)
-            if self.events:
-                current = torch.cuda.current_stream(self.scale.device)
-                for i in sorted(k for k in self.events if k <= index):
-                    current.wait_event(self.events.pop(i))
-            if index == len(self.modules) - 1:
-                self._join()
+            self._before(index)
+        # The fused embedding may skip this hook: MoeModel calls before_part(0) itself.
+        before_forward._polyaccel_deferred_step = True
         return before_forward
 
     def _join(self) -> None:
@@ -179,6 +197,16 @@ class DeferredStep:
             h.remove()
         if getattr(self.model, "_polyaccel_deferred_step", None) is self:
             del self.model._polyaccel_deferred_step
+
+
+class _Unset:
+    """Removes a model's ``before_part`` callback (a hook handle's ``remove``)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        self.inner = inner
+
+    def remove(self) -> None:
+        self.inner.before_part = None
 
 
 def pending_step(model: nn.Module) -> DeferredStep | None:
