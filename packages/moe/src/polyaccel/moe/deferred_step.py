@@ -45,6 +45,19 @@ def forward_order(model: nn.Module) -> list[nn.Module]:
     return [parts[0], *parts[1], parts[2]]
 
 
+def deferrable(model: nn.Module, who: str) -> nn.Module | None:
+    """``model`` when a step can wait for its forward (:func:`forward_order`), else None, with
+    the reason logged once (``who``: the setting that asked, e.g. ``"train.defer_step"``)."""
+    from polyaccel.moe.fast_path import say_once
+
+    try:
+        forward_order(model)
+    except ValueError as e:
+        say_once(f"{who} off: {e}")
+        return None
+    return model
+
+
 @dataclasses.dataclass(slots=True)
 class _Part:
     """One contiguous range of a flat buffer stepped as one launch."""
@@ -55,10 +68,9 @@ class _Part:
 
 
 class DeferredStep:
-    """The pending FlatAdamW step of ``optimizer`` and the hooks on ``model`` that apply it."""
+    """A FlatAdamW step pending for ``model``'s next forward, and what applies it there."""
 
-    def __init__(self, optimizer: Any, model: nn.Module) -> None:
-        self.optimizer, self.model = optimizer, model
+    def __init__(self, model: nn.Module) -> None:
         self.modules = forward_order(model)
         self.parts: list[list[_Part]] | None = None  # per module, built at the first step
         self.pending = False  # a step is recorded and not yet launched
@@ -72,17 +84,17 @@ class DeferredStep:
             # inside them) and before the fused embedding (which never calls embed_tokens).
             inner.before_part = self._before
             # ...and a hook on the embedding for inputs_embeds made by calling it from outside
-            self._handles = [_Unset(inner), self.modules[0].register_forward_pre_hook(self._hook(0))]
+            self.modules[0].register_forward_pre_hook(self._hook(0))
         else:
-            self._handles = [m.register_forward_pre_hook(self._hook(i)) for i, m in enumerate(self.modules)]
-        self._handles.append(model.register_state_dict_pre_hook(lambda *args, **kwargs: self.flush()))
+            for i, m in enumerate(self.modules):
+                m.register_forward_pre_hook(self._hook(i))
+        model.register_state_dict_pre_hook(lambda *args, **kwargs: self.flush())
         model._polyaccel_deferred_step = self
 
     # ---- recording ----------------------------------------------------------------------------
     def record(self, flats: list[Any], scalars: list[list[float]], grad_scale: torch.Tensor | None) -> None:
         """Make this step pending: ``scalars[i]`` (:func:`~polyaccel.core.ops.adamw_scalars`)
-        for ``flats[i]``, gradients times ``grad_scale``."""
-        self.flush()
+        for ``flats[i]``, gradients times ``grad_scale`` (nothing may be pending: flush first)."""
         if self.parts is None:
             self.parts = self._plan(flats)
         for flat, values in zip(flats, scalars, strict=True):
@@ -189,24 +201,6 @@ class DeferredStep:
     def replayed(self) -> None:
         """A CUDA graph that captured this step's launch was replayed: the pending step ran."""
         self.pending = False
-
-    def remove(self) -> None:
-        """Apply what is pending and take the hooks off the model."""
-        self.flush()
-        for h in self._handles:
-            h.remove()
-        if getattr(self.model, "_polyaccel_deferred_step", None) is self:
-            del self.model._polyaccel_deferred_step
-
-
-class _Unset:
-    """Removes a model's ``before_part`` callback (a hook handle's ``remove``)."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        self.inner = inner
-
-    def remove(self) -> None:
-        self.inner.before_part = None
 
 
 def pending_step(model: nn.Module) -> DeferredStep | None:

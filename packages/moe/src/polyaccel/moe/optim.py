@@ -135,7 +135,7 @@ class FlatAdamW(torch.optim.Optimizer):
         if defer_to is not None:
             from polyaccel.moe.deferred_step import DeferredStep
 
-            self._deferred = DeferredStep(self, defer_to)
+            self._deferred = DeferredStep(defer_to)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (torch's checks), then move its params into flat buffers."""

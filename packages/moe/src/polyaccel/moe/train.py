@@ -506,18 +506,10 @@ def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device,
     if kind == "auto":
         kind = "flat_adamw" if all(type(p.data) is torch.Tensor for p in params) else "adamw"
     if kind == "flat_adamw":
+        from polyaccel.moe.deferred_step import deferrable
         from polyaccel.moe.optim import FlatAdamW
 
-        defer_to = None
-        if t.defer_step:
-            from polyaccel.moe.deferred_step import forward_order
-            from polyaccel.moe.fast_path import say_once
-
-            try:
-                forward_order(model)
-                defer_to = model
-            except ValueError as e:
-                say_once(f"train.defer_step off: {e}")
+        defer_to = deferrable(model, "train.defer_step") if t.defer_step else None
         try:
             return FlatAdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, grads_overwritten=overwritten,
                              defer_to=defer_to)

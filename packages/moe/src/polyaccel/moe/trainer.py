@@ -94,17 +94,12 @@ class FastPathMixin:
         :func:`~polyaccel.moe.deferred_step.forward_order` needs), else None (why is logged)."""
         if not self._defer_step:
             return None
-        from polyaccel.moe.deferred_step import forward_order
+        from polyaccel.moe.deferred_step import deferrable
 
         if self.accelerator.num_processes > 1:
             fast_path.say_once("Trainer: defer_step off: several processes run the step")
             return None
-        try:
-            forward_order(model)
-        except ValueError as e:
-            fast_path.say_once(f"Trainer: defer_step off: {e}")
-            return None
-        return model
+        return deferrable(model, "Trainer: defer_step")
 
     def flat_optimizer(self) -> FlatAdamW | None:
         """The FlatAdamW under Trainer's (possibly wrapped) optimizer, if that is what runs."""
