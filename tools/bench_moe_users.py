@@ -15,8 +15,6 @@ counter) trains ``--warmup + --steps`` optimizer steps of ``--accum`` micro-batc
   micro-step's ``overwritten_params``) in place of ``torch.optim.AdamW`` and ``loss = step(input_ids=ids, labels=ids)`` (a
   ``GraphedMicroStep(model, grad_accum=4, wgrad_window="auto")``; ``--wgrad-window N`` sets it) in
   place of ``loss = model(...).loss; loss.backward()``;
-- ``loop-defer``: ``loop`` with ``FlatAdamW(..., defer_to=model)``: each AdamW step applied by the
-  next forward, layer by layer on a side stream (:mod:`polyaccel.moe.deferred_step`);
 - ``trainer``: our model under ``polyaccel.moe.Trainer`` (batch 1, ``--accum`` accumulation steps);
 - ``cli``: ``polyaccel-moe bench --preset SHAPE`` with no speed flags.
 
@@ -48,7 +46,7 @@ import sys
 import tempfile
 import time
 
-ENTRIES = ("hf", "hf-compile", "hf-trainer-compile", "loop-adamw", "loop", "loop-defer", "trainer", "cli")
+ENTRIES = ("hf", "hf-compile", "hf-trainer-compile", "loop-adamw", "loop", "trainer", "cli")
 DENSE_TFLOPS, SPEC_TFLOPS = 790.0, 989.0
 _MARK = "BENCH_ROW "
 
@@ -91,13 +89,12 @@ def plain_loop(entry: str, config, a) -> tuple[list[float], float]:
 
     model = build(entry, config, a.device)
     step = None
-    if entry in ("loop", "loop-defer"):  # the documented two-line change
+    if entry == "loop":  # the documented two-line change
         from polyaccel.moe import FlatAdamW, GraphedMicroStep
 
         window = a.wgrad_window if a.wgrad_window == "auto" else int(a.wgrad_window)
         step = GraphedMicroStep(model, grad_accum=a.accum, wgrad_window=window) if a.device == "cuda" else None
-        opt = FlatAdamW(model.parameters(), lr=1e-5, grads_overwritten=step.overwritten_params if step else (),
-                        defer_to=model if entry == "loop-defer" else None)
+        opt = FlatAdamW(model.parameters(), lr=1e-5, grads_overwritten=step.overwritten_params if step else ())
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=a.device == "cuda")
     if entry == "hf-compile":

@@ -319,22 +319,6 @@ def test_adamw_step_checks_its_arguments():
         ops.adamw_step_(t, torch.zeros(5), t.clone(), t.clone(), step=1, **hp)
 
 
-@pytest.mark.parametrize("zero_grad", [False, True])
-def test_adamw_step_from_a_scalars_tensor_equals_adamw_step(gen, zero_grad):
-    """The step with its seven numbers read from a tensor (float64 here: exactly the doubles
-    ``adamw_step_`` forms) is the same step, bit for bit, with and without a grad scale."""
-    hp = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-    for step, scale in ((1, None), (7, torch.tensor(0.25))):
-        state = [rnd(gen, 300, dtype=torch.bfloat16) for _ in range(3)] + [rnd(gen, 300, dtype=torch.bfloat16).abs()]
-        want, got = [t.clone() for t in state], [t.clone() for t in state]
-        ops.adamw_step_(*want, **hp, step=step, zero_grad=zero_grad, grad_scale=scale)
-        scalars = torch.tensor(ops.adamw_scalars(**hp, step=step), dtype=torch.float64)
-        ops.adamw_step_from_(*got, scalars, zero_grad=zero_grad, grad_scale=scale)
-        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    with pytest.raises(ValueError, match="7 numbers"):
-        ops.adamw_step_from_(*state, torch.zeros(6))
-
-
 def test_adamw_scalars_refuses_step_zero():
     with pytest.raises(ValueError, match="step must be >= 1"):
         ops.adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 0)

@@ -84,7 +84,7 @@ def test_cpu_defaults_report_what_ran(tmp_path):
     assert cfg.train.cuda_graph == "auto" and cfg.train.wgrad_window == "auto"
     result = finetune(cfg)
     assert result.fast_path == {"compiled_layers": False, "optimizer": "FlatAdamW", "cuda_graph": False,
-                                "wgrad_window": 1, "defer_step": False}
+                                "wgrad_window": 1}
     assert result.summary()["fast_path"] == result.fast_path
 
 
@@ -142,33 +142,6 @@ def test_trainer_trains_like_transformers_trainer(tmp_path):
     # Negative control: a run that does not train is far from the reference by this measure.
     _, w_still = _train(Trainer, _args(tmp_path / "still", learning_rate=0.0))
     assert _relative_gap(w_still, w_ref, start) > 0.5
-
-
-def test_trainer_defer_step_trains_like_the_step_at_once_and_resumes(tmp_path):
-    """``Trainer(defer_step=True)``: each step applied by the next forward gives the same losses
-    and weights (a finished train() leaves none pending); a checkpoint holds the applied step,
-    so a resume ends where the straight run ends. The lr=0 run is the negative control."""
-    from polyaccel.moe import Trainer
-    from polyaccel.moe.deferred_step import pending_step
-
-    start = _model().state_dict()
-    at_once, w_at_once = _train(Trainer, _args(tmp_path / "a"))
-    deferred = Trainer(model=(model := _model()), args=_args(tmp_path / "d"), train_dataset=_data(), defer_step=True)
-    deferred.train()
-    assert pending_step(model) is None and deferred.flat_optimizer()._deferred is not None
-    w_deferred = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    torch.testing.assert_close(_losses(deferred), _losses(at_once), rtol=1e-5, atol=1e-6)
-    assert _relative_gap(w_deferred, w_at_once, start) < 1e-4
-    _, w_still = _train(Trainer, _args(tmp_path / "still", learning_rate=0.0))
-    assert _relative_gap(w_still, w_at_once, start) > 0.5
-
-    args = _args(tmp_path / "r", save_strategy="steps", save_steps=2)
-    Trainer(model=_model(), args=args, train_dataset=_data(), defer_step=True).train()
-    resumed_model = _model(seed=1)
-    resumed = Trainer(model=resumed_model, args=args, train_dataset=_data(), defer_step=True)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "r" / "checkpoint-2"))
-    torch.testing.assert_close(_losses(resumed), _losses(at_once), rtol=1e-5, atol=1e-6)  # (the first 2 from the state)
-    assert _relative_gap(resumed_model.state_dict(), w_at_once, start) < 1e-4
 
 
 def _losses(trainer) -> list[float]:
@@ -348,7 +321,7 @@ def test_gpu_defaults_take_the_fast_path_and_train_like_plain(tmp_path):
 
     fast, w_fast = run("fast")
     assert fast.fast_path == {"compiled_layers": True, "optimizer": "FlatAdamW", "cuda_graph": True,
-                              "wgrad_window": 4, "defer_step": False}
+                              "wgrad_window": 4}
     plain, w_plain = run("plain", "model.backend.compile=false", "train.optimizer=adamw",
                          "train.cuda_graph=false", "train.wgrad_window=1")
     assert plain.fast_path["cuda_graph"] is False and plain.fast_path["compiled_layers"] is False

@@ -33,11 +33,8 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def adamw_kernel(P, G, M, V, S, H, n, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
-                     ZERO_GRAD: tl.constexpr, SCALE: tl.constexpr, FROM_H: tl.constexpr, BLOCK: tl.constexpr):
-        if FROM_H:  # the seven scalars read from device memory (a replayed graph's current step)
-            decay, one_minus_beta1, beta2 = tl.load(H), tl.load(H + 1), tl.load(H + 2)
-            one_minus_beta2, step_size, bc2_sqrt, eps = tl.load(H + 3), tl.load(H + 4), tl.load(H + 5), tl.load(H + 6)
+    def adamw_kernel(P, G, M, V, S, n, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
+                     ZERO_GRAD: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr):
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = idx < n
         # Streamed once: ask the cache to evict these lines first.
@@ -82,38 +79,11 @@ def adamw_step_op(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         return
     # Scalars formed in double here, as torch does, then passed as fp32 (1 - beta1 in fp32
     # would be 0.100000024, not 0.1f, and shift every element by an ulp or two).
-    _launch(param, grad, exp_avg, exp_avg_sq, adamw_scalars(lr, beta1, beta2, eps, weight_decay, step), None,
-            zero_grad, grad_scale)
-
-
-def _launch(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-            scalars: list[float], from_tensor: torch.Tensor | None, zero_grad: bool,
-            grad_scale: torch.Tensor | None) -> None:
-    n = param.numel()
-    if n == 0:
-        return
     scale = grad_scale.reshape(1) if grad_scale is not None else param  # S unread without SCALE
-    hyper = from_tensor if from_tensor is not None else param  # H unread without FROM_H
-    _kernels()[(cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, scale, hyper, n, *scalars,
-                                  ZERO_GRAD=zero_grad, SCALE=grad_scale is not None,
-                                  FROM_H=from_tensor is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
-
-
-_UNUSED_SCALARS = [1.0, 0.1, 0.999, 0.001, 1.0, 1.0, 1e-8]
-"""Placeholders for the scalar arguments when the kernel reads them from ``H``."""
-
-
-@torch.library.custom_op("polyaccel_cuda::adamw_step_from_",
-                         mutates_args=("param", "grad", "exp_avg", "exp_avg_sq"))
-def adamw_step_from_op(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                       scalars: torch.Tensor, zero_grad: bool, grad_scale: torch.Tensor | None = None) -> None:
-    """:func:`adamw_step_op` reading its seven scalars from ``scalars`` on the device."""
-    if not use_triton(param):
-        from polyaccel.core.ops import adamw_step_from_ as core_op
-
-        core_op.reference(param, grad, exp_avg, exp_avg_sq, scalars, zero_grad=zero_grad, grad_scale=grad_scale)
-        return
-    _launch(param, grad, exp_avg, exp_avg_sq, _UNUSED_SCALARS, scalars, zero_grad, grad_scale)
+    _kernels()[(cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, scale, n,
+                                  *adamw_scalars(lr, beta1, beta2, eps, weight_decay, step),
+                                  ZERO_GRAD=zero_grad, SCALE=grad_scale is not None, BLOCK=BLOCK,
+                                  num_warps=NUM_WARPS)
 
 
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -132,21 +102,3 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     torch.ops.polyaccel_cuda.adamw_step_(param, grad, exp_avg, exp_avg_sq, float(lr), float(beta1),
                                          float(beta2), float(eps), float(weight_decay), int(step),
                                          bool(zero_grad), grad_scale)
-
-
-def adamw_step_from_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                     scalars: torch.Tensor, *, zero_grad: bool = False, grad_scale: torch.Tensor | None = None) -> None:
-    """Core ``adamw_step_from_`` on CUDA: :func:`adamw_step_`'s pass with its scalars read from
-    the fp32 device tensor ``scalars`` (7 numbers); anything else goes to core's reference."""
-    tensors = (param, grad, exp_avg, exp_avg_sq)
-    n = param.numel()
-    if (not all(t.is_contiguous() and t.numel() == n and t.device == param.device for t in tensors)
-            or scalars.numel() != 7 or scalars.dtype != torch.float32 or scalars.device != param.device
-            or not scalars.is_contiguous()
-            or (grad_scale is not None and (grad_scale.numel() != 1 or grad_scale.device != param.device))):
-        from polyaccel.core.ops import adamw_step_from_ as core_op
-
-        return core_op.reference(param, grad, exp_avg, exp_avg_sq, scalars, zero_grad=zero_grad,
-                                 grad_scale=grad_scale)
-    torch.ops.polyaccel_cuda.adamw_step_from_(param, grad, exp_avg, exp_avg_sq, scalars, bool(zero_grad),
-                                              grad_scale)

@@ -20,7 +20,6 @@
 | ``conv2d_subsample`` | cuDNN channels-last convolutions; ReLU and the next layer's length mask in one Triton pass (:mod:`.conv_subsample`) |
 | ``rows_to_fp8`` | Triton, one pass: a row's LayerNorm or GELU, absolute maximum, e4m3 values and scale (:mod:`.fp8_rows`) |
 | ``adamw_step_`` | one Triton pass over a flat buffer, fp32 math, optional grad zeroing (:mod:`.adamw`) |
-| ``adamw_step_from_`` | the same pass, its scalars read from a device tensor (graph-replayable) (:mod:`.adamw`) |
 
 The kernel modules import Triton only when a kernel first runs.
 """
@@ -31,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from polyaccel.cuda._triton import has_triton
-from polyaccel.cuda.adamw import adamw_step_, adamw_step_from_
+from polyaccel.cuda.adamw import adamw_step_
 from polyaccel.cuda.add_scaled import add_scaled_
 from polyaccel.cuda.attention import attention
 from polyaccel.cuda.conv_subsample import conv2d_subsample
@@ -68,7 +67,6 @@ def register_all(registry) -> None:
         registry.register("add_scaled_", "cuda", add_scaled_, impl="triton", backend=BACKEND)
         registry.register("moe_unpermute", "cuda", moe_unpermute, impl="triton", backend=BACKEND)
         registry.register("adamw_step_", "cuda", adamw_step_, impl="triton", backend=BACKEND)
-        registry.register("adamw_step_from_", "cuda", adamw_step_from_, impl="triton", backend=BACKEND)
         registry.register("grouped_mm_wgrad", "cuda", grouped_mm_wgrad, impl="triton", backend=BACKEND)
         registry.register("grouped_lowrank_add_", "cuda", grouped_lowrank_add_, impl="triton", backend=BACKEND)
         registry.register("decode_attention", "cuda", decode_attention, impl="triton-fixed-split", backend=BACKEND)

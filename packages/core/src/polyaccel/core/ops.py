@@ -490,38 +490,19 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     """
     if step < 1:
         raise ValueError(f"adamw_step_: step must be >= 1 (this step's count), got {step}")
-    _adamw_math(param, grad, exp_avg, exp_avg_sq, adamw_scalars(lr, beta1, beta2, eps, weight_decay, step),
-                zero_grad, grad_scale, "adamw_step_")
-
-
-@registry.define
-def adamw_step_from_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                     scalars: torch.Tensor, *, zero_grad: bool = False,
-                     grad_scale: torch.Tensor | None = None) -> None:
-    """:func:`adamw_step_` with its hyperparameters and step count given as the seven numbers
-    of :func:`adamw_scalars` in a tensor on the device (fp32), read where they live: a captured
-    CUDA graph replays the step with whatever the tensor holds at replay time (the learning
-    rate of that step, its bias corrections)."""
-    if scalars.numel() != 7:
-        raise ValueError(f"adamw_step_from_: scalars must hold adamw_scalars' 7 numbers, got {scalars.numel()}")
-    _adamw_math(param, grad, exp_avg, exp_avg_sq, scalars.float().tolist(), zero_grad, grad_scale,
-                "adamw_step_from_")
-
-
-def _adamw_math(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                scalars: list[float], zero_grad: bool, grad_scale: torch.Tensor | None, name: str) -> None:
-    decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps = scalars
     n = param.numel()
     if any(t.numel() != n for t in (grad, exp_avg, exp_avg_sq)):
-        raise ValueError(f"{name}: param, grad, exp_avg and exp_avg_sq must have the same length")
+        raise ValueError("adamw_step_: param, grad, exp_avg and exp_avg_sq must have the same length")
     p, g, m, v = param.float(), grad.float(), exp_avg.float(), exp_avg_sq.float()  # fp32: no copies
     if grad_scale is not None:
         g = g * grad_scale.float()
-    if decay != 1.0:
-        p.mul_(decay)
-    m.lerp_(g, one_minus_beta1)
-    v.mul_(beta2).addcmul_(g, g, value=one_minus_beta2)
-    p.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-step_size)
+    if weight_decay:
+        p.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+    p.addcdiv_(m, (v.sqrt() / bias_correction2_sqrt).add_(eps), value=-lr / bias_correction1)
     for out, val in ((param, p), (exp_avg, m), (exp_avg_sq, v)):
         if out is not val:
             out.copy_(val)

@@ -57,9 +57,7 @@ def add_rows_into_grad(w: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, p
 def embedding(ids: torch.Tensor, module: nn.Embedding) -> torch.Tensor:
     """``module(ids)``, with the weight gradient added into ``.grad`` in backward where
     nothing else watches it (see the module docstring); else plain ``module(ids)``."""
-    pre_hooks = [h for h in module._forward_pre_hooks.values()
-                 if not getattr(h, "_polyaccel_deferred_step", False)]  # our model calls that one itself
-    if (module._forward_hooks or pre_hooks or not fusable(module.weight)
+    if (module._forward_hooks or module._forward_pre_hooks or not fusable(module.weight)
             or module.max_norm is not None or module.scale_grad_by_freq or module.sparse):
         return module(ids)
     return _Embedding.apply(ids, module.weight, module.padding_idx)

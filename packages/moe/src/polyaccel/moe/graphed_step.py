@@ -46,7 +46,6 @@ import torch
 from torch import nn
 
 from polyaccel.core.graphs import cuda_graph_capture
-from polyaccel.moe.deferred_step import pending_step
 from polyaccel.moe.grouped_linear import (
     defers,
     flush_wgrad,
@@ -121,7 +120,7 @@ class GraphedMicroStep:
             say_once(f"GraphedMicroStep runs eagerly: the model is on {device.type}, CUDA graphs need CUDA")
         self.model, self.warmup, self.wgrad_window, self.grad_accum = model, warmup, wgrad_window, grad_accum
         self.loss_fn = loss_fn or (lambda **batch: model(**batch, **forward_kwargs).loss)
-        self.kinds: dict[tuple[int, bool, bool, bool], _Captured] = {}
+        self.kinds: dict[tuple[int, bool, bool], _Captured] = {}
         self._next = 0  # the micro-batch index expected next
         self._kept_by: _Captured | None = None  # the kind whose graph wrote what is deferred now
         self._pool: Any = None
@@ -143,19 +142,13 @@ class GraphedMicroStep:
                              "micro_batch=(i, n) to every call or build it with grad_accum=n")
         if micro_batch is not None and micro_batch[0] == 0:
             self._zero_unfusable_experts()
-        # A FlatAdamW(defer_to=model) step waiting for this forward is its own kind: its
-        # graph also replays that step (with the scalars of whichever step is pending).
-        deferred = pending_step(self.model)
-        kind_key = (*self._kind_key(micro_batch), deferred is not None)
+        kind_key = self._kind_key(micro_batch)
         kind = self.kinds.setdefault(kind_key, _Captured())
         kind.calls += 1
         # A graph reads what the graph of the kind before it kept; after anything else
         # (an eager call) the deferred tensors are others, so run eagerly until the window ends.
-        if kind_key[0]:  # the kind before it in the window, with or without a deferred optimizer step
-            ready = self._kept_by is not None and any(
-                self._kept_by is self.kinds.get((kind_key[0] - 1, True, False, update)) for update in (False, True))
-        else:
-            ready = not kept_wgrad_tensors()
+        before = self.kinds.get((kind_key[0] - 1, True, False)) if kind_key[0] else None
+        ready = (before is not None and self._kept_by is before) if kind_key[0] else not kept_wgrad_tensors()
         if not self.graphs or not ready or (kind.graph is not None and not self._matches(kind, batch)):
             return self._eager(batch, kind_key)
         if kind.graph is None:
@@ -167,8 +160,6 @@ class GraphedMicroStep:
             for name, t in batch.items():
                 kind.inputs[name].copy_(t, non_blocking=True)
         kind.graph.replay()
-        if deferred is not None:
-            deferred.replayed()
         restore_kept_wgrad(kind.kept)
         self._kept_by = kind if kind_key[1] else None
         return kind.loss.clone()
@@ -207,8 +198,8 @@ class GraphedMicroStep:
         defer = defers(i, n, self.wgrad_window)
         return i % self.wgrad_window, defer, not defer and i < self.wgrad_window
 
-    def _forward_backward(self, batch: dict[str, torch.Tensor], key: tuple[int, bool, bool, bool]) -> torch.Tensor:
-        _, defer, overwrite, _ = key
+    def _forward_backward(self, batch: dict[str, torch.Tensor], key: tuple[int, bool, bool]) -> torch.Tensor:
+        _, defer, overwrite = key
         targets = overwritten_params(self.model) if overwrite else []
         with wgrad_window(defer, targets) as written:
             loss = self.loss_fn(**batch)
@@ -223,13 +214,11 @@ class GraphedMicroStep:
     def _zero_unfusable_experts(self) -> None:
         """At a step's first micro-batch, zero the expert weights that stopped being plain leaves
         (hooked since the optimizer was told they are written over): autograd adds into them."""
-        stale = [p for p in self._experts if p.grad is not None and not fusable(p)]
-        if stale and (deferred := pending_step(self.model)) is not None:
-            deferred.flush()  # a step deferred to this forward reads these gradients first
-        for p in stale:
-            p.grad.zero_()
+        for p in self._experts:
+            if p.grad is not None and not fusable(p):
+                p.grad.zero_()
 
-    def _eager(self, batch: dict[str, torch.Tensor], key: tuple[int, bool, bool, bool]) -> torch.Tensor:
+    def _eager(self, batch: dict[str, torch.Tensor], key: tuple[int, bool, bool]) -> torch.Tensor:
         self._kept_by = None
         return self._forward_backward(batch, key)
 
@@ -250,7 +239,7 @@ class GraphedMicroStep:
             self._warned = True
         return ok
 
-    def _capture(self, kind: _Captured, batch: dict[str, torch.Tensor], key: tuple[int, bool, bool, bool]) -> None:
+    def _capture(self, kind: _Captured, batch: dict[str, torch.Tensor], key: tuple[int, bool, bool]) -> None:
         """Record this kind's graph (nothing runs: the caller replays it). All kinds share
         one memory pool: they run one after another, and what a deferring kind keeps stays
         referenced (``kind.kept``), so no later capture reuses it."""

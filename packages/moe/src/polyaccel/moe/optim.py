@@ -111,17 +111,11 @@ class FlatAdamW(torch.optim.Optimizer):
     :class:`~polyaccel.moe.graphed_step.GraphedMicroStep` told ``micro_batch`` handles
     (``its .overwritten_params``); neither :meth:`step` nor :meth:`zero_grad` zeroes their
     grads (2 of the 16 bytes a bf16 step moves per parameter).
-
-    ``defer_to``: a causal LM (Transformers' layout) whose next forward applies each step,
-    module by module, beside it (:mod:`polyaccel.moe.deferred_step`); until then the params
-    hold the previous step's values (:meth:`flush`, :meth:`state_dict` and the model's
-    ``state_dict`` apply it at once).
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, grads_overwritten: Iterable[torch.Tensor] = (),
-                 defer_to: torch.nn.Module | None = None) -> None:
+                 weight_decay: float = 1e-2, grads_overwritten: Iterable[torch.Tensor] = ()) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW hyperparameters: lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay}")
@@ -131,18 +125,9 @@ class FlatAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_UNSUPPORTED,
                         foreach=None, fused=None, decoupled_weight_decay=True)  # torch AdamW's keys
         super().__init__(params, defaults)
-        self._deferred = None
-        if defer_to is not None:
-            from polyaccel.moe.deferred_step import DeferredStep
-
-            self._deferred = DeferredStep(defer_to)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (torch's checks), then move its params into flat buffers."""
-        deferred = getattr(self, "_deferred", None)
-        if deferred is not None:  # a pending step first; the next one plans its parts anew
-            deferred.flush()
-            deferred.parts = None
         super().add_param_group(param_group)
         params = self.param_groups[-1]["params"]  # torch's normalised list of tensors
         try:
@@ -181,46 +166,10 @@ class FlatAdamW(torch.optim.Optimizer):
                 loss = closure()
         if grad_scale is None:
             grad_scale, self._next_scale = self._next_scale, None
-        if self._deferred is not None:
-            self._deferred.flush()
-            if self._defer(grad_scale):
-                return loss
         for group, flats in zip(self.param_groups, self._flats, strict=True):
             for flat in flats:
                 self._step_flat(group, flat, grad_scale)
         return loss
-
-    def flush(self) -> None:
-        """Apply a step that ``defer_to`` left for the model's next forward, now."""
-        if self._deferred is not None:
-            self._deferred.flush()
-
-    def _defer(self, grad_scale: torch.Tensor | None) -> bool:
-        """Record this step for the model's next forward (see :mod:`polyaccel.moe.deferred_step`);
-        False, recording nothing, where a buffer has a skipped param or uneven step counts (the
-        step then runs now, param by param)."""
-        flats, scalars = [], []
-        for group, group_flats in zip(self.param_groups, self._flats, strict=True):
-            for flat in group_flats:
-                if any(p.grad is None for p in flat.params):
-                    return False
-                counts = {int(self.state[p]["step"]) for p in flat.params}
-                if len(counts) != 1:
-                    return False
-                beta1, beta2 = group["betas"]
-                flats.append(flat)
-                scalars.append(ops.adamw_scalars(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                                                 float(group["weight_decay"]), counts.pop() + 1))
-        if not flats:
-            return False
-        for flat in flats:
-            for p, g in zip(flat.params, flat.grads, strict=True):
-                if p.grad is not g:
-                    g.copy_(p.grad)
-                    p.grad = g
-        self._deferred.record(flats, scalars, grad_scale)
-        torch._foreach_add_([self.state[p]["step"] for flat in flats for p in flat.params], 1.0)
-        return True
 
     def _step_flat(self, group: dict[str, Any], flat: _Flat, grad_scale: torch.Tensor | None) -> None:
         skip = set()
@@ -271,7 +220,6 @@ class FlatAdamW(torch.optim.Optimizer):
     def zero_every_grad(self) -> None:
         """Zero every gradient from now on, ``grads_overwritten``'s too (now and at each
         :meth:`step`): for a caller that planned to write over them and then does not."""
-        self.flush()  # a step deferred to the next forward reads the gradients first
         self._overwritten = frozenset()
         for flats in self._flats:
             for flat in flats:
@@ -304,16 +252,9 @@ class FlatAdamW(torch.optim.Optimizer):
                     flat.grad[:flat.zero_end].zero_()
                     flat.zeroed_version = flat.grad._version
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch AdamW's format (a pending deferred step is applied first)."""
-        self.flush()
-        return super().state_dict()
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a FlatAdamW or torch.optim.AdamW state dict, copying the moments INTO the flat
-        views (they stay views; a param missing from the saved state starts afresh; a pending
-        deferred step is applied first)."""
-        self.flush()
+        views (they stay views; a param missing from the saved state starts afresh)."""
         for g in state_dict["param_groups"]:
             bad = {k: g[k] for k, v in _UNSUPPORTED.items() if g.get(k, v) != v}
             if bad:

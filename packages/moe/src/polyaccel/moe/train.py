@@ -506,19 +506,12 @@ def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device,
     if kind == "auto":
         kind = "flat_adamw" if all(type(p.data) is torch.Tensor for p in params) else "adamw"
     if kind == "flat_adamw":
-        from polyaccel.moe.deferred_step import deferrable
         from polyaccel.moe.optim import FlatAdamW
 
-        defer_to = deferrable(model, "train.defer_step") if t.defer_step else None
         try:
-            return FlatAdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, grads_overwritten=overwritten,
-                             defer_to=defer_to)
+            return FlatAdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, grads_overwritten=overwritten)
         except ValueError as e:
             raise ConfigError(f"train.optimizer=flat_adamw: {e} (or set train.optimizer=adamw)") from e
-    if t.defer_step:
-        from polyaccel.moe.fast_path import say_once
-
-        say_once("train.defer_step off: it needs FlatAdamW (train.optimizer=flat_adamw or auto on one process)")
     fused = device.type == "cuda"
     return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, fused=fused,
                              foreach=None if fused else True)
@@ -877,13 +870,10 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                     metrics_file = _write_metrics(metrics_file, record)
                 if bar is None:
                     _print_metrics(dumps(record))
-            every = cfg.checkpoint.every_steps
-            saving = cfg.checkpoint.dir and ((every and step % every == 0) or step == t.max_steps)
-            if saving or step == t.max_steps:
-                _flush(optimizer)  # a step deferred to the next forward (train.defer_step): now
             if step == t.max_steps:  # neither the final checkpoint nor output_dir of a model that did not train
                 _check_trained(model, skipped_before + skipped, step, last_saved or resume_from)
-            if saving:
+            every = cfg.checkpoint.every_steps
+            if cfg.checkpoint.dir and ((every and step % every == 0) or step == t.max_steps):
                 created = missing_dirs(Path(cfg.checkpoint.dir))  # what a failed save removes again
                 try:
                     last_saved = ckpt.save_checkpoint(cfg.checkpoint.dir, step, model, optimizer,
@@ -904,7 +894,6 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
         if metrics_file is not None:
             metrics_file.close()
 
-    _flush(optimizer)
     if cfg.output_dir and step == t.max_steps:
         foreign = None
         if replaced:  # warned by the save, once it knows the files it writes (what it replaces, what it keeps)
@@ -921,13 +910,6 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
         world_size=rt.world_size, output_dir=cfg.output_dir,
         last_checkpoint=str(last_saved or resume_from) if (last_saved or resume_from) else None,
         fast_path=_fast_path_summary(model, optimizer, t), skipped_steps=skipped)
-
-
-def _flush(optimizer: torch.optim.Optimizer) -> None:
-    """Apply an optimizer step deferred to the next forward (``train.defer_step``) now."""
-    flush = getattr(optimizer, "flush", None)
-    if flush is not None:
-        flush()
 
 
 def _restore_position(path: Path, state: dict[str, Any], scheduler: Any, batches: Batches) -> int:
@@ -955,8 +937,7 @@ def _param_dtype(t: TrainConfig) -> torch.dtype:
 def _fast_path_summary(model: nn.Module, optimizer: torch.optim.Optimizer, t: TrainConfig) -> dict[str, Any]:
     """Which parts of the fast path this run took (see :mod:`polyaccel.moe.fast_path`)."""
     return {"compiled_layers": any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
-            "optimizer": type(optimizer).__name__, "cuda_graph": bool(t.cuda_graph), "wgrad_window": t.wgrad_window,
-            "defer_step": getattr(optimizer, "_deferred", None) is not None}
+            "optimizer": type(optimizer).__name__, "cuda_graph": bool(t.cuda_graph), "wgrad_window": t.wgrad_window}
 
 
 def _graphed_micro_step(model: nn.Module, t: TrainConfig, autocast: Any, world_size: int) -> Any:

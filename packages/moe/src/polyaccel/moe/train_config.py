@@ -134,11 +134,6 @@ class TrainConfig:
     :data:`polyaccel.moe.fast_path.WINDOW_MEMORY_SHARE` of the device's memory (1 where it does
     not apply).
 
-    ``defer_step``: FlatAdamW applies each optimizer step during the next step's first forward,
-    module by module on a side stream beside it (:mod:`polyaccel.moe.deferred_step`; the same
-    weights as a step at once). Experimental: off by default until measured on a GPU; where it
-    cannot apply (another optimizer, a model without Transformers' layout) it is logged and off.
-
     ``nonfinite``: a step whose loss or gradient norm is NaN or infinite either ``stop``s the
     run (an error naming the step; nothing of that step is saved) or, with ``skip``, has its
     optimizer step skipped (counted in the result and logged).
@@ -165,7 +160,6 @@ class TrainConfig:
     fp32_master: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     nonfinite: Literal["stop", "skip"] = "stop"
-    defer_step: bool = False
 
 
 @dataclass(kw_only=True, slots=True)

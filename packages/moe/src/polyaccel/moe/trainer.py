@@ -55,11 +55,7 @@ class _KeepFlatGrads(transformers.TrainerCallback):
 class FastPathMixin:
     """The fast-path overrides of :class:`Trainer`, for any ``transformers.Trainer`` subclass."""
 
-    def __init__(self, *args: Any, defer_step: bool = False, **kwargs: Any) -> None:
-        """Trainer's arguments; ``defer_step`` (experimental, off): FlatAdamW applies each step
-        during the next step's first forward, beside it (:mod:`polyaccel.moe.deferred_step`;
-        applied at once before saving, and when training ends)."""
-        self._defer_step = defer_step
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._micro_step: Any = None
         self._micro_index = 0
@@ -83,23 +79,8 @@ class FastPathMixin:
                 overwritten = [] if self._graph_blockers(opt_model, flat_adamw=True) else overwritten_params(opt_model)
                 self.optimizer_cls_and_kwargs = (FlatAdamW, {
                     "lr": self.args.learning_rate, "betas": (self.args.adam_beta1, self.args.adam_beta2),
-                    "eps": self.args.adam_epsilon, "grads_overwritten": overwritten,
-                    "defer_to": self._deferrable(opt_model)})
-        elif self._defer_step:
-            fast_path.say_once("Trainer: defer_step off: the optimizer is not FlatAdamW")
+                    "eps": self.args.adam_epsilon, "grads_overwritten": overwritten})
         return super().create_optimizer(model)
-
-    def _deferrable(self, model: nn.Module) -> nn.Module | None:
-        """``model`` when ``defer_step`` asks for it and it can apply (one process, the layout
-        :func:`~polyaccel.moe.deferred_step.forward_order` needs), else None (why is logged)."""
-        if not self._defer_step:
-            return None
-        from polyaccel.moe.deferred_step import deferrable
-
-        if self.accelerator.num_processes > 1:
-            fast_path.say_once("Trainer: defer_step off: several processes run the step")
-            return None
-        return deferrable(model, "Trainer: defer_step")
 
     def flat_optimizer(self) -> FlatAdamW | None:
         """The FlatAdamW under Trainer's (possibly wrapped) optimizer, if that is what runs."""
@@ -143,9 +124,6 @@ class FastPathMixin:
         try:
             return super().train(*args, **kwargs)
         finally:
-            opt = self.flat_optimizer()
-            if opt is not None:
-                opt.flush()  # a step deferred to a next forward that will not come: now
             if self._filter_moved:
                 self.args.logging_nan_inf_filter = True
             self._filter_moved = self._training = False

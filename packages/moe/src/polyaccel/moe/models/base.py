@@ -11,7 +11,6 @@ Transformers originals.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -108,10 +107,6 @@ class MoeModel(MoePreTrainedModel):
     """Embedding, decoder layers, final norm: input ids -> last hidden state [B, S, H]."""
 
     decoder_layer_class: ClassVar[type[MoeDecoderLayer]]
-    before_part: Callable[[int], None] | None = None
-    """Called with 0 before the embedding, ``i + 1`` before decoder layer ``i`` and
-    ``len(layers) + 1`` before the final norm, outside compiled layers: where a deferred
-    optimizer step (:mod:`polyaccel.moe.deferred_step`) makes each part wait for its weights."""
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -144,9 +139,6 @@ class MoeModel(MoePreTrainedModel):
             use_cache = past_key_values is not None or (self.config.use_cache and not self.training)
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False  # a recomputed layer would write the cache twice
-        before = self.before_part
-        if before is not None:
-            before(0)
         if inputs_embeds is None:
             inputs_embeds = (fused_embedding.embedding(input_ids, self.embed_tokens) if self.fuse_embedding_grad
                              else self.embed_tokens(input_ids))
@@ -167,16 +159,12 @@ class MoeModel(MoePreTrainedModel):
         hidden = inputs_embeds
         all_hidden: tuple[torch.Tensor, ...] = ()
         router_logits: tuple[torch.Tensor | None, ...] = ()
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             if output_hidden_states:
                 all_hidden += (hidden,)
-            if before is not None:
-                before(i + 1)
             hidden, logits = layer(hidden, rope, ctx)
             if logits is not None:  # dense layers and balanced gates have none
                 router_logits += (logits,)
-        if before is not None:
-            before(len(self.layers) + 1)
         hidden = self.norm(hidden)
         if output_hidden_states:
             all_hidden += (hidden,)
