@@ -1,7 +1,8 @@
 """Mistakes a user makes, refused with one line and exit 2 before anything trains or is
 written (no traceback): a metrics log kept in output_dir (a rerun must still resume) or
 naming an output directory, model configs of zero or negative sizes, an override by another
-name of a config field, a checkpoint shape mismatch from ``model.path``, pickled weights, a
+name of a config field, a checkpoint shape mismatch from ``model.path``, expert tensors missing
+from it, pickled weights, a
 device or backend this machine lacks, a half-written checkpoint named for resume, and data
 or tokenizer paths that are not what they should be."""
 
@@ -102,6 +103,26 @@ def test_weights_of_another_shape_in_model_path_are_named(saved, tmp_path, capsy
                           f"output_dir={tmp_path / 'out'}")
     assert code == 2 and f"{saved} holds weights of another model shape" in err, err
     assert "model.layers.0.mlp.gate.weight: checkpoint (4, 32), model (8, 32)" in err
+
+
+@pytest.mark.parametrize("dropped", [["model.layers.0.mlp.experts.2.up_proj.weight"],
+                                     [f"model.layers.1.mlp.experts.3.{p}.weight" for p in ("down_proj", "gate_proj",
+                                                                                          "up_proj")]])
+def test_a_checkpoint_missing_expert_tensors_names_them(saved, tmp_path, capsys, dropped):
+    """One expert's projection, or the whole last expert, gone from a per-expert checkpoint:
+    the missing tensors are named (not Transformers' report of a failed concatenation)."""
+    from safetensors.torch import save_file
+
+    copy = tmp_path / "model"
+    shutil.copytree(saved, copy)
+    tensors = load_file(copy / "model.safetensors")
+    assert all(k in tensors for k in dropped)
+    save_file({k: v for k, v in tensors.items() if k not in dropped}, str(copy / "model.safetensors"),
+              metadata={"format": "pt"})
+    code, err = _finetune(capsys, tmp_path, f"model.path={copy}", f"output_dir={tmp_path / 'out'}")
+    assert code == 2, err
+    assert f"{copy} lacks {len(dropped)} expert weight tensor" in err and ", ".join(dropped) in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_pickled_weights_are_never_read_even_ones_torch_would_load(saved, tmp_path, capsys, monkeypatch):

@@ -537,14 +537,20 @@ def _restore(file: Path, what: str, load: Any) -> None:
 
 def weights_error(path: str | Path, error: BaseException, model_shapes: dict[str, tuple[int, ...]] | None) -> CheckpointError:
     """A clear :class:`CheckpointError` for a failed ``from_pretrained(path)``: the unreadable
-    safetensors file, or the tensors whose shapes differ from ``model_shapes`` (the model
-    being built), or else the original error with the directory named."""
-    from polyaccel.moe.ep_checkpoint import checkpoint_shapes, unreadable_file
+    safetensors file, or the per-expert tensors it lacks, or the tensors whose shapes differ
+    from ``model_shapes`` (the model being built), or else the original error with the
+    directory named."""
+    from polyaccel.moe.ep_checkpoint import checkpoint_shapes, missing_expert_tensors, unreadable_file
 
     path = Path(path)
     bad = unreadable_file(path)
     if bad is not None:
         return CheckpointError(bad)
+    missing = missing_expert_tensors(path)
+    if missing:
+        return CheckpointError(f"{path} lacks {len(missing)} expert weight tensor{'s' * (len(missing) > 1)} "
+                               f"({', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}): the checkpoint "
+                               "is incomplete; copy or download it again")
     if model_shapes:
         ckpt = checkpoint_shapes(path)
         diff = [f"{k}: checkpoint {ckpt[k]}, model {shape}" for k, shape in sorted(model_shapes.items())

@@ -136,6 +136,39 @@ def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def missing_expert_tensors(path: str | Path) -> list[str]:
+    """Per-expert weights (the checkpoint's own names) that checkpoint ``path`` lacks: in each
+    layer stored one tensor per expert, every projection found for one expert, for each of the
+    experts its ``config.json`` counts (else up to the highest found). Headers only."""
+    found: dict[str, set[tuple[int, str]]] = defaultdict(set)
+    heads: dict[str, str] = {}
+    for file in checkpoint_files(path):
+        with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if m := _PER_EXPERT.match(key):
+                    heads[m["prefix"]] = key[:m.start("e")]
+                    found[m["prefix"]].add((int(m["e"]), m["proj"]))
+    declared = _declared_experts(Path(path))
+    missing = []
+    for prefix, have in found.items():
+        count = declared or max(e for e, _ in have) + 1
+        projs = sorted({p for _, p in have})
+        missing += [f"{heads[prefix]}{e}.{p}.weight" for e in range(count) for p in projs if (e, p) not in have]
+    return missing
+
+
+def _declared_experts(path: Path) -> int | None:
+    """The routed experts per layer that checkpoint ``path``'s ``config.json`` declares."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if isinstance(config, dict) and isinstance(config.get(key), int) and config[key] > 0:
+            return config[key]
+    return None
+
+
 def build_local_model(model_class: type, config: Any, ep: int, ep_rank: int, *, dtype: torch.dtype,
                       device: torch.device) -> nn.Module:
     """``model_class`` for ``config`` with uninitialised weights on ``device``, each ``Experts``
