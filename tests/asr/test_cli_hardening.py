@@ -212,22 +212,25 @@ def _signal_at_third_batch(monkeypatch: pytest.MonkeyPatch, out: Path, sig: int,
         factory, sample_rate=SR, max_audio_seconds=30.0, replicas=1, batch_size=1, model_name="fake")))
 
 
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGHUP, 129, "hung up")])
 def test_sigterm_ends_a_run_like_ctrl_c_and_the_rerun_resumes(asr_cli, tmp_path: Path,
                                                               capsys: pytest.CaptureFixture,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+                                                              monkeypatch: pytest.MonkeyPatch, sig, code, word) -> None:
     """SIGTERM (sent here by the recognizer of the third file, once a line is written) used to kill the run on the spot,
-    the lock and the folders it made left behind; now it unwinds as Ctrl-C does."""
+    the lock and the folders it made left behind; now it unwinds as Ctrl-C does. So does SIGHUP (the terminal closed)."""
     wavs = [str(asr_cli.wav(tmp_path / f"c{i:02d}.wav")) for i in range(20)]
     out = tmp_path / "out" / "out.jsonl"
     unhandled = []
-    _signal_at_third_batch(monkeypatch, out, signal.SIGTERM)
-    previous = signal.signal(signal.SIGTERM, lambda *a: unhandled.append(1))  # not this test process's end
+    _signal_at_third_batch(monkeypatch, out, sig)
+    previous = signal.signal(sig, lambda *a: unhandled.append(1))  # not this test process's end
+    if sig == signal.SIGHUP:
+        signal.signal(sig, signal.SIG_DFL)  # only where SIGHUP would end the process is it taken over
     try:
-        code = cli.main(["transcribe", *wavs, "-o", str(out), "-q"])
+        status = cli.main(["transcribe", *wavs, "-o", str(out), "-q"])
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert not unhandled and code == 143
-    assert capsys.readouterr().err == "terminated; rerun the same command to resume\n"
+        signal.signal(sig, previous)
+    assert not unhandled and status == code
+    assert capsys.readouterr().err == f"{word}; rerun the same command to resume\n"
     done = out.read_text()
     assert 1 <= done.count("\n") < 20 and done.endswith("\n")
     assert not Path(f"{out}.lock").exists()

@@ -1,6 +1,7 @@
 """Ctrl-C (SIGINT -> KeyboardInterrupt) in ``polyaccel-moe finetune`` / ``bench``: exit 130 and
 one line on stderr naming the checkpoint a rerun resumes from, no traceback; an interrupt
-during a checkpoint save leaves no half checkpoint."""
+during a checkpoint save leaves no half checkpoint. SIGTERM (143) and SIGHUP (129) end a run the
+same way."""
 
 from __future__ import annotations
 
@@ -117,6 +118,35 @@ def test_sigterm_ends_finetune_like_ctrl_c_exit_143_naming_the_newest_checkpoint
     assert code == 143 and out == ""
     assert err == ("polyaccel-moe: terminated; rerun the same command to resume from the last checkpoint "
                    f"({ck / 'step_00000002'})\n")
+
+
+def test_sighup_ends_finetune_like_sigterm_exit_129_unless_ignored(capsys, tmp_path, monkeypatch):
+    """SIGHUP (the terminal closed) ends a run as SIGTERM does, with 129 "hung up"; under
+    ``nohup`` (SIGHUP ignored) it stays ignored and the run goes on."""
+    import os
+    import signal
+
+    seen = []
+
+    def hung_up(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGHUP)
+        seen.append("ran on")
+        raise RuntimeError("SIGHUP did not end the run")
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        monkeypatch.setattr(train, "finetune", hung_up)
+        code, out, err = _finetune(capsys, f"checkpoint.dir={tmp_path / 'ck'}", f"output_dir={tmp_path / 'out'}")
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # put back
+        assert code == 129 and out == "" and not seen, err
+        assert err.startswith("polyaccel-moe: hung up"), err
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup leaves it
+        with pytest.raises(RuntimeError, match="SIGHUP did not end the run"):
+            _finetune(capsys, f"checkpoint.dir={tmp_path / 'ck'}", f"output_dir={tmp_path / 'out'}")
+        assert seen == ["ran on"]
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_a_second_ctrl_c_while_finetune_unwinds_ends_the_process_instead_of_raising_again(capsys, tmp_path,

@@ -3,8 +3,9 @@
 Exit status: 0 when every input has a transcript; 2 for usage errors (bad arguments, unknown
 model or backend, no inputs, an output that may not be written), with nothing written. Under
 ``transcribe``: 1 when some files failed (their lines say why) or the run stopped early, 3 when
-nothing was transcribed (every file failed). Every command: 130 on Ctrl-C and 143 on SIGTERM
-(both unwind the command: results written so far are kept, its lock is released; a second one
+nothing was transcribed (every file failed). Every command: 130 on Ctrl-C, 143 on SIGTERM and
+129 on SIGHUP (the terminal closed; not under ``nohup``)
+(each unwinds the command: results written so far are kept, its lock is released; a second one
 while it unwinds ends the process at once); 141 when the
 reader of its output went away (``polyaccel-asr wer ... --per-file | head``), quietly, like a
 standard tool; 1 with one line naming it when another pipe it writes broke, or stdout cannot be
@@ -62,7 +63,8 @@ A file name that starts with '-' goes after `--`: polyaccel-asr transcribe -o ou
 
 exit status: 0 every input transcribed (now or by an earlier run), 1 some files failed (or the
 run stopped early), 2 usage error (nothing written), 3 nothing transcribed (every file failed),
-130 interrupted (Ctrl-C) or 143 terminated (SIGTERM): what was written is kept, rerun to resume;
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM) or 129 hung up (SIGHUP, the terminal closed):
+what was written is kept, rerun to resume;
 141 the reader of the output went away (e.g. `| head`).
 """
 
@@ -270,7 +272,7 @@ def _main(argv: list[str]) -> int:
 
 
 def _interrupted(e: KeyboardInterrupt, then: str) -> int:
-    """Say that Ctrl-C (130) or SIGTERM (143) ended the command; return its exit status."""
+    """Say that Ctrl-C (130), SIGTERM (143) or SIGHUP (129) ended the command; return its exit status."""
     status, word = interrupt_status(e)
     print(f"{word}; {then}", file=sys.stderr)
     return status

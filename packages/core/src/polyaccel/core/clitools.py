@@ -21,41 +21,53 @@ from typing import Any
 EXIT_BROKEN_PIPE = 141
 #: The exit status of an error no other status names (Python's own for an uncaught exception).
 EXIT_ERROR = 1
-#: The exit statuses after Ctrl-C (128 + SIGINT) and SIGTERM (128 + SIGTERM), as a shell reports them.
+#: The exit statuses after SIGHUP, Ctrl-C and SIGTERM (128 + the signal), as a shell reports them.
+EXIT_HUNG_UP = 129
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (``kill``, ``timeout``, a job scheduler's pre-emption), raised where Ctrl-C's
-    ``KeyboardInterrupt`` would be, so the same cleanup runs (see :func:`sigterm_as_interrupt`)."""
+    """SIGTERM (``kill``, ``timeout``, a job scheduler's pre-emption) or SIGHUP (the terminal
+    closed), raised where Ctrl-C's ``KeyboardInterrupt`` would be, so the same cleanup runs
+    (see :func:`sigterm_as_interrupt`); ``signum`` says which."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__()
+        self.signum = signum
 
 
-_sigterm_seen = False  # a SIGTERM arrived inside sigterm_as_interrupt (Ray's get turns Terminated into a plain KeyboardInterrupt)
+_signal_seen: int | None = None  # what arrived inside sigterm_as_interrupt (Ray's get turns Terminated into a plain KeyboardInterrupt)
+_SIGHUP = getattr(signal, "SIGHUP", None)  # (none on Windows)
 
 
 def _terminate(signum: int, frame: Any) -> None:
-    global _sigterm_seen
-    _sigterm_seen = True
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
-    raise Terminated
+    global _signal_seen
+    _signal_seen = signum
+    signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
+    raise Terminated(signum)
 
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """While the block runs (in the main thread), SIGTERM raises :class:`Terminated`, a
     ``KeyboardInterrupt``: whatever a command does on Ctrl-C (close and keep what it wrote,
-    release locks, stop private clusters) it does on SIGTERM too. Off the main thread: nothing."""
-    global _sigterm_seen
+    release locks, stop private clusters) it does on SIGTERM too, and on SIGHUP (the terminal
+    closed) where that would have ended the process (not under ``nohup``, which ignores it).
+    Off the main thread: nothing."""
+    global _signal_seen
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _sigterm_seen = False
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    _signal_seen = None
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _terminate)}
+    if _SIGHUP is not None and signal.getsignal(_SIGHUP) is signal.SIG_DFL:
+        previous[_SIGHUP] = signal.signal(_SIGHUP, _terminate)
     try:
         yield
     finally:  # (None: a handler set outside Python)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def _interrupt_once(signum: int, frame: Any) -> None:
@@ -84,11 +96,14 @@ def second_ctrl_c_ends_at_once() -> Iterator[None]:
 
 
 def interrupt_status(e: KeyboardInterrupt) -> tuple[int, str]:
-    """(exit status, word) for a command ended by ``e``: 143 "terminated" for SIGTERM, 130
-    "interrupted" for Ctrl-C. A plain ``KeyboardInterrupt`` after a SIGTERM (Ray's ``get`` raises
-    one for whatever its signal handler raised) is the SIGTERM's."""
-    terminated = isinstance(e, Terminated) or _sigterm_seen
-    return (EXIT_TERMINATED, "terminated") if terminated else (EXIT_INTERRUPTED, "interrupted")
+    """(exit status, word) for a command ended by ``e``: 143 "terminated" for SIGTERM, 129
+    "hung up" for SIGHUP, 130 "interrupted" for Ctrl-C. A plain ``KeyboardInterrupt`` after
+    either signal (Ray's ``get`` raises one for whatever its signal handler raised) is the
+    signal's."""
+    signum = e.signum if isinstance(e, Terminated) else _signal_seen
+    if signum is None:
+        return EXIT_INTERRUPTED, "interrupted"
+    return (EXIT_HUNG_UP, "hung up") if signum == _SIGHUP else (EXIT_TERMINATED, "terminated")
 
 
 def json_safe(obj: Any) -> Any:

@@ -37,7 +37,8 @@ disk...); nothing partial is left, and the message names where the trained weigh
 final checkpoint (rerun the same command to write output_dir from it), or, without
 checkpoint.dir, a fallback folder polyaccel-moe-rescue-* next to output_dir, else in $TMPDIR or
 the working directory.
-130: interrupted (Ctrl-C), 143: terminated (SIGTERM: kill, timeout, a scheduler's pre-emption):
+130: interrupted (Ctrl-C), 143: terminated (SIGTERM: kill, timeout, a scheduler's pre-emption),
+129: hung up (SIGHUP: the terminal closed; not under nohup):
 one line names the newest complete checkpoint, which rerunning the same command resumes from (a
 checkpoint cut off while being written never counts: the previous one stays the newest); a
 second Ctrl-C while the run unwinds ends the process at once.
