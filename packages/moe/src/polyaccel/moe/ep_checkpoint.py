@@ -164,8 +164,9 @@ def _declared_experts(path: Path) -> int | None:
     except (OSError, ValueError):
         return None
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if isinstance(config, dict) and isinstance(config.get(key), int) and config[key] > 0:
-            return config[key]
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
     return None
 
 
