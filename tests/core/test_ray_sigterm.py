@@ -59,3 +59,19 @@ def test_a_plain_keyboard_interrupt_after_a_sigterm_is_the_sigterm_s(monkeypatch
         assert clitools.interrupt_status(raised.value) == (130, "interrupted")
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_plain_keyboard_interrupt_after_a_sighup_is_the_sighup_s():
+    """SIGHUP (the terminal closed) is taken over only where it would end the process, and a
+    plain KeyboardInterrupt after it (Ray's ``get``) reports it: 129, "hung up"."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with pytest.raises(KeyboardInterrupt) as raised, clitools.sigterm_as_interrupt():
+            try:
+                os.kill(os.getpid(), signal.SIGHUP)
+            except clitools.Terminated:
+                raise KeyboardInterrupt from None
+        assert clitools.interrupt_status(raised.value) == (129, "hung up")
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, before)
