@@ -117,7 +117,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _presets(args: argparse.Namespace) -> int:
-    from polyaccel.moe.flops import routed_experts, train_flops_per_token
+    from polyaccel.moe.flops import train_flops_per_token
     from polyaccel.moe.train_config import PRESETS
 
     for name, fn in PRESETS.items():
@@ -125,7 +125,7 @@ def _presets(args: argparse.Namespace) -> int:
         mc, t = cfg.model.config, cfg.train
         gflop = train_flops_per_token(mc, t.seq_len) / 1e9
         print(f"{name:<20} {mc.get('model_type')}: {mc.get('num_hidden_layers')} layers, hidden "
-              f"{mc.get('hidden_size')}, {routed_experts(mc) or 0} experts "
+              f"{mc.get('hidden_size')}, {mc.get('num_experts') or mc.get('num_local_experts') or mc.get('n_routed_experts', 0)} experts "
               f"top-{mc.get('num_experts_per_tok', 0)}{f' + {shared} shared' if (shared := mc.get('n_shared_experts')) else ''}; "
               f"seq {t.seq_len} x micro-batch {t.micro_batch} x accum {t.grad_accum}, {t.dtype}; "
               f"{gflop:.3g} GFLOP/token fwd+bwd")

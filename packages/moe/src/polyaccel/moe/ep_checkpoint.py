@@ -26,7 +26,6 @@ import json
 import logging
 import re
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -36,7 +35,6 @@ import torch.distributed as dist
 from torch import nn
 
 from polyaccel.core.parallel import ParallelMeshes, ParallelPlan
-from polyaccel.moe.flops import routed_experts
 from polyaccel.moe.layers import Experts, RotaryEmbedding
 
 logger = logging.getLogger("polyaccel.moe")
@@ -120,13 +118,16 @@ def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     per_expert: dict[str, dict[str, tuple[int, ...]]] = defaultdict(dict)
     count: dict[str, int] = defaultdict(int)
-    for key, shape in _header_shapes(path):
-        if m := _PER_EXPERT.match(key):
-            block = _rename(m["prefix"]) + ".mlp.experts"
-            per_expert[block].setdefault(_PROJ[m["proj"]], shape)
-            count[block] = max(count[block], int(m["e"]) + 1)
-        else:
-            shapes[_rename(key)] = shape
+    for file in checkpoint_files(path):
+        with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                shape = tuple(f.get_slice(key).get_shape())
+                if m := _PER_EXPERT.match(key):
+                    block = _rename(m["prefix"]) + ".mlp.experts"
+                    per_expert[block].setdefault(_PROJ[m["proj"]], shape)
+                    count[block] = max(count[block], int(m["e"]) + 1)
+                else:
+                    shapes[_rename(key)] = shape
     for block, proj in per_expert.items():
         if "gate" in proj and "up" in proj:
             shapes[f"{block}.gate_up_proj"] = (count[block], proj["gate"][0] + proj["up"][0], proj["gate"][1])
@@ -141,10 +142,12 @@ def missing_expert_tensors(path: str | Path) -> list[str]:
     experts its ``config.json`` counts (else up to the highest found). Headers only."""
     found: dict[str, set[tuple[int, str]]] = defaultdict(set)
     heads: dict[str, str] = {}
-    for key, _ in _header_shapes(path):
-        if m := _PER_EXPERT.match(key):
-            heads[m["prefix"]] = key[:m.start("e")]
-            found[m["prefix"]].add((int(m["e"]), m["proj"]))
+    for file in checkpoint_files(path):
+        with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if m := _PER_EXPERT.match(key):
+                    heads[m["prefix"]] = key[:m.start("e")]
+                    found[m["prefix"]].add((int(m["e"]), m["proj"]))
     declared = _declared_experts(Path(path))
     missing = []
     for prefix, have in found.items():
@@ -160,15 +163,11 @@ def _declared_experts(path: Path) -> int | None:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return routed_experts(config) if isinstance(config, dict) else None
-
-
-def _header_shapes(path: str | Path) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every tensor in checkpoint ``path``, from the safetensors headers."""
-    for file in checkpoint_files(path):
-        with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                yield key, tuple(f.get_slice(key).get_shape())
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def build_local_model(model_class: type, config: Any, ep: int, ep_rank: int, *, dtype: torch.dtype,

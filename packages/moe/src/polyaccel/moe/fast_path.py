@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 
-from polyaccel.moe.flops import routed_experts
-
 logger = logging.getLogger(__name__)
 
 WINDOW_MEMORY_SHARE = 0.05
@@ -98,7 +96,8 @@ def auto_window(model_config: Any, *, tokens_per_micro_batch: int, grad_accum: i
     """The weight-gradient window: the fewest micro-batches that give each expert's weight
     gradient :data:`WINDOW_ROWS_PER_EXPERT` token rows, at most ``grad_accum``, and only as
     many as keep at most ``share`` of ``device_bytes``."""
-    experts = routed_experts(model_config) or 1
+    experts = next((getattr(model_config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(model_config, k, None)), 1)
     rows = tokens_per_micro_batch * (getattr(model_config, "num_experts_per_tok", 1) or 1) / experts
     wanted = min(grad_accum, max(1, math.ceil(WINDOW_ROWS_PER_EXPERT / max(rows, 1))))
     per = kept_bytes_per_micro_batch(model_config, tokens_per_micro_batch)

@@ -27,16 +27,6 @@ PEAK_BF16_FLOPS: dict[str, float] = {
 }
 
 
-def routed_experts(config: Any) -> int | None:
-    """The routed experts per MoE layer of a model config (object or ``config.json`` dict),
-    under whichever name its architecture uses; None when it names no positive count."""
-    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
 def _get(config: Any, *names: str, default: Any = None) -> Any:
     for n in names:
         v = config.get(n) if isinstance(config, dict) else getattr(config, n, None)
@@ -60,7 +50,7 @@ def forward_flops_per_token(config: Any, seq_len: int, *, weights_only: bool = F
     d = _get(config, "head_dim", default=h // nq)
     vocab = _get(config, "vocab_size")
     dense_ffn = _get(config, "intermediate_size")
-    experts = routed_experts(config) or 0
+    experts = _get(config, "num_experts", "num_local_experts", "n_routed_experts", default=0)
     top_k = _get(config, "num_experts_per_tok", "moe_topk", default=0)
     expert_ffn = _get(config, "moe_intermediate_size", default=dense_ffn)
     shared_ffn = _get(config, "shared_expert_intermediate_size", default=0)
