@@ -94,6 +94,7 @@ def plain_loop(entry: str, config, a) -> tuple[list[float], float]:
 
         window = a.wgrad_window if a.wgrad_window == "auto" else int(a.wgrad_window)
         step = GraphedMicroStep(model, grad_accum=a.accum, wgrad_window=window) if a.device == "cuda" else None
+        a.loop_fast, a.loop_step = {"cuda_graph": step is not None, "wgrad_window": window}, step
         opt = FlatAdamW(model.parameters(), lr=1e-5, grads_overwritten=step.overwritten_params if step else ())
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=a.device == "cuda")
@@ -260,8 +261,11 @@ def run_one(shape: str, entry: str, a) -> dict:
         rec = cli_run(shape, a)
         step_s, loss, peak, fast = rec["step_time_s"], rec["final_loss"], rec["peak_memory_gib"], rec.get("fast_path")
     else:
-        a.profile_ms = a.profile_gaps = a.peak_warmup = None
+        a.profile_ms = a.profile_gaps = a.peak_warmup = a.loop_fast = None
         times, loss = (trainer_run if "trainer" in entry else plain_loop)(entry, config, a)
+        fast = a.loop_fast
+        if fast is not None and fast["cuda_graph"]:  # "auto" resolves at the first micro-batch
+            fast["wgrad_window"] = a.loop_step.wgrad_window
         step_s = statistics.median(times)
         peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
         if peak is not None and a.peak_warmup is not None:
@@ -336,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown entries {bad}; choose from {', '.join(ENTRIES)}")
     rows = []
     passthrough = [f"--seq={a.seq}", f"--accum={a.accum}", f"--steps={a.steps}", f"--warmup={a.warmup}",
-                   f"--device={a.device}", f"--out-dir={a.out_dir}"] + ([f"--layers={a.layers}"] if a.layers else [])
+                   f"--device={a.device}", f"--out-dir={a.out_dir}", f"--wgrad-window={a.wgrad_window}"]
+    passthrough += [f"--layers={a.layers}"] if a.layers else []
     passthrough += ["--profile"] if a.profile else []
     for shape in a.shapes.split(","):
         for entry in entries:

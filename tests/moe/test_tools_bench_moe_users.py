@@ -53,3 +53,21 @@ def test_a_profiled_step_reports_time_by_category_and_writes_the_table(bench, tm
     got = bench.profile_categories(step, a, "profile.txt")
     assert got["gemm"] > 0 and got["norm"] > 0 and list(got.values()) == sorted(got.values(), reverse=True)
     assert "aten::mm" in (tmp_path / "profile.txt").read_text()
+
+
+def test_each_row_process_gets_the_weight_gradient_window(bench, tmp_path, monkeypatch, capsys):
+    """``--wgrad-window`` reaches the per-row processes (it once stayed in the parent)."""
+    seen = []
+
+    def fake_run(cmd, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        seen.append(cmd)
+        row = {"shape": cmd[cmd.index("--one") + 1], "entry": "loop", "tokens_per_s": 1.0, "peak_gib": 1.0,
+               "mfu_dense": 0.1}
+        return types.SimpleNamespace(stdout=bench._MARK + __import__("json").dumps(row) + "\n", stderr="",
+                                     returncode=0)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    assert bench.main(["--entries", "loop", "--wgrad-window", "2", "--device", "cpu",
+                       "--out-dir", str(tmp_path)]) == 0
+    assert seen and all("--wgrad-window=2" in cmd for cmd in seen)
+    capsys.readouterr()
