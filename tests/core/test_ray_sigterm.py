@@ -44,34 +44,22 @@ def test_sigterm_after_ray_init_is_the_application_s_interrupt(start, tmp_path, 
         signal.signal(signal.SIGTERM, before)
 
 
-def test_a_plain_keyboard_interrupt_after_a_sigterm_is_the_sigterm_s(monkeypatch):
-    """Ray's ``get`` raises KeyboardInterrupt for whatever a signal handler raised inside it."""
-    before = signal.getsignal(signal.SIGTERM)
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, (143, "terminated")), (signal.SIGHUP, (129, "hung up"))])
+def test_a_plain_keyboard_interrupt_after_a_signal_is_that_signal_s(signum, status):
+    """Ray's ``get`` raises KeyboardInterrupt for whatever a signal handler raised inside it; the
+    status is still the signal's. SIGHUP (the terminal closed) is taken over only where it would
+    end the process (SIG_DFL), and left as it was after the block. A later Ctrl-C is a Ctrl-C."""
+    before = signal.signal(signum, signal.SIG_DFL)
     try:
         with pytest.raises(KeyboardInterrupt) as raised, clitools.sigterm_as_interrupt():
             try:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signum)
             except clitools.Terminated:
                 raise KeyboardInterrupt from None
-        assert clitools.interrupt_status(raised.value) == (143, "terminated")
+        assert clitools.interrupt_status(raised.value) == status
+        assert signal.getsignal(signum) is signal.SIG_DFL
         with pytest.raises(KeyboardInterrupt) as raised, clitools.sigterm_as_interrupt():
             raise KeyboardInterrupt  # Ctrl-C in a later block
         assert clitools.interrupt_status(raised.value) == (130, "interrupted")
     finally:
-        signal.signal(signal.SIGTERM, before)
-
-
-def test_a_plain_keyboard_interrupt_after_a_sighup_is_the_sighup_s():
-    """SIGHUP (the terminal closed) is taken over only where it would end the process, and a
-    plain KeyboardInterrupt after it (Ray's ``get``) reports it: 129, "hung up"."""
-    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    try:
-        with pytest.raises(KeyboardInterrupt) as raised, clitools.sigterm_as_interrupt():
-            try:
-                os.kill(os.getpid(), signal.SIGHUP)
-            except clitools.Terminated:
-                raise KeyboardInterrupt from None
-        assert clitools.interrupt_status(raised.value) == (129, "hung up")
-        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
-    finally:
-        signal.signal(signal.SIGHUP, before)
+        signal.signal(signum, before)
