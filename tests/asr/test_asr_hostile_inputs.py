@@ -63,6 +63,30 @@ def test_a_cut_off_copy_is_an_error_not_shorter_audio(tmp_path: Path, fmt: str, 
             read(cut)
 
 
+
+@pytest.mark.parametrize("marker", [0xFFFFFFFF, 0x7FFFFFFF, 0x7FFFF000])
+def test_a_streaming_writer_s_unknown_length_is_not_a_truncation(tmp_path: Path, marker: int) -> None:
+    """ffmpeg (0xffffffff) and SoX (0x7ffff000) writing to a pipe cannot go back to fill in the
+    data size, and leave their "unknown length" marker there: the file is read to its end."""
+    good = tmp_path / "good.wav"
+    sf.write(good, _tone(3.0, 1), SR, subtype="PCM_16")
+    b = bytearray(good.read_bytes())
+    i = b.find(b"data")
+    b[i + 4:i + 8] = struct.pack("<I", marker)
+    piped = tmp_path / "piped.wav"
+    piped.write_bytes(bytes(b))
+    assert len(load_audio(piped)) == 3 * SR
+
+
+def test_a_file_a_few_samples_short_says_how_many(tmp_path: Path) -> None:
+    """Seconds to two places would read "declares 2.99 s, file holds 2.99 s"."""
+    whole = tmp_path / "whole.wav"
+    sf.write(whole, _tone(3.0, 1), SR, subtype="PCM_16")
+    cut = tmp_path / "cut.wav"
+    cut.write_bytes(whole.read_bytes()[:-2])
+    with pytest.raises(AudioError, match=r"truncated audio: header declares 48000 samples, file holds 47999$"):
+        load_audio(cut)
+
 # ---- absurd sample rates --------------------------------------------------------------------------------
 
 

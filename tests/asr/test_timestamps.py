@@ -148,6 +148,57 @@ def test_stitched_segments_are_absolute_and_monotonic():
     assert TimedText("x", a).segments == a and str(TimedText("x", a)) == "x"
 
 
+
+def _union_gaps(segs: list[Segment], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] that no segment covers."""
+    covered, reach = 0.0, lo
+    for s in sorted(segs, key=lambda s: s.start):
+        a, b = max(s.start, reach), min(s.end, hi)
+        if b > a:
+            covered, reach = covered + b - a, b
+    return hi - lo - covered
+
+
+def test_stitched_segments_keep_speech_that_the_two_windows_cut_at_different_places():
+    """Window 0 cuts at 15.78 s, window 1 at 12.79 and 18.75 s, around a seam at 15.915 s: the
+    middle-of-the-segment rule dropped both windows' segments there (3 s of speech in no
+    segment); the stitch keeps it, once."""
+    w0 = [Segment(0.0, 5.0, "a"), Segment(5.0, 12.0, "b"), Segment(12.0, 15.78, "c"),
+          Segment(15.78, 20.5, "d"), Segment(20.5, 26.0, "e"), Segment(26.0, 30.0, "f")]
+    w1 = [Segment(s - 1.83, e - 1.83, t) for s, e, t in
+          [(1.83, 6.0, "A"), (6.0, 12.79, "B"), (12.79, 18.75, "CD"), (18.75, 26.0, "E"), (26.0, 31.83, "FG")]]
+    got = stitch_segments([w0, w1], [(0.0, 30.0), (1.83, 31.83)])
+    assert _union_gaps(got, 0.0, 31.83) < 1e-6
+    assert [s.text for s in got] == ["a", "b", "c", "d", "e", "FG"]
+    assert all(x.end <= y.start for x, y in zip(got, got[1:]))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stitched_segments_cover_all_speech_however_windows_cut_it(seed):
+    """Speech everywhere in a 100 s file; 30 s windows 5-25 s apart, each cutting its audio into
+    segments at its own random places: the stitched segments leave out no more than a pause of
+    it and never go back."""
+    rng = np.random.default_rng(seed)
+    total, spans, a = 100.0, [], 0.0
+    while True:
+        b = min(a + 30.0, total)
+        spans.append((a, b))
+        if b >= total:
+            break
+        a = b - float(rng.uniform(5.0, 25.0))
+    windows = []
+    for a, b in spans:
+        cuts = np.sort(rng.uniform(a, b, size=int(rng.integers(0, 8))))
+        edges = [a, *cuts.tolist(), b]
+        windows.append([Segment(x - a, y - a, f"{x:.2f}") for x, y in zip(edges, edges[1:]) if y > x])
+    got = stitch_segments(windows, spans)
+    assert all(s.start <= s.end for s in got) and all(x.end <= y.start for x, y in zip(got, got[1:]))
+    # Left out: at most a pause-long stretch, where covering it would repeat 10x as much (the
+    # largest in 2,000 seeds: 0.81 s; the 99th percentile 0.26 s).
+    assert got[0].start == 0.0 and got[-1].end == total
+    assert max(y.start - x.end for x, y in zip(got, got[1:])) < 1.0
+    assert _union_gaps(got, 0.0, total) < 1.0
+
 # ---- real speech -----------------------------------------------------------------------------------
 
 

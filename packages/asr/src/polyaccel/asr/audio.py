@@ -149,6 +149,8 @@ def _check_complete(path: Path, frames_read: int, rate: int, header_frames: int)
     if declared is None:
         declared = header_frames
     if declared > frames_read and frames_read >= 0:
+        if f"{declared / rate:.2f}" == f"{frames_read / rate:.2f}":  # a few samples short
+            raise AudioError(f"truncated audio: header declares {declared} samples, file holds {frames_read}")
         raise AudioError(f"truncated audio: header declares {declared / rate:.2f} s, "
                          f"file holds {frames_read / rate:.2f} s")
 
@@ -199,7 +201,7 @@ def _declared_frames(path: Path) -> int | None:
     return None
 
 
-_UNKNOWN_SIZES = (0, 0xFFFFFFFF, 0x7FFFFFFF)  # what streaming writers leave in a size field
+_UNKNOWN_SIZES = (0, 0xFFFFFFFF, 0x7FFFFFFF, 0x7FFFF000)  # streaming writers' size fields (SoX: 0x7ffff000)
 
 
 def _wav_declared_frames(f: Any) -> int | None:

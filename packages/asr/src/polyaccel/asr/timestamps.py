@@ -55,23 +55,27 @@ def stitch_segments(windows: Sequence[Sequence[Segment] | None],
     """One file's segments, in seconds from its start, from its windows' segments (each in
     seconds from its window's start; ``spans_s[k]`` is window k's (start, end) in the file).
 
-    Consecutive windows share audio; each seam is the middle of the shared stretch: a segment
-    is taken from the window on whose side of the seam its middle lies, so speech in the
-    shared audio is taken once. Times are then kept within their window's audio (Whisper may
-    place a last timestamp past the end of a short file: 3.00 s in a 2.99 s clip) and made
-    non-decreasing (a segment starts no earlier than the previous one ends). None if any
-    window has no segments list (decoded without timestamps)."""
+    Consecutive windows share audio, and each cuts it into segments at its own places. At each
+    seam the last segments of the earlier window and the first of the later one are chosen so
+    that the speech either window found in the shared audio is covered: first the choice that
+    leaves the least of it uncovered, then the one that covers the least of it twice, then the
+    one that cuts nearest the middle of the shared stretch. Segments that start before the later window begins, or end
+    after the earlier one ends, are always kept (the other window did not hear them). Times are
+    then kept within their window's audio (Whisper may place a last timestamp past the end of a
+    short file: 3.00 s in a 2.99 s clip) and made non-decreasing (a segment starts no earlier
+    than the previous one ends). None if any window has no segments list (decoded without
+    timestamps)."""
     if any(w is None for w in windows):
         return None
+    timed = [[Segment(min(s.start, b), min(s.end, b), s.text) for s in shifted(segs or [], a)]
+             for segs, (a, b) in zip(windows, spans_s, strict=True)]
     out: list[Segment] = []
-    n = len(windows)
-    for k, (segs, (a, b)) in enumerate(zip(windows, spans_s, strict=True)):
-        lo = -float("inf") if k == 0 else (spans_s[k - 1][1] + a) / 2
-        hi = float("inf") if k == n - 1 else (b + spans_s[k + 1][0]) / 2
-        for s in shifted(segs or [], a):
-            mid = (s.start + s.end) / 2
-            if lo <= mid < hi:
-                out.append(Segment(min(s.start, b), min(s.end, b), s.text))
+    rest = timed[0] if timed else []
+    for k in range(len(timed) - 1):
+        p, j = _seam(rest, timed[k + 1], spans_s[k + 1][0], spans_s[k][1])
+        out += rest[:p]
+        rest = timed[k + 1][j:]
+    out += rest
     fixed: list[Segment] = []
     prev_end = 0.0
     for s in out:
@@ -80,6 +84,39 @@ def stitch_segments(windows: Sequence[Sequence[Segment] | None],
         fixed.append(Segment(round(start, 3), round(end, 3), s.text))
         prev_end = end
     return fixed
+
+
+def _seam(early: Sequence[Segment], late: Sequence[Segment], a: float, b: float) -> tuple[int, int]:
+    """(p, j): keep ``early[:p]`` and ``late[j:]`` where the two windows share ``[a, b]``."""
+    must_p = sum(1 for s in early if s.start < a)  # (segments are in time order)
+    firsts = [i for i, s in enumerate(late) if s.end > b]
+    most_j = firsts[0] if firsts else len(late)
+    found = _covered(list(early) + list(late), a, b)
+    middle = (a + b) / 2
+    best: tuple[float, int, int] | None = None
+    for p in range(must_p, len(early) + 1):
+        kept_early = _covered(early[:p], a, b)
+        for j in range(most_j + 1):
+            kept_late = _covered(late[j:], a, b)
+            kept = _covered(list(early[:p]) + list(late[j:]), a, b)
+            missed, twice = found - kept, kept_early + kept_late - kept
+            cut_at = (early[p - 1].end if p else a) if j == len(late) else late[j].start
+            cost = 10 * missed + twice + 1e-3 * abs(cut_at - middle)
+            if best is None or cost < best[0] - 1e-9:
+                best = (cost, p, j)
+    assert best is not None
+    return best[1], best[2]
+
+
+def _covered(segments: Sequence[Segment], a: float, b: float) -> float:
+    """Seconds of ``[a, b]`` that ``segments`` cover (overlaps counted once)."""
+    total, reach = 0.0, a
+    for s in sorted(segments, key=lambda s: s.start):
+        lo, hi = max(s.start, reach), min(s.end, b)
+        if hi > lo:
+            total += hi - lo
+            reach = hi
+    return total
 
 
 def segment_records(segments: Sequence[Segment] | None) -> list[dict[str, Any]] | None:
