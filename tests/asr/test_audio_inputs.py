@@ -291,6 +291,11 @@ def test_results_writer_resumes_and_repairs(tmp_path: Path) -> None:
     ("Uh, the colour [noise] is   GREY!", "the color is gray"),
     ("It's 50% off", "it's fifty percent off"),
     ("café déjà vu", "cafe deja vu"),
+    ("They paid $1.5 million in the 1990s.", "they paid one point five million dollars in the nineteen nineties"),
+    ("$2.5 and $10.5 billion", "two point five dollars and ten point five billion dollars"),
+    ("$1, £5, €3 million", "one dollar five pounds three million euros"),
+    ("$2.50, $0.50 and $1.01", "two dollars fifty cents fifty cents and one dollar one cent"),
+    ("the 1900s, the '80s", "the nineteen hundreds the eighties"),
 ])
 def test_normalizer_equates_spellings(a: str, b: str) -> None:
     assert normalize_text(a) == normalize_text(b)

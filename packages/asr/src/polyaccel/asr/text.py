@@ -78,11 +78,39 @@ def _ordinal(words: str) -> str:
     return f"{head} {last}".strip()
 
 
+_CURRENCIES = {"$": ("dollar", "dollars", "cent", "cents"), "\u00a3": ("pound", "pounds", "penny", "pence"),
+               "\u20ac": ("euro", "euros", "cent", "cents")}
+_MONEY = re.compile(r"([$\u00a3\u20ac])\s?(\d+)(?:\.(\d+))?(?:\s?(thousand|million|billion|trillion)\b)?")
+
+
+def _money(m: re.Match[str]) -> str:
+    """"$1.5 million" -> "1.5 million dollars", "$2.50" -> "2 dollars 50 cents", "$1" -> "1 dollar"."""
+    one, many, sub_one, sub_many = _CURRENCIES[m[1]]
+    whole, frac, scale = m[2], m[3], m[4]
+    if scale:
+        return f" {whole}{'.' + frac if frac else ''} {scale} {many} "
+    if frac is not None and len(frac) != 2:
+        return f" {whole}.{frac} {many} "
+    main = f"{whole} {one if int(whole) == 1 else many}"
+    if not frac or int(frac) == 0:
+        return f" {main} "
+    cents = f"{int(frac)} {sub_one if int(frac) == 1 else sub_many}"
+    return f" {cents} " if int(whole) == 0 else f" {main} {cents} "
+
+
+def _plural(words: str) -> str:
+    """"nineteen ninety" -> "nineteen nineties" (the 1990s), "six" -> "sixes"."""
+    head, _, last = words.rpartition(" ")
+    last = last[:-1] + "ies" if last.endswith("y") else last + ("es" if last.endswith("x") else "s")
+    return f"{head} {last}".strip()
+
+
 def _spell_numbers(text: str) -> str:
     text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)  # 1,000 -> 1000
-    text = re.sub(r"\$\s?(\d+)(?:\.(\d\d))?", lambda m: f"{m[1]} dollars" + (f" {m[2]} cents" if m[2] else ""), text)
+    text = _MONEY.sub(_money, text)
     text = re.sub(r"(\d)\s?%", r"\1 percent", text)
     text = re.sub(r"\b(\d+)(st|nd|rd|th)\b", lambda m: " " + _ordinal(number_to_words(int(m[1]))) + " ", text)
+    text = re.sub(r"\b(\d+)s\b", lambda m: " " + _plural(_year_or_number(m[1])) + " ", text)  # the 1990s
     text = re.sub(r"\b(\d+)\.(\d+)\b", lambda m: f" {_year_or_number(m[1])} point " + " ".join(_ONES[int(d)] for d in m[2]) + " ", text)
     return re.sub(r"\d+", lambda m: " " + _year_or_number(m[0]) + " ", text)
 
