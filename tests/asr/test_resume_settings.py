@@ -233,3 +233,26 @@ def test_a_real_model_records_the_dtype_it_was_loaded_in(asr_cli, tmp_path: Path
         assert [r["dtype"] for r in asr_cli.results(out)] == ["float32", "float32"]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_an_overlap_over_half_the_window_is_refused_not_recorded(asr_cli, loads: list[dict], tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Windows overlap by at most half their length: --overlap 29 ran as 15 and its lines said
+    29, so a rerun with 15 (what was used) was refused as made another way."""
+    a, _ = _clips(asr_cli, tmp_path)
+    out = tmp_path / "out.jsonl"
+    assert asr_cli.run(a, "-o", str(out), "--overlap", "29") == 2
+    assert "at most half the model's 30 s window (15 s), got 29" in capsys.readouterr().err
+    assert not out.exists()
+    assert asr_cli.run(a, "-o", str(out), "--overlap", "15") == 0
+    assert asr_cli.results(out)[0]["overlap_s"] == 15.0
+
+
+def test_overlaps_that_cut_the_same_windows_resume(asr_cli, loads: list[dict], tmp_path: Path) -> None:
+    """3.0000001 s and 3 s are the same sample: the same windows, so a resume goes on."""
+    a, b = _clips(asr_cli, tmp_path)
+    out = tmp_path / "out.jsonl"
+    assert asr_cli.run(a, "-o", str(out), "--overlap", "3") == 0
+    assert asr_cli.run(a, b, "-o", str(out), "--overlap", "3.0000001") == 0
+    assert [r["path"] for r in asr_cli.results(out)] == [a, b]
+    assert asr_cli.run(a, b, "-o", str(out), "--overlap", "3.01") == 2  # another window: refused

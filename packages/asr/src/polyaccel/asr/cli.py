@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -178,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true",
                    help="start the results file afresh instead of resuming (replaced when the first result "
                         "arrives)")
-    t.add_argument("--overlap", type=number(0), default=3.0, help="seconds of overlap between long-audio windows (default: 3)")
+    t.add_argument("--overlap", type=number(0), default=3.0, help="seconds of overlap between long-audio windows (default: 3; at most half a window, 15 s for Whisper)")
     t.add_argument("--no-speech-threshold", type=number(0), default=None, metavar="P",
                    help="Whisper: a window whose no-speech probability is above P (0-1; e.g. 0.6) gets no text, "
                         "instead of what Whisper makes up for silence or noise (\"you\"); default: off")
@@ -521,8 +522,16 @@ def _made_differently(kept: list[dict[str, Any]], first: dict[str, Any], timesta
 def _how_made(rec: dict[str, Any], timestamps: bool) -> dict[str, Any]:
     return {"model": rec.get("model"), "weights_sha256": rec.get("weights_sha256"), "timestamps": bool(timestamps),
             "encoder_gemms": rec.get("encoder_gemms"), "batch_invariant": bool(rec.get("batch_invariant")),
-            "dtype": rec.get("dtype"), "overlap_s": rec.get("overlap_s"),
+            "dtype": rec.get("dtype"), "overlap_s": _to_the_sample(rec.get("overlap_s")),
             "no_speech_threshold": rec.get("no_speech_threshold")}
+
+
+def _to_the_sample(seconds: Any) -> Any:
+    """Seconds rounded to a 16 kHz sample, what windows are cut at (3.0000001 is 3); anything
+    else (a hand-edited line) as it is."""
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds):
+        return round(seconds * 16000) / 16000
+    return seconds
 
 
 def _describe(how: dict[str, Any], settings: Collection[str] = ()) -> str:

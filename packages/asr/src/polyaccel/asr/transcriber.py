@@ -256,6 +256,9 @@ class Transcriber:
                  model_name: str = "", backend_name: str = "cpu", pool_options: dict[str, Any] | None = None,
                  compile_fn: Callable[[int], Any] | None = None):
         _check_overlap(overlap_s)
+        if overlap_s > max_audio_seconds / 2:
+            raise ValueError(f"overlap_s must be at most half the model's {max_audio_seconds:g} s window "
+                             f"({max_audio_seconds / 2:g} s), got {overlap_s:g}")
         self.sample_rate = sample_rate
         self.max_audio_seconds = max_audio_seconds
         self.replicas = max(1, replicas)
