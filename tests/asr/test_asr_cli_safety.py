@@ -85,6 +85,10 @@ def test_an_output_that_is_an_input_is_refused_even_with_overwrite(asr_cli, load
         cli.main(["transcribe", str(wav), "-o", str(wav), "--overwrite"])
     assert e.value.code == 2 and "named like an audio file" in capsys.readouterr().err
     assert wav.read_bytes() == before["a.wav"]
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "deep" / "new.wav")  # to an audio name not yet there
+    assert asr_cli.run(str(wav), "-o", str(tmp_path / "dangling.jsonl")) == 2
+    assert "named like an audio file" in capsys.readouterr().err
+    assert not (tmp_path / "deep").exists() and loads == []
 
 
 @pytest.mark.parametrize("overwrite", [False, True])

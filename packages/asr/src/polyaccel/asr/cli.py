@@ -321,7 +321,12 @@ def _check_output(args: argparse.Namespace, items: list[Any]) -> str:
     problem = output_problem(args.output, protected)
     if problem:
         raise UsageError(f"-o {args.output}: {problem}")
-    return os.path.realpath(args.output)
+    real = os.path.realpath(args.output)
+    from polyaccel.asr.audio import AUDIO_EXTENSIONS
+
+    if os.path.splitext(real)[1].lower() in AUDIO_EXTENSIONS:  # a symlink, dangling or not, to one
+        raise UsageError(f"-o {args.output}: leads to {real}, named like an audio file; results are JSONL")
+    return real
 
 
 class _locked:
