@@ -170,11 +170,13 @@ def test_resume_drops_duplicate_records_of_one_file(tmp_path: Path, monkeypatch:
     assert [r["text"] for r in load_results(out)] == ["first", "bee"]
 
 
-@pytest.mark.parametrize("torn", [b"{", b'{"pa', b'{"path": ', b'{"path": "b.wav", "te'])
+@pytest.mark.parametrize("torn", [b"{", b'{"pa', b'{"path": ', b'{"path": "b.wav", "te',
+                                  b"\0" * 300, b'{"path": "b.wav", "te' + b"\0" * 4000])
 def test_a_torn_last_line_of_any_length_is_repaired_not_refused(tmp_path: Path, torn: bytes) -> None:
-    """A kill can cut the last line after any byte, even inside ``{"path": ``: the file is
-    still ours (no NotResultsFile, which would make the CLI refuse to resume) and the repair
-    drops just that line."""
+    """A kill can cut the last line after any byte, even inside ``{"path": ``, and a power loss
+    can leave the unwritten end of the file as zero bytes: the file is still ours (no
+    NotResultsFile, which would make the CLI refuse to resume) and the repair drops just that
+    line."""
     from polyaccel.asr.results_file import ResultsWriter, scan_results
 
     out = tmp_path / "out.jsonl"

@@ -179,8 +179,10 @@ def _parse(line: bytes, fields: tuple[str, ...]) -> dict[str, Any] | None:
 
 
 def _is_torn(line: bytes, complete: bool) -> bool:
-    """A last line cut off by a kill: no newline and the start of one of our records."""
+    """A last line cut off by a kill: no newline and the start of one of our records (zero
+    bytes after it are the unwritten end of the file after a power loss)."""
     head = b'{"path": '
+    line = line.rstrip(b"\0")
     return not complete and (line.startswith(head) or head.startswith(line))
 
 
