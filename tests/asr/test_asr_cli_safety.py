@@ -482,3 +482,21 @@ def test_ray_address_auto_is_a_usage_error_before_any_model_loads(asr_cli, tmp_p
     err = capsys.readouterr().err
     assert "--address" in err and "'auto'" in err and "Traceback" not in err
     assert not out.exists() and loads == []
+
+
+def test_an_output_name_at_the_file_system_s_limit_gets_a_lock_that_fits(asr_cli, loads: list[str],
+                                                                          tmp_path: Path) -> None:
+    """A legal 251-byte -o has no room for ".lock": its lock is its name cut short plus a hash,
+    the same for a second run, which is refused while the first holds it."""
+    from polyaccel.asr.results_file import OutputBusy, OutputLock
+
+    wav = asr_cli.wav(tmp_path / "a.wav")
+    out = tmp_path / ("r" * 245 + ".jsonl")
+    assert asr_cli.run(str(wav), "-o", str(out)) == 0
+    assert [r["path"] for r in asr_cli.results(out)] == [str(wav)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a.wav", out.name])  # the lock went
+    with OutputLock(out):
+        assert len(OutputLock(out).path.name.encode()) <= 255
+        with pytest.raises(OutputBusy):
+            OutputLock(str(out)).acquire()
+    assert OutputLock(tmp_path / "x.jsonl").path == tmp_path / "x.jsonl.lock"

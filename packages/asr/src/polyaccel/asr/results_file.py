@@ -13,6 +13,7 @@ import base64
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -355,6 +356,19 @@ def _same_inode(path: str, st: os.stat_result) -> bool:
     return (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino)
 
 
+def lock_name(output: str) -> str:
+    """``output + ".lock"``, or, where that name would be longer than a file name can be (255
+    bytes), the output's name cut short with 12 hex digits of its hash: the same for every run."""
+    folder, name = os.path.split(output)
+    if len(os.fsencode(name + ".lock")) <= 255:
+        return output + ".lock"
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:12]
+    stem = name
+    while len(os.fsencode(stem)) > 255 - len(".000000000000.lock"):
+        stem = stem[:-1]
+    return os.path.join(folder, f"{stem}.{digest}.lock")
+
+
 LOCK_HEADER = "polyaccel-asr lock, pid "
 """How a lock file starts (then the holder's process id): a file on the lock path that does
 not is a user's, never truncated or removed."""
@@ -362,10 +376,11 @@ not is a user's, never truncated or removed."""
 
 class OutputLock:
     """An exclusive ``flock`` on ``<output>.lock`` for the length of one run; removed on
-    release. Raises :class:`OutputBusy` if another run holds it (never waits)."""
+    release. Raises :class:`OutputBusy` if another run holds it (never waits). An output name
+    within 5 bytes of the file system's limit gets ``<its start>.<hash of it>.lock``."""
 
     def __init__(self, output: str | os.PathLike):
-        self.path = Path(os.fspath(output) + ".lock")
+        self.path = Path(lock_name(os.fspath(output)))
         self._fd: int | None = None
 
     def acquire(self) -> OutputLock:
