@@ -601,3 +601,27 @@ def test_a_write_error_mid_run_is_exit_1_and_the_rerun_finishes(asr_cli, fake_mo
     monkeypatch.setattr(ResultsWriter, "write", real)
     assert main(["transcribe", *wavs, "-o", str(out), "-q"]) == 0
     assert sorted(json.loads(x)["path"] for x in out.read_text().splitlines()) == sorted(wavs)
+
+
+def test_a_full_disk_at_the_first_write_leaves_no_empty_output_nor_its_folders(
+        asr_cli, fake_model: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """Nothing written: the -o file this run created and the folders it made for it go again
+    (an existing empty -o stays)."""
+    import errno
+
+    from polyaccel.asr.cli import main
+    from polyaccel.asr.results_file import ResultsWriter
+
+    def full(self, record):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ResultsWriter, "write", full)
+    wav = str(asr_cli.wav(tmp_path / "a.wav", 0.1))
+    assert main(["transcribe", wav, "-o", str(tmp_path / "d1" / "d2" / "x.jsonl"), "-q"]) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav"]
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("")
+    assert main(["transcribe", wav, "-o", str(mine), "-q"]) == 1
+    assert mine.exists() and mine.read_text() == ""

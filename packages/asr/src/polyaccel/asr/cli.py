@@ -331,10 +331,10 @@ def _check_output(args: argparse.Namespace, items: list[Any]) -> str:
 
 class _locked:
     """Hold the run's lock on ``out`` (creating missing parent folders for its lock file, and
-    removing them again if the run wrote nothing)."""
+    removing them again, with an output file this run created, if the run wrote nothing)."""
 
     def __init__(self, out: str, shown: str):
-        self.out, self.shown, self.lock, self.made = out, shown, None, []
+        self.out, self.shown, self.lock, self.made, self.existed = out, shown, None, [], True
 
     def __enter__(self) -> None:
         from polyaccel.asr.results_file import OutputBusy, OutputLock
@@ -343,6 +343,7 @@ class _locked:
         self.lock = OutputLock(self.out)
         try:
             self.lock.acquire()
+            self.existed = os.path.lexists(self.out)
         except OutputBusy as e:
             self._cleanup()
             raise UsageError(f"another run ({e}) is writing {self.shown}; wait for it or use another -o") from None
@@ -351,6 +352,11 @@ class _locked:
             raise UsageError(f"-o {self.shown}: cannot write next to it ({e.strerror}: {self.lock.path})") from None
 
     def __exit__(self, *exc: object) -> None:
+        try:
+            if not self.existed and os.stat(self.out, follow_symlinks=False).st_size == 0:
+                os.unlink(self.out)  # made by this run, which wrote nothing into it (a full disk)
+        except OSError:
+            pass
         self.lock.release()
         self._cleanup()
 
