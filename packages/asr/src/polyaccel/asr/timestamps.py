@@ -72,9 +72,13 @@ def stitch_segments(windows: Sequence[Sequence[Segment] | None],
     out: list[Segment] = []
     rest = timed[0] if timed else []
     for k in range(len(timed) - 1):
-        p, j = _seam(rest, timed[k + 1], spans_s[k + 1][0], spans_s[k][1])
+        # (a short last window, moved back to be full length, can reach back past the window
+        # before: what is already taken is not found again)
+        done = out[-1].end if out else -float("inf")
+        late = [s for s in timed[k + 1] if s.end > done]
+        p, j = _seam(rest, late, max(spans_s[k + 1][0], done), spans_s[k][1])
         out += rest[:p]
-        rest = timed[k + 1][j:]
+        rest = late[j:]
     out += rest
     fixed: list[Segment] = []
     prev_end = 0.0
