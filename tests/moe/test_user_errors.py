@@ -60,6 +60,34 @@ def test_a_metrics_log_that_is_an_output_directory_is_refused_before_training(tm
     assert list(tmp_path.iterdir()) == []
 
 
+
+@pytest.mark.parametrize("key", ["checkpoint.dir", "data.jsonl"])
+def test_what_the_run_reads_or_keeps_inside_the_final_save_s_staging_folder_is_refused(tmp_path, key):
+    """The final save starts by removing output_dir/.polyaccel-partial: checkpoints or a dataset
+    kept there were deleted without a word (exit 0)."""
+    staging = tmp_path / "out" / ".polyaccel-partial"
+    staging.mkdir(parents=True)
+    data = staging / "data.jsonl"
+    data.write_text('{"text": "a b c"}\n')
+    sets = [f"output_dir={tmp_path / 'out'}",
+            f"checkpoint.dir={staging / 'ck' if key == 'checkpoint.dir' else tmp_path / 'ck'}"]
+    if key == "data.jsonl":
+        sets += ["data.synthetic=null", f"data.jsonl={data}"]
+    cfg = load_config(TINY, sets)
+    with pytest.raises(ConfigError, match=f"{key}: .* is inside .*polyaccel-partial, the folder the final save"):
+        check_outputs(cfg)
+    assert data.exists()
+
+
+def test_a_metrics_log_inside_a_checkpoint_folder_is_refused(tmp_path):
+    """Saving step N replaces checkpoint.dir/step_N and pruning removes old ones: a metrics
+    log kept in one was deleted without a word. Directly in checkpoint.dir it is kept."""
+    ck = tmp_path / "ck"
+    cfg = load_config(TINY, [f"checkpoint.dir={ck}", f"log.metrics_jsonl={ck / 'step_00000004' / 'm.jsonl'}"])
+    with pytest.raises(ConfigError, match="inside a folder of checkpoint.dir"):
+        check_outputs(cfg)
+    check_outputs(load_config(TINY, [f"checkpoint.dir={ck}", f"log.metrics_jsonl={ck / 'm.jsonl'}"]))
+
 @pytest.mark.parametrize("sets, message", [
     (["model.config.num_hidden_layers=0"], "num_hidden_layers=0 must be at least 1"),
     (["model.config.num_hidden_layers=-3"], "num_hidden_layers=-3 must be at least 1"),

@@ -1099,6 +1099,11 @@ def check_outputs(cfg: FinetuneConfig) -> None:
                               "metrics log. Name another file for log.metrics_jsonl (e.g. "
                               f"{Path(cfg.output_dir) / 'metrics.jsonl'}) or choose another output_dir",
                               key="log.metrics_jsonl")
+        if cfg.checkpoint.dir and (parent := metrics.resolve().parent) != (ck := Path(cfg.checkpoint.dir).resolve()) \
+                and parent.is_relative_to(ck):
+            raise ConfigError(f"log.metrics_jsonl: {metrics} is inside a folder of checkpoint.dir {cfg.checkpoint.dir}, "
+                              "which a save replaces or a prune removes. Name a file outside it (or directly in "
+                              "checkpoint.dir)", key="log.metrics_jsonl")
         if metrics.is_dir():
             raise ConfigError(f"log.metrics_jsonl: {metrics} is a directory, not a file")
         if (line := _foreign_line(metrics)) is not None:
@@ -1174,6 +1179,12 @@ def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
     if cfg.checkpoint.dir and real.is_relative_to(Path(cfg.checkpoint.dir).resolve()):
         raise ConfigError(f"output_dir: {out} is inside checkpoint.dir {cfg.checkpoint.dir}, where it would change "
                           "or be pruned with the checkpoints. Choose a directory outside it")
+    for key, value in (("checkpoint.dir", cfg.checkpoint.dir), ("checkpoint.resume", cfg.checkpoint.resume),
+                       ("model.path", cfg.model.path), ("data.tokenizer", cfg.data.tokenizer),
+                       ("data.jsonl", cfg.data.jsonl), ("data.text", cfg.data.text)):
+        if value and value not in ("auto", "none") and Path(value).resolve().is_relative_to(real / _STAGING):
+            raise ConfigError(f"{key}: {value} is inside {out / _STAGING}, the folder the final save starts "
+                              "by removing. Move it elsewhere")
     if out.is_dir():
         names = sorted(p.name for p in out.iterdir() if not p.is_dir() and p.name != _RECORD
                        and not _is_metrics_log(cfg, p) and not _is_run_lock(p))
