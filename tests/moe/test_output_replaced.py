@@ -56,6 +56,19 @@ def test_the_same_command_continuing_its_run_does_not_warn(earlier_run, caplog):
     assert (earlier_run / "out/model.safetensors").read_bytes() != before  # replaced by step 4's model
 
 
+
+def test_a_finished_run_rerun_into_another_run_s_output_warns(earlier_run, caplog):
+    """The already-finished path writes output_dir from the final checkpoint (as the docs
+    suggest, to write the model elsewhere): over another run's saved model it says so too."""
+    other = earlier_run / "other"
+    _warnings(caplog, load_config(TINY, [f"output_dir={other}", "log.progress_bar=false", "train.max_steps=2",
+                                         "checkpoint.dir=null", "train.seed=9"]))
+    text = _warnings(caplog, _cfg(earlier_run, f"checkpoint.dir={earlier_run / 'ck_a'}", f"output_dir={other}"))
+    assert "run already finished" in text
+    assert f"output_dir {other} {WARNING} that no checkpoint of this run matches (another run's?)" in text
+    assert (other / "model.safetensors").read_bytes() == (earlier_run / "out/model.safetensors").read_bytes()
+    assert WARNING not in _warnings(caplog, _cfg(earlier_run, f"checkpoint.dir={earlier_run / 'ck_a'}"))
+
 @pytest.mark.parametrize("bar", [False, True])
 def test_transformers_bars_follow_log_progress_bar_and_are_restored(tmp_path, monkeypatch, bar):
     """log.progress_bar=false also silences Transformers' loading and saving bars (they are

@@ -1386,8 +1386,12 @@ def _already_finished(cfg: FinetuneConfig, rt: Runtime, model_config: Any, check
             logger.warning("polyaccel.moe: output_dir %s does not hold the final model (the run stopped while "
                            "writing it?): writing it from %s", cfg.output_dir, checkpoint)
             files = _final_files(checkpoint)
+            replaced = _foreign_output(cfg, checkpoint)
+            foreign = (f"output_dir {cfg.output_dir} holds a saved model ({replaced}) that no checkpoint of this "
+                       "run matches (another run's?)") if replaced else None
             try:
-                _write_output(cfg, lambda staging: [shutil.copy2(checkpoint / n, staging / n) for n in files])
+                _write_output(cfg, lambda staging: [shutil.copy2(checkpoint / n, staging / n) for n in files],
+                              foreign=foreign)
             except Exception as e:
                 failure = (f"the final model could not be written to output_dir {cfg.output_dir} from the final "
                            f"checkpoint {checkpoint} ({ckpt.describe(e)}); nothing partial was left in output_dir and "
