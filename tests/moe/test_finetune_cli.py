@@ -89,6 +89,7 @@ def test_finetune_refuses_bad_configs_with_exit_2(capsys, tmp_path, sets, messag
     (["train.lr=-1"], "train.lr must be a finite number >= 0, got -1.0"),
     (["train.lr=nan"], "train.lr must be a finite number >= 0, got nan"),
     (["train.weight_decay=-0.1"], "train.weight_decay must be a finite number >= 0"),
+    (["train.eps=0"], "train.eps must be > 0 (AdamW divides by sqrt(v) + eps"),
     (["train.betas=[0.9,1.0]"], "train.betas must each be in [0, 1)"),
     (["train.grad_clip=-1"], "train.grad_clip must be a finite number >= 0 (0 or null: no clipping), got -1.0"),
     (["train.min_lr_ratio=2"], "train.min_lr_ratio must be in [0, 1]"),

@@ -206,6 +206,9 @@ def validate(cfg: FinetuneConfig, model_config: Any) -> None:
     for name in ("lr", "eps", "weight_decay"):
         if not (math.isfinite(getattr(t, name)) and getattr(t, name) >= 0):
             raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(t, name)}")
+    if t.eps == 0:  # a parameter whose gradient is 0 all along (an unused token's row) becomes 0 / 0
+        raise ConfigError("train.eps must be > 0 (AdamW divides by sqrt(v) + eps, and v stays 0 for a parameter "
+                          "no gradient reaches: its update would be NaN), got 0")
     if not all(0 <= b < 1 for b in t.betas):
         raise ConfigError(f"train.betas must each be in [0, 1), got {list(t.betas)}")
     if t.grad_clip is not None and not (math.isfinite(t.grad_clip) and t.grad_clip >= 0):
