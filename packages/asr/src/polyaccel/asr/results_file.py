@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from polyaccel.core.clitools import json_safe
-from polyaccel.core.files import replace_file
+from polyaccel.core.files import NAME_MAX, fit_name, replace_file
 
 MAX_LINE_BYTES = 16 << 20  # far above any real line (a 2 h transcript is ~100 kB)
 RECORD_FIELDS = ("path", "text", "duration_s", "error")
@@ -360,13 +360,10 @@ def lock_name(output: str) -> str:
     """``output + ".lock"``, or, where that name would be longer than a file name can be (255
     bytes), the output's name cut short with 12 hex digits of its hash: the same for every run."""
     folder, name = os.path.split(output)
-    if len(os.fsencode(name + ".lock")) <= 255:
+    if len(os.fsencode(name + ".lock")) <= NAME_MAX:
         return output + ".lock"
     digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:12]
-    stem = name
-    while len(os.fsencode(stem)) > 255 - len(".000000000000.lock"):
-        stem = stem[:-1]
-    return os.path.join(folder, f"{stem}.{digest}.lock")
+    return os.path.join(folder, f"{fit_name(name, NAME_MAX - len('.000000000000.lock'))}.{digest}.lock")
 
 
 LOCK_HEADER = "polyaccel-asr lock, pid "

@@ -59,12 +59,12 @@ def stitch_segments(windows: Sequence[Sequence[Segment] | None],
     seam the last segments of the earlier window and the first of the later one are chosen so
     that the speech either window found in the shared audio is covered: first the choice that
     leaves the least of it uncovered, then the one that covers the least of it twice, then the
-    one that cuts nearest the middle of the shared stretch. Segments that start before the later window begins, or end
-    after the earlier one ends, are always kept (the other window did not hear them). Times are
-    then kept within their window's audio (Whisper may place a last timestamp past the end of a
-    short file: 3.00 s in a 2.99 s clip) and made non-decreasing (a segment starts no earlier
-    than the previous one ends). None if any window has no segments list (decoded without
-    timestamps)."""
+    one that cuts nearest the middle of the shared stretch. Segments that start before the later
+    window begins, or end after the earlier one ends, are always kept (the other window did not
+    hear them). Times are then kept within their window's audio (Whisper may place a last
+    timestamp past the end of a short file: 3.00 s in a 2.99 s clip) and made non-decreasing (a
+    segment starts no earlier than the previous one ends). None if any window has no segments
+    list (decoded without timestamps)."""
     if any(w is None for w in windows):
         return None
     timed = [[Segment(min(s.start, b), min(s.end, b), s.text) for s in shifted(segs or [], a)]

@@ -104,10 +104,10 @@ def _put_file(path: str | bytes, data: bytes, put) -> None:  # noqa: ANN001
     fsync_dir(folder or ".")
 
 
-_NAME_MAX = 255  # bytes in one file name on Linux file systems (ext4, xfs, btrfs, tmpfs)
+NAME_MAX = 255  # bytes in one file name on Linux file systems (ext4, xfs, btrfs, tmpfs)
 
 
-def _fit_name(name: str | bytes, limit: int) -> str | bytes:
+def fit_name(name: str | bytes, limit: int) -> str | bytes:
     """``name`` cut to at most ``limit`` bytes as the file system sees it (whole characters)."""
     if isinstance(name, bytes):
         return name[:limit]
@@ -123,7 +123,7 @@ def _new_beside(folder: str | bytes, name: str | bytes, mode: int | None) -> tup
     umask at all)."""
     dot, suffix = (b".", b".tmp") if isinstance(name, bytes) else (".", ".tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    stem = _fit_name(name, _NAME_MAX - len(".000000000000.tmp"))
+    stem = fit_name(name, NAME_MAX - len(".000000000000.tmp"))
     for _ in range(tempfile.TMP_MAX):
         token = secrets.token_hex(6)
         tmp = os.path.join(folder, stem + dot + (token.encode() if isinstance(name, bytes) else token) + suffix)
