@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 #: The exit status after the reader of stdout left: 128 + SIGPIPE, what a shell reports for a
 #: standard tool stopped the same way (``yes | head -1``).
@@ -163,3 +163,28 @@ def broken_pipe(e: BrokenPipeError, prog: str) -> int:
     why = e.strerror or "broken pipe"
     print(f"{prog}: error: cannot write {what}: {why} (its reader went away)", file=sys.stderr)
     return EXIT_ERROR
+
+
+def exit_process(status: int) -> NoReturn:
+    """End a command with exit ``status``. A rank of a multi-process run (``WORLD_SIZE`` > 1,
+    torch.distributed imported) runs Python's exit handlers, flushes its streams and ends
+    there (``os._exit``), skipping the interpreter's teardown: the C++ destructors of the
+    communication threads torch.distributed leaves behind at times abort a process that has
+    finished ("terminate called without an active exception", exit -6), which would hide its
+    status (0, or the error the run reported). Any other process exits normally."""
+    if "torch.distributed" not in sys.modules or _world_size() <= 1:
+        sys.exit(status)
+    import atexit
+
+    atexit._run_exitfuncs()  # (logging's flush is one of them)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1

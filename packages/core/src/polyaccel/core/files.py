@@ -40,6 +40,33 @@ def remove_empty_dirs(dirs: Sequence[str | os.PathLike]) -> None:
             os.rmdir(d)
 
 
+def read_regular(path: str | os.PathLike, limit: int) -> bytes | None:
+    """The bytes of ``path`` when it is a regular file (not a link, FIFO, socket or device) of
+    at most ``limit`` bytes, else None: reading a file a user or an attacker may have put there
+    never blocks on a FIFO nor reads an endless device into memory."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)
+        return data if len(data) <= limit else None
+    finally:
+        os.close(fd)
+
+
+def is_regular(path: str | os.PathLike) -> bool:
+    """Whether ``path`` itself (a link is not followed) is a regular file."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def replace_file(path: str | os.PathLike | bytes, data: bytes) -> None:
     """Atomically make ``path`` hold ``data``: written to a new, uniquely named file beside it
     (never through an existing file or link, whatever its name), synced, renamed over ``path``,

@@ -11,6 +11,7 @@ from polyaccel.core.argtypes import integer, number
 from polyaccel.core.clitools import (
     broken_pipe,
     dumps,
+    exit_process,
     interrupt_status,
     second_ctrl_c_ends_at_once,
     sigterm_as_interrupt,
@@ -217,5 +218,11 @@ def _interrupted(args: argparse.Namespace, word: str = "interrupted") -> str:
     return f"{word}; rerun the same command to resume from the last checkpoint ({newest})"
 
 
+def run() -> None:
+    """The ``polyaccel-moe`` command: :func:`main`'s status as the exit code (see
+    :func:`polyaccel.core.clitools.exit_process` for the ranks of a multi-process run)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -38,7 +39,7 @@ from torch import nn
 
 from polyaccel.core.backend import BackendUnavailable
 from polyaccel.core.clitools import dumps, stdout_gone
-from polyaccel.core.files import missing_dirs, remove_empty_dirs, replace_file
+from polyaccel.core.files import is_regular, missing_dirs, read_regular, remove_empty_dirs, replace_file
 from polyaccel.core.parallel import ParallelPlan
 from polyaccel.moe import checkpoint as ckpt
 from polyaccel.moe import fast_path, grouped_linear
@@ -1189,6 +1190,11 @@ def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
             raise ConfigError(f"{key}: {value} is inside {out / _STAGING}, the folder the final save starts "
                               "by removing. Move it elsewhere")
     if out.is_dir():
+        folders = sorted(p.name for p in out.iterdir() if p.is_dir() and _file_name(p.name))
+        if folders:
+            raise ConfigError(f"output_dir: {out / folders[0]} is a folder where the final save writes a file of "
+                              "that name (model weights, a config, the tokenizer's files); rename or move it, or "
+                              "choose another output_dir")
         names = sorted(p.name for p in out.iterdir() if not p.is_dir() and p.name != _RECORD
                        and not _is_metrics_log(cfg, p) and not _is_run_lock(p))
         if ckpt.MANIFEST in names or ckpt.TRAINER_STATE in names:  # another run's, or checkpoint.resume
@@ -1201,6 +1207,16 @@ def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
                               f"{', ...' if len(names) > 5 else ''}); saving there could overwrite or delete some. "
                               "Choose a new or empty directory")
         _check_output_kind(cfg, out, names)
+
+
+_SAVED_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".model", ".jinja", ".md")
+"""How the names of the files a final save writes end (weights, configs, a tokenizer's files,
+PEFT's model card)."""
+
+
+def _file_name(name: str) -> bool:
+    """Whether ``name`` could be a file the final save writes into ``output_dir``."""
+    return name == _RECORD or name.endswith(_SAVED_SUFFIXES)
 
 
 def _is_metrics_log(cfg: FinetuneConfig, path: Path) -> bool:
@@ -1657,6 +1673,7 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     created = missing_dirs(out)
     staging = out / _STAGING
     try:
+        cut = {key: _recorded(staging, key) for key in ("files", "weights")}  # a save a kill cut off
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         write_model(staging)
@@ -1679,7 +1696,11 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
         written = sorted(p.name for p in staging.iterdir())
         digests = {n: ckpt._digest(staging / n)[1] for n in written if not _WEIGHT_FILE.match(n)}
         marks = {n: _weight_mark(staging / n) for n in written if _WEIGHT_FILE.match(n)}
-        edited = _edited(out, digests) + _edited_weights(out)
+        in_the_way = [n for n in [*written, _RECORD] if (out / n).is_dir()]
+        if in_the_way:
+            raise IsADirectoryError(errno.EISDIR, "a folder has the name of a file the save writes; rename it",
+                                    str(out / in_the_way[0]))
+        edited = _edited(out, digests, cut["files"]) + _edited_weights(out, cut["weights"])
         (staging / _RECORD).write_text(json.dumps({"files": digests, "weights": marks}, indent=1) + "\n")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -1714,10 +1735,12 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     staging.rmdir()
 
 
-def _edited(out: Path, digests: dict[str, str]) -> list[str]:
+def _edited(out: Path, digests: dict[str, str], cut: dict | None = None) -> list[str]:
     """The files of ``out`` that a save of files of these ``digests`` (name -> sha256) writes
-    over and that hold neither what the earlier save wrote there (its :data:`_RECORD`) nor
-    what this one writes: edited by the user (or not written by a save that keeps a record)."""
+    over and that hold neither what the earlier save wrote there (its :data:`_RECORD`), nor
+    what a save cut off between its moves wrote (``cut``: its staged record), nor what this one
+    writes: edited by the user (or not written by a save that keeps a record). A link, FIFO,
+    device... of such a name is the user's (never read: it could block or never end)."""
     recorded = _recorded(out, "files")
     edited = []
     for name, new in digests.items():
@@ -1725,19 +1748,20 @@ def _edited(out: Path, digests: dict[str, str]) -> list[str]:
         if not os.path.lexists(path):
             continue
         try:
-            old = None if path.is_symlink() else ckpt._digest(path)[1]  # a link: the user's
+            old = ckpt._digest(path)[1] if is_regular(path) else None
         except OSError:
             old = None
-        if old is None or old not in (new, recorded.get(name)):
+        if old is None or old not in (new, recorded.get(name), (cut or {}).get(name)):
             edited.append(name)
     return edited
 
 
 def _recorded(out: Path, key: str) -> dict:
-    """The ``key`` part of ``out``'s :data:`_RECORD` ({} without a readable one)."""
+    """The ``key`` part of ``out``'s :data:`_RECORD` ({} without a readable one: none, not a
+    regular file, over 64 MiB, not JSON)."""
     try:
-        part = json.loads((out / _RECORD).read_bytes())[key]
-    except (OSError, ValueError, KeyError, TypeError):
+        part = json.loads(read_regular(out / _RECORD, 64 << 20) or b"")[key]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return {}
     return part if isinstance(part, dict) else {}
 
@@ -1748,11 +1772,13 @@ def _weight_mark(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def _edited_weights(out: Path) -> list[str]:
+def _edited_weights(out: Path, cut: dict | None = None) -> list[str]:
     """The weight files of ``out`` the earlier save recorded (:data:`_RECORD`) that are not what
     it wrote any more (replaced or touched by the user, a link put in their place): a save
     writes over or removes every weight file, so each such one is kept aside. Without a record
-    (an older save, another tool) nothing is: the weights there are a model's, not edits."""
+    (an older save, another tool) nothing is: the weights there are a model's, not edits. Nor
+    is a file a save cut off between its moves put there (``cut``: that save's staged record
+    of its weights; a rename keeps size and modification time): that save is being redone."""
     recorded = _recorded(out, "weights")
     edited = []
     for name, mark in recorded.items():
@@ -1763,7 +1789,7 @@ def _edited_weights(out: Path) -> list[str]:
             now = None if path.is_symlink() else _weight_mark(path)
         except OSError:
             now = None
-        if now != mark:
+        if now != mark and (now is None or now != (cut or {}).get(name)):
             edited.append(name)
     return edited
 
