@@ -48,10 +48,11 @@ def model_shape(model_config: Any) -> dict[str, Any]:
 
 def saved_run(path: Path) -> dict[str, Any]:
     """The run config and model shape a checkpoint's trainer state records (memory-mapped:
-    its optimizer tensors are not read); empty where an older checkpoint lacks them."""
+    its optimizer tensors are not read); empty where an older checkpoint lacks them, or the
+    file holds no trainer state at all."""
     state = ckpt.load_file(path / ckpt.TRAINER_STATE, mmap=True)
-    if not isinstance(state, dict):
-        return {}
+    if not isinstance(state, dict):  # not a trainer state: the resume refuses it later, naming the file
+        return {"config": {}, "model_shape": {}}
     shape = state.get("model_shape")
     if shape is None and (path / "config.json").is_file():  # a full model saved before model_shape existed
         try:

@@ -24,6 +24,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import statistics
 import sys
 import tempfile
@@ -214,6 +215,8 @@ def validate(cfg: FinetuneConfig, model_config: Any) -> None:
         raise ConfigError(f"train.betas must each be in [0, 1), got {list(t.betas)}")
     if t.grad_clip is not None and not (math.isfinite(t.grad_clip) and t.grad_clip >= 0):
         raise ConfigError(f"train.grad_clip must be a finite number >= 0 (0 or null: no clipping), got {t.grad_clip}")
+    if not 0 <= t.seed < 2**63:
+        raise ConfigError(f"train.seed must be an integer in [0, 2**63), got {t.seed}")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     if t.warmup_steps < 0:
@@ -584,19 +587,22 @@ class _RunLocks:
         self.release()
 
     def _acquire(self, key: str, folder: Path) -> None:
-        import errno
         import fcntl
 
+        _writable_dir(key, folder)  # what check_outputs says of a folder that cannot be made, said first
         path = _lock_path(folder)
         if path in (p for _, p in self.held):  # output_dir and checkpoint.dir one folder: refused later
             return
-        _writable_dir(key, folder)  # what check_outputs says of a folder that cannot be made, said first
         self.made += [d for d in missing_dirs(path.parent) if d not in self.made]
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise ConfigError(f"{key}: cannot make its lock file {path} ({e.strerror or e})", key=key) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a device...: never read nor written
+            os.close(fd)
+            raise ConfigError(f"{key}: {path} exists and is not a lock file of polyaccel-moe; remove it or choose "
+                              "another folder", key=key)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -636,13 +642,10 @@ def _lock_path(folder: Path) -> Path:
 def _is_run_lock(path: Path) -> bool:
     """Whether ``path`` is a run's lock file (a ``checkpoint.dir`` kept inside ``output_dir``
     has its lock there)."""
-    if not path.name.endswith(".lock") or path.is_symlink():
+    if not path.name.endswith(".lock"):
         return False
-    try:
-        with path.open("rb") as f:
-            return f.read(len(_LOCK_HEADER)) in (_LOCK_HEADER, b"")
-    except OSError:
-        return False
+    head = read_regular(path, 4096)  # (not a link, FIFO or device)
+    return head is not None and head[:len(_LOCK_HEADER)] in (_LOCK_HEADER, b"")
 
 
 def check_config(cfg: FinetuneConfig, *, world_size: int, device: torch.device | None) -> tuple[Any, Path | None]:
@@ -1085,6 +1088,14 @@ def _finite_or_none(x: float) -> float | None:
 
 
 def check_outputs(cfg: FinetuneConfig) -> None:
+    """:func:`_check_outputs`, an OS error (a name too long...) said as a :class:`ConfigError`."""
+    try:
+        _check_outputs(cfg)
+    except OSError as e:
+        raise ConfigError(f"an output location cannot be used: {ckpt.describe(e)}") from None
+
+
+def _check_outputs(cfg: FinetuneConfig) -> None:
     """Check that every output location is, or can become, a writable directory (by creating
     and removing a probe in it or its nearest existing parent), before anything is loaded;
     nothing is left behind, so a refused run creates no directory: ``checkpoint.dir``, the
@@ -1141,10 +1152,14 @@ def _saved_name(path: Path, out: Path) -> str | None:
         full = p.parent.resolve() / p.name
         if full.is_relative_to(real_out / _STAGING):
             return str(full.relative_to(real_out))
-        if full.parent == real_out and (p.name in _SAVED_NAMES or p.name == _RECORD
-                                        or p.name.startswith("tokenizer") or _WEIGHT_FILE.match(p.name)):
+        if full.parent == real_out and _file_name(p.name):
             return p.name
     return None
+
+
+def _file_name(name: str) -> bool:
+    """Whether ``name`` is one the final save may write (or delete) in ``output_dir``."""
+    return name in _SAVED_NAMES or name == _RECORD or name.startswith("tokenizer") or bool(_WEIGHT_FILE.match(name))
 
 
 def _saved_tokenizer(cfg: FinetuneConfig) -> str | None:
@@ -1207,16 +1222,6 @@ def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
                               f"{', ...' if len(names) > 5 else ''}); saving there could overwrite or delete some. "
                               "Choose a new or empty directory")
         _check_output_kind(cfg, out, names)
-
-
-_SAVED_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".model", ".jinja", ".md")
-"""How the names of the files a final save writes end (weights, configs, a tokenizer's files,
-PEFT's model card)."""
-
-
-def _file_name(name: str) -> bool:
-    """Whether ``name`` could be a file the final save writes into ``output_dir``."""
-    return name == _RECORD or name.endswith(_SAVED_SUFFIXES)
 
 
 def _is_metrics_log(cfg: FinetuneConfig, path: Path) -> bool:
@@ -1291,7 +1296,18 @@ def _check_foreign_step_dirs(cfg: FinetuneConfig, resume_from: Path | None) -> N
 def _writable_dir(key: str, path: Path) -> None:
     """Make sure ``path`` is or can become a writable directory, creating nothing that stays:
     a probe directory is made and removed in ``path`` or its nearest existing parent (what
-    permissions alone cannot tell: root, read-only mounts, ``/proc``...)."""
+    permissions alone cannot tell: root, read-only mounts, ``/proc``...). ``checkpoint.dir``
+    and ``output_dir`` may not be the file system's root (nor have a name too long...)."""
+    if key in ("checkpoint.dir", "output_dir") and Path(os.path.abspath(path)).parent == Path(os.path.abspath(path)):
+        raise ConfigError(f"{key}: {path} is the root of the file system; name a folder of its own for the run to "
+                          "write", key=key)
+    try:
+        _probe_dir(key, path)
+    except OSError as e:
+        raise ConfigError(f"{key}: {path} cannot be used ({ckpt.describe(e)})", key=key) from None
+
+
+def _probe_dir(key: str, path: Path) -> None:
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         raise ConfigError(f"{key}: cannot create the directory {path}: {existing} is a file")

@@ -482,7 +482,7 @@ def _yaml_error(where: str, e: yaml.YAMLError, position: bool = True) -> str:
 
 def _locate(e: ConfigError, path: Path | None, text: str, cli_dict: Mapping[str, Any]) -> ConfigError:
     """``e`` prefixed with ``file:line`` of its key, when the value came from the file."""
-    if path is None or e.key is None or _get(cli_dict, e.key) is not None:
+    if path is None or e.key is None or _has(cli_dict, e.key):
         return e
     line = _key_line(text, e.key)
     return e if line is None else ConfigError(f"{path}:{line}: {e}", key=e.key)
@@ -580,6 +580,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
+        if "\0" in value:  # no file name, no name of anything, holds one
+            raise ConfigError(f"{where}: {value!r} holds a NUL character")
         return value
     if tp is Any:
         return value
@@ -604,6 +606,8 @@ def _resolve_paths(d: dict[str, Any], base: Path, keys: set[tuple[str, ...]] = _
         for k in key[:-1]:
             node = node.get(k) if isinstance(node, dict) else None
         value = node.get(key[-1]) if isinstance(node, dict) else None
+        if isinstance(value, str) and "\0" in value:
+            raise ConfigError(f"{'.'.join(key)}: {value!r} holds a NUL character", key=".".join(key))
         if isinstance(value, str) and not (key == ("checkpoint", "resume") and value in ("auto", "none")):
             node[key[-1]] = str((base / Path(value).expanduser()).resolve())
     return out
@@ -645,6 +649,14 @@ def _get(d: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
             return default
         node = node[p]
     return node
+
+
+def _has(d: Mapping[str, Any], dotted: str) -> bool:
+    """Whether ``dotted`` is set in ``d`` (to any value, null included)."""
+    *parents, last = dotted.split(".")
+    for part in parents:
+        d = d.get(part) if isinstance(d, Mapping) else None
+    return isinstance(d, Mapping) and last in d
 
 
 def _plain(x: Any) -> Any:

@@ -1,0 +1,74 @@
+"""Values and files no user means but any may meet, each refused by ``polyaccel-moe finetune``
+with one line naming what is wrong and exit 2, before anything trains or is written (they
+used to end in tracebacks, or to hang): a seed beyond 64 bits, the file system's root as an
+output folder, a name longer than the file system takes, a NUL character in a path, a FIFO
+where a run's lock file goes, a trainer state that is no dict, and a ``--set key=`` with no
+value blamed on the config file's line of that key."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyaccel.moe.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "packages/moe/examples/tiny_synthetic_cpu.yaml"
+
+
+def _finetune(capsys, tmp_path: Path, *sets: str, config: Path = TINY) -> tuple[int, str]:
+    sets = ("log.progress_bar=false", "train.max_steps=1", f"checkpoint.dir={tmp_path / 'ck'}",
+            f"output_dir={tmp_path / 'out'}", *sets)
+    code = main(["finetune", str(config), *[a for s in sets for a in ("--set", s)]])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["train.seed=99999999999999999999999"], "train.seed must be an integer in [0, 2**63), got 9999"),
+    (["train.seed=-1"], "train.seed must be an integer in [0, 2**63), got -1"),
+    (["output_dir=/"], "output_dir: / is the root of the file system; name a folder of its own"),
+    (["checkpoint.dir=/"], "checkpoint.dir: / is the root of the file system; name a folder of its own"),
+    (["output_dir={tmp}/" + "n" * 300], "output_dir: {tmp}/nnn"),
+    (["checkpoint.dir={tmp}/" + "n" * 300 + "/ck"], "(File name too long: "),
+    (["log.metrics_jsonl={tmp}/" + "n" * 300], "an output location cannot be used: File name too long: "),
+    (["train.lr="], "polyaccel-moe: error: train.lr: expected a number, got None"),
+])
+def test_odd_values_are_refused_with_one_line(capsys, tmp_path, sets, message):
+    code, err = _finetune(capsys, tmp_path, *[s.format(tmp=tmp_path) for s in sets])
+    assert code == 2 and message.format(tmp=tmp_path) in err and "Traceback" not in err, err[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_nul_character_in_a_path_of_the_config_file_is_refused(capsys, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(TINY.read_text() + f'\nlog:\n  metrics_jsonl: "{tmp_path}/m\\0.jsonl"\n')
+    code, err = _finetune(capsys, tmp_path, config=config)
+    assert code == 2 and "log.metrics_jsonl: " in err and "holds a NUL character" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("where", ["beside", "inside"])
+def test_a_fifo_at_a_lock_path_is_refused_not_read(capsys, tmp_path, where):
+    """Beside output_dir, the run's lock file's name; inside, a file of output_dir's listing
+    (read to tell a run's lock from the user's files): neither may block the run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(tmp_path / "out.lock" if where == "beside" else out / "x.lock")
+    code, err = _finetune(capsys, tmp_path)
+    expected = (f"output_dir: {tmp_path / 'out.lock'} exists and is not a lock file of polyaccel-moe" if where == "beside"
+                else "already holds files and no saved model (x.lock)")
+    assert code == 2 and expected in err, err[-2000:]
+
+
+def test_a_trainer_state_that_is_no_dict_is_named(capsys, tmp_path):
+    code, _ = _finetune(capsys, tmp_path, "checkpoint.every_steps=1")
+    assert code == 0
+    folder = tmp_path / "resume"
+    os.rename(tmp_path / "ck/step_00000001", folder)
+    (folder / "manifest.json").unlink()
+    torch.save([1, 2], folder / "trainer_state.pt")
+    code, err = _finetune(capsys, tmp_path, f"checkpoint.resume={folder}", "checkpoint.dir=null",
+                          f"output_dir={tmp_path / 'out2'}", "train.max_steps=3")
+    assert code == 2 and f"{folder / 'trainer_state.pt'} is not a polyaccel trainer state" in err, err[-2000:]
