@@ -70,8 +70,16 @@ def sigterm_as_interrupt() -> Iterator[None]:
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
+_STOPPING = b"\nstopping: finishing the work in flight and saving it (Ctrl-C again to stop at once)\n"
+"""Said at a terminal on the first Ctrl-C: the wait that follows (a batch running on a CPU
+takes seconds) is the command at work, not a hang."""
+
+
 def _interrupt_once(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
+    with contextlib.suppress(OSError):
+        if os.isatty(2):
+            os.write(2, _STOPPING)
     raise KeyboardInterrupt
 
 
