@@ -51,12 +51,18 @@ DENSE_TFLOPS, SPEC_TFLOPS = 790.0, 989.0
 _MARK = "BENCH_ROW "
 
 
-def shape_config(shape: str, layers: int | None):
-    """The Transformers config of preset ``shape`` (``layers`` overrides its depth)."""
+def shape_config(shape: str, layers: int | None, overrides: list[str] = ()):
+    """The Transformers config of preset ``shape`` (``layers`` overrides its depth; each
+    ``KEY=VALUE`` of ``overrides`` a field, the value read as YAML)."""
+    import yaml
+
     from polyaccel.moe.train import resolve_model_config
     from polyaccel.moe.train_config import preset
 
     cfg = preset(shape).model
+    for item in overrides:
+        key, _, value = item.partition("=")
+        cfg.config[key] = yaml.safe_load(value)
     if layers:
         cfg.config["num_hidden_layers"] = layers
     return resolve_model_config(cfg)
@@ -231,6 +237,8 @@ def cli_run(shape: str, a) -> dict:
     cmd = [sys.executable, "-m", "polyaccel.moe.cli", "bench", "--preset", shape, "--steps", str(a.steps),
            "--warmup", str(a.warmup), "--set", f"train.seq_len={a.seq}", "--set", f"train.grad_accum={a.accum}",
            "--set", f"train.device={a.device}"]
+    for item in a.config:
+        cmd += ["--set", f"model.config.{item}"]
     if a.layers:
         cmd += ["--set", f"model.config.num_hidden_layers={a.layers}"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -253,7 +261,7 @@ def run_one(shape: str, entry: str, a) -> dict:
 
     from polyaccel.moe.flops import train_flops_per_token
 
-    config = shape_config(shape, a.layers)
+    config = shape_config(shape, a.layers, a.config)
     tokens = a.seq * a.accum
     t_start = time.perf_counter()
     fast = steady = None
@@ -273,7 +281,7 @@ def run_one(shape: str, entry: str, a) -> dict:
     fpt = train_flops_per_token(config, a.seq)
     tok_s = tokens / step_s
     return {"shape": shape, "entry": entry, "layers": config.num_hidden_layers, "seq": a.seq, "accum": a.accum,
-            "tokens_per_s": round(tok_s, 1), "step_s_median": round(step_s, 4),
+            **({"config": a.config} if a.config else {}), "tokens_per_s": round(tok_s, 1), "step_s_median": round(step_s, 4),
             "peak_gib": None if peak is None else round(peak, 2),
             **({"peak_after_warmup_gib": round(steady, 2)} if steady is not None else {}),
             "mfu_dense": round(tok_s * fpt / (DENSE_TFLOPS * 1e12), 4),
@@ -315,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="qwen3-30b-a3b-L8", help="comma-separated polyaccel-moe presets")
     p.add_argument("--entries", default=",".join(ENTRIES), help=f"comma-separated, of {', '.join(ENTRIES)}")
     p.add_argument("--layers", type=int, help="override the presets' depth")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of every shape's model config (the value read as YAML), e.g. "
+                        "--config hidden_size=1536 --config num_experts=40: shapes no preset has; repeatable")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--accum", type=int, default=4)
     p.add_argument("--steps", type=int, default=5, help="measured optimizer steps")
@@ -342,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     passthrough = [f"--seq={a.seq}", f"--accum={a.accum}", f"--steps={a.steps}", f"--warmup={a.warmup}",
                    f"--device={a.device}", f"--out-dir={a.out_dir}", f"--wgrad-window={a.wgrad_window}"]
     passthrough += [f"--layers={a.layers}"] if a.layers else []
+    passthrough += [f"--config={item}" for item in a.config]
     passthrough += ["--profile"] if a.profile else []
     for shape in a.shapes.split(","):
         for entry in entries:

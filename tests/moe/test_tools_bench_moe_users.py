@@ -71,3 +71,35 @@ def test_each_row_process_gets_the_weight_gradient_window(bench, tmp_path, monke
                        "--out-dir", str(tmp_path)]) == 0
     assert seen and all("--wgrad-window=2" in cmd for cmd in seen)
     capsys.readouterr()
+
+
+def test_config_overrides_reach_every_entrys_model(bench, tmp_path, monkeypatch):
+    """``--config KEY=VALUE`` (shapes no preset has): the Transformers-side rows build the
+    changed config, the CLI row gets it as ``--set model.config.KEY=VALUE``, and each row
+    process is passed it."""
+    config = bench.shape_config("qwen3-moe-tiny", 3, ["num_experts=6", "moe_intermediate_size=24"])
+    assert (config.num_experts, config.moe_intermediate_size, config.num_hidden_layers) == (6, 24, 3)
+    seen = []
+
+    def fake_run(cmd, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        seen.append(cmd)
+        return types.SimpleNamespace(stdout='{"step_time_s": 1.0, "final_loss": 1.0, "peak_memory_gib": null}\n',
+                                     stderr="", returncode=0)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    a = types.SimpleNamespace(steps=1, warmup=1, seq=8, accum=1, device="cpu", layers=None,
+                              config=["num_experts=6"])
+    bench.cli_run("qwen3-moe-tiny", a)
+    assert seen[-1][seen[-1].index("--set", seen[-1].index("train.device=cpu")) + 1] == "model.config.num_experts=6"
+    seen.clear()
+
+    def fake_row(cmd, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        seen.append(cmd)
+        row = {"shape": "s", "entry": "hf", "tokens_per_s": 1.0, "peak_gib": 1.0, "mfu_dense": 0.1}
+        return types.SimpleNamespace(stdout=bench._MARK + __import__("json").dumps(row) + "\n", stderr="",
+                                     returncode=0)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_row)
+    assert bench.main(["--entries", "hf", "--device", "cpu", "--config", "num_experts=6", "--config",
+                       "hidden_size=48", "--out-dir", str(tmp_path)]) == 0
+    assert seen and all("--config=num_experts=6" in c and "--config=hidden_size=48" in c for c in seen)
