@@ -125,6 +125,33 @@ def test_linear_cross_entropy_without_grad_and_unfused_reduction():
     assert rel_err(cross_entropy.linear_cross_entropy(h, w, y, reduction="none"), ref) < 1e-6
 
 
+@pytest.mark.parametrize("V", [509, 512])
+def test_an_odd_vocabulary_runs_the_lm_head_gemms_at_an_aligned_width(monkeypatch, V):
+    """The logits (and so the three GEMMs) are VOCAB_ALIGN wide, the loss and gradients those of
+    the V real classes: the last class is a target, the extra columns are never one."""
+    assert (cross_entropy.padded_vocab(V), cross_entropy.padded_vocab(64), cross_entropy.padded_vocab(65)) == \
+        (512, 64, 128)
+    real_mm, widths = torch.mm, []
+
+    def mm(a, b, *args, **kwargs):
+        out = real_mm(a, b, *args, **kwargs)
+        widths.append(out.shape[-1])
+        return out
+
+    monkeypatch.setattr(torch, "mm", mm)
+    N, H = 40, 16
+    labels = torch.randint(0, V, (N,))
+    labels[:4] = V - 1
+    labels[4] = -100
+    h, w = torch.randn(N, H, requires_grad=True), 0.3 * torch.randn(V, H)
+    w.requires_grad_()
+    loss, grad_h, grad_w = cross_entropy.linear_cross_entropy_grads(h, w, labels)
+    assert widths[0] == 512 and grad_w.shape == (V, H) and grad_w.is_contiguous()
+    ref = torch.nn.functional.cross_entropy(h @ w.T, labels)
+    ref_h, ref_w = torch.autograd.grad(ref, [h, w])
+    assert rel_err(loss, ref) < 1e-6 and rel_err(grad_h, ref_h) < 1e-5 and rel_err(grad_w, ref_w) < 1e-5
+
+
 def test_chunk_rows():
     assert cross_entropy.chunk_rows(4096, 151936, 2, chunk_bytes=1 << 30) == 2048
     assert cross_entropy.chunk_rows(4096, 151936, 2, chunk_bytes=4 << 30) == 4096
@@ -377,9 +404,10 @@ def test_gpu_fused_wgrad_accumulation_matches_autograd():
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("V", [151936, 49155])  # Qwen3's; an odd one (padded to 49,216 for the GEMMs)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_linear_cross_entropy_large_vocab(monkeypatch, dtype):
-    N, H, V = 1024, 512, 151936
+def test_gpu_linear_cross_entropy_large_vocab(monkeypatch, dtype, V):
+    N, H = 1024, 512
     monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 300 * V * 4)  # 4 chunks, fp32 accumulation
     labels = torch.randint(0, V, (N,), device="cuda")
     labels[-7:] = -100
