@@ -13,7 +13,8 @@ import textwrap
 SCRIPT = textwrap.dedent("""
     import os, signal, sys
     from polyaccel.core.clitools import second_ctrl_c_ends_at_once
-    try:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a shell's prompt (a job started
+    try:                                                     # in the background has SIGINT ignored)
         with second_ctrl_c_ends_at_once():
             os.kill(os.getpid(), signal.SIGINT)
             signal.pause()
@@ -29,7 +30,10 @@ def _stderr_of(tty: bool) -> str:
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=slave)
     os.close(slave)
-    proc.wait(timeout=60)
+    try:
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
     chunks = []
     while True:
         try:
