@@ -72,3 +72,13 @@ def test_a_trainer_state_that_is_no_dict_is_named(capsys, tmp_path):
     code, err = _finetune(capsys, tmp_path, f"checkpoint.resume={folder}", "checkpoint.dir=null",
                           f"output_dir={tmp_path / 'out2'}", "train.max_steps=3")
     assert code == 2 and f"{folder / 'trainer_state.pt'} is not a polyaccel trainer state" in err, err[-2000:]
+
+
+def test_a_model_type_other_than_the_checkpoints_is_refused_not_ignored(capsys, tmp_path, saved):
+    from polyaccel.moe.train import resolve_model_config
+    from polyaccel.moe.train_config import ModelConfig
+
+    code, err = _finetune(capsys, tmp_path, f"model.path={saved}", "model.config.model_type=mixtral")
+    assert code == 2 and "model.config.model_type='mixtral': model.path" in err and "'qwen3_moe' model" in err, err
+    assert resolve_model_config(ModelConfig(path=str(saved), config={"model_type": "qwen3_moe"})).model_type == \
+        "qwen3_moe"

@@ -155,6 +155,10 @@ def resolve_model_config(cfg: ModelConfig):
             loaded = AutoConfig.from_pretrained(cfg.path, local_files_only=True, trust_remote_code=False)
         except bad_config as e:
             raise ConfigError(f"model.path: cannot read {Path(cfg.path, 'config.json')}: {e}") from None
+        if fields.get("model_type", loaded.model_type) != loaded.model_type:
+            raise ConfigError(f"model.config.model_type={fields['model_type']!r}: model.path {cfg.path} holds a "
+                              f"{loaded.model_type!r} model, whose weights only that type loads; leave model_type "
+                              "out (or use a checkpoint of that type)", key="model.config.model_type")
         aliases = getattr(loaded, "attribute_map", None) or {}  # an override by another name of a field wins too
         fields = loaded.to_dict() | {aliases.get(k, k): v for k, v in fields.items() if k != "model_type"}
     elif "model_type" not in fields:
