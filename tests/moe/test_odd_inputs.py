@@ -82,3 +82,19 @@ def test_a_model_type_other_than_the_checkpoints_is_refused_not_ignored(capsys, 
     assert code == 2 and "model.config.model_type='mixtral': model.path" in err and "'qwen3_moe' model" in err, err
     assert resolve_model_config(ModelConfig(path=str(saved), config={"model_type": "qwen3_moe"})).model_type == \
         "qwen3_moe"
+
+
+def test_a_field_overridden_under_its_other_name_replaces_the_presets_value():
+    """Qwen3-MoE's ``num_experts`` is Transformers' other name of ``num_local_experts``, which
+    the preset sets: ``--set model.config.num_experts=40`` used to be refused as two names of
+    one field; it now replaces the preset's value. Both names in one layer, with two values,
+    are still refused."""
+    from polyaccel.moe.train import resolve_model_config
+    from polyaccel.moe.train_config import ConfigError, load_config
+
+    cfg = load_config(None, ["model.preset=qwen3-30b-a3b-L8", "model.config.num_experts=6"])
+    assert resolve_model_config(cfg.model).num_experts == 6
+    cfg = load_config(None, ["model.preset=qwen3-30b-a3b-L8", "model.config.num_experts=6",
+                             "model.config.num_local_experts=8"])
+    with pytest.raises(ConfigError, match="two names of one field"):
+        resolve_model_config(cfg.model)

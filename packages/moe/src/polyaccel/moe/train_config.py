@@ -383,11 +383,14 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
     model_path = _get(cli_dict, "model.path", _get(file_dict, "model.path"))  # --set model.path=null unsets it
     if preset_name and model_path:
         merged["model"]["config"] = {}  # a checkpoint brings its own config; keep only explicit keys
+    model_type = next((t for t in (_get(cli_dict, "model.config.model_type"), _get(file_dict, "model.config.model_type"),
+                                   _get(merged, "model.config.model_type")) if isinstance(t, str)), None)
+    merged = _canonical_names(merged, model_type)
     for layer in (file_dict, cli_dict):
         sources = [k for k in _DATA_SOURCES if isinstance(layer.get("data"), Mapping) and k in layer["data"]]
         if sources:  # a layer naming a data source replaces the one below it
             merged["data"].update({k: None for k in _DATA_SOURCES})
-        merged = _merge(merged, layer)
+        merged = _merge(merged, _canonical_names(layer, model_type))
     try:
         return from_dict(FinetuneConfig, merged)
     except ConfigError as e:
@@ -649,6 +652,25 @@ def _get(d: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
             return default
         node = node[p]
     return node
+
+
+def _canonical_names(layer: dict[str, Any], model_type: str | None) -> dict[str, Any]:
+    """``layer`` with each ``model.config`` field set under another name of a field of
+    ``model_type`` (Transformers' ``attribute_map``: Qwen3-MoE's ``num_experts`` is
+    ``num_local_experts``) renamed to the field's own name, so that a later layer's value
+    replaces an earlier layer's under either name. A layer setting both names keeps both
+    (refused later when they differ)."""
+    config = _get(layer, "model.config")
+    if not (model_type and isinstance(config, Mapping)):
+        return layer
+    try:
+        from transformers import CONFIG_MAPPING
+
+        aliases = getattr(CONFIG_MAPPING[model_type], "attribute_map", None) or {}
+    except (ImportError, KeyError, TypeError):  # an unknown model_type is named later
+        return layer
+    renamed = {aliases[k] if k in aliases and aliases[k] not in config else k: v for k, v in config.items()}
+    return {**layer, "model": {**layer["model"], "config": renamed}}
 
 
 def _has(d: Mapping[str, Any], dotted: str) -> bool:
