@@ -31,14 +31,15 @@ def _finetune(capsys, tmp_path: Path, *sets: str, config: Path = TINY) -> tuple[
     (["train.seed=-1"], "train.seed must be an integer in [0, 2**63), got -1"),
     (["output_dir=/"], "output_dir: / is the root of the file system; name a folder of its own"),
     (["checkpoint.dir=/"], "checkpoint.dir: / is the root of the file system; name a folder of its own"),
-    (["output_dir={tmp}/" + "n" * 300], "output_dir: {tmp}/nnn"),
-    (["checkpoint.dir={tmp}/" + "n" * 300 + "/ck"], "(File name too long: "),
+    (["output_dir={tmp}/" + "n" * 300], ("error: output_dir: ", "File name too long")),
+    (["checkpoint.dir={tmp}/" + "n" * 300 + "/ck"], ("error: checkpoint.dir: ", "File name too long")),
     (["log.metrics_jsonl={tmp}/" + "n" * 300], "an output location cannot be used: File name too long: "),
     (["train.lr="], "polyaccel-moe: error: train.lr: expected a number, got None"),
 ])
 def test_odd_values_are_refused_with_one_line(capsys, tmp_path, sets, message):
     code, err = _finetune(capsys, tmp_path, *[s.format(tmp=tmp_path) for s in sets])
-    assert code == 2 and message.format(tmp=tmp_path) in err and "Traceback" not in err, err[-2000:]
+    parts = (message,) if isinstance(message, str) else message
+    assert code == 2 and all(p in err for p in parts) and "Traceback" not in err, err[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -98,3 +99,16 @@ def test_a_field_overridden_under_its_other_name_replaces_the_presets_value():
                              "model.config.num_local_experts=8"])
     with pytest.raises(ConfigError, match="two names of one field"):
         resolve_model_config(cfg.model)
+
+
+@pytest.mark.parametrize("key", ["output_dir", "checkpoint.dir", "log.metrics_jsonl"])
+def test_a_path_that_is_a_symlink_loop_is_one_line(capsys, tmp_path, key):
+    """Python 3.11's Path.resolve() raises RuntimeError on a loop: it ended in a traceback."""
+    (tmp_path / "loop").symlink_to("loop")
+    code, err = _finetune(capsys, tmp_path, f"{key}={tmp_path / 'loop' / 'sub'}")
+    assert code == 2 and "Too many levels of symbolic links" in err and "Traceback" not in err, err[-2000:]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "loop").symlink_to("loop")  # inside output_dir, beside a metrics log kept elsewhere
+    code, err = _finetune(capsys, tmp_path, f"log.metrics_jsonl={tmp_path / 'm.jsonl'}")
+    assert code == 2 and "already holds files and no saved model (loop)" in err, err[-2000:]

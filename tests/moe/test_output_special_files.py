@@ -125,3 +125,28 @@ def test_redoing_a_save_cut_between_its_moves_keeps_no_copy_of_its_own_weights(t
     (out / "model.safetensors").write_bytes(b"mine")
     write_output(out, {**SAVE, "model.safetensors": b"newer"})
     assert [p.read_bytes() for p in _aside(out, "model.safetensors")] == [b"mine"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to a folder", "link to a device", "file"])
+def test_a_staging_name_taken_by_something_else_is_refused_and_never_opened(tmp_path, write_output, kind):
+    """``.polyaccel-partial`` beside a saved model passed for a cut-off save: a FIFO there hung
+    the final save (its removal opened it), anything else failed it after training."""
+    out = tmp_path / "out"
+    write_output(out, SAVE)
+    staging = out / train._STAGING
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes").write_text("mine")
+    {"fifo": lambda: os.mkfifo(staging), "link to a folder": lambda: staging.symlink_to(mine),
+     "link to a device": lambda: staging.symlink_to("/dev/zero"), "file": lambda: staging.write_text("x")}[kind]()
+    cfg = load_config(TINY, [f"output_dir={out}", "checkpoint.dir=null"])
+    with pytest.raises(ConfigError, match=re.escape(f"output_dir: {staging} is not a folder")):
+        check_outputs(cfg)
+
+    def save() -> None:
+        with pytest.raises(FileExistsError, match="the name of the save's staging folder is taken"):
+            write_output(out, {**SAVE, "model.safetensors": b"new"})
+
+    assert _finishes(save, staging) if kind == "fifo" else save() is None
+    assert os.path.lexists(staging) and (mine / "notes").read_text() == "mine"
+    assert (out / "model.safetensors").read_bytes() == b"w"

@@ -40,6 +40,13 @@ def remove_empty_dirs(dirs: Sequence[str | os.PathLike]) -> None:
             os.rmdir(d)
 
 
+def real_path(path: str | os.PathLike) -> Path:
+    """``Path(path).resolve()`` that never raises on a symbolic-link loop (Python 3.11's raises
+    ``RuntimeError``): the looping part is left unresolved, and whatever then opens the path
+    fails with ``ELOOP``, an ``OSError`` that callers already report."""
+    return Path(os.path.realpath(path))
+
+
 def read_regular(path: str | os.PathLike, limit: int) -> bytes | None:
     """The bytes of ``path`` when it is a regular file (not a link, FIFO, socket or device) of
     at most ``limit`` bytes, else None: reading a file a user or an attacker may have put there

@@ -40,7 +40,14 @@ from torch import nn
 
 from polyaccel.core.backend import BackendUnavailable
 from polyaccel.core.clitools import dumps, stdout_gone
-from polyaccel.core.files import is_regular, missing_dirs, read_regular, remove_empty_dirs, replace_file
+from polyaccel.core.files import (
+    is_regular,
+    missing_dirs,
+    read_regular,
+    real_path,
+    remove_empty_dirs,
+    replace_file,
+)
 from polyaccel.core.parallel import ParallelPlan
 from polyaccel.moe import checkpoint as ckpt
 from polyaccel.moe import fast_path, grouped_linear
@@ -1109,7 +1116,7 @@ def _check_outputs(cfg: FinetuneConfig) -> None:
         metrics = Path(cfg.log.metrics_jsonl)
         for key in ("output_dir", "checkpoint.dir"):
             folder = cfg.output_dir if key == "output_dir" else cfg.checkpoint.dir
-            if folder and metrics.resolve() == Path(folder).resolve():
+            if folder and real_path(metrics) == real_path(Path(folder)):
                 raise ConfigError(f"log.metrics_jsonl: {metrics} is {key}, a directory this run writes; "
                                   "name a file (e.g. metrics.jsonl inside it)", key="log.metrics_jsonl")
         if cfg.output_dir and (name := _saved_name(metrics, Path(cfg.output_dir))) is not None:
@@ -1118,7 +1125,7 @@ def _check_outputs(cfg: FinetuneConfig) -> None:
                               "metrics log. Name another file for log.metrics_jsonl (e.g. "
                               f"{Path(cfg.output_dir) / 'metrics.jsonl'}) or choose another output_dir",
                               key="log.metrics_jsonl")
-        if cfg.checkpoint.dir and (parent := metrics.resolve().parent) != (ck := Path(cfg.checkpoint.dir).resolve()) \
+        if cfg.checkpoint.dir and (parent := real_path(metrics).parent) != (ck := real_path(Path(cfg.checkpoint.dir))) \
                 and parent.is_relative_to(ck):
             raise ConfigError(f"log.metrics_jsonl: {metrics} is inside a folder of checkpoint.dir {cfg.checkpoint.dir}, "
                               "which a save replaces or a prune removes. Name a file outside it (or directly in "
@@ -1151,14 +1158,22 @@ def _saved_name(path: Path, out: Path) -> str | None:
     """How ``path`` is named in ``out`` when the final save to ``out`` writes, deletes or
     removes it (a name it saves, an earlier weight file, anything in its staging folder),
     else None. Both ``path`` as given and where its links lead are checked."""
-    real_out = out.resolve()
-    for p in (Path(os.path.abspath(path)), path.resolve()):
-        full = p.parent.resolve() / p.name
+    real_out = real_path(out)
+    for p in (Path(os.path.abspath(path)), real_path(path)):
+        full = real_path(p.parent) / p.name
         if full.is_relative_to(real_out / _STAGING):
             return str(full.relative_to(real_out))
         if full.parent == real_out and _file_name(p.name):
             return p.name
     return None
+
+
+def _not_a_folder(path: Path) -> bool:
+    """Whether something other than a directory (a link to one included) is at ``path``."""
+    try:
+        return not stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def _file_name(name: str) -> bool:
@@ -1194,20 +1209,23 @@ def _check_saved_tokenizer(cfg: FinetuneConfig) -> None:
 def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
     """Refuse an ``output_dir`` whose save would overwrite what this run reads (the model or
     tokenizer directory), a checkpoint, or files of a folder that holds no saved model."""
-    real = out.resolve()
+    real = real_path(out)
     for key, value in (("model.path", cfg.model.path), ("data.tokenizer", cfg.data.tokenizer)):
-        if value and Path(value).resolve() == real:
+        if value and real_path(Path(value)) == real:
             raise ConfigError(f"output_dir: {out} is {key}, which this run reads; saving there would overwrite it. "
                               "Choose another output_dir")
-    if cfg.checkpoint.dir and real.is_relative_to(Path(cfg.checkpoint.dir).resolve()):
+    if cfg.checkpoint.dir and real.is_relative_to(real_path(Path(cfg.checkpoint.dir))):
         raise ConfigError(f"output_dir: {out} is inside checkpoint.dir {cfg.checkpoint.dir}, where it would change "
                           "or be pruned with the checkpoints. Choose a directory outside it")
     for key, value in (("checkpoint.dir", cfg.checkpoint.dir), ("checkpoint.resume", cfg.checkpoint.resume),
                        ("model.path", cfg.model.path), ("data.tokenizer", cfg.data.tokenizer),
                        ("data.jsonl", cfg.data.jsonl), ("data.text", cfg.data.text)):
-        if value and value not in ("auto", "none") and Path(value).resolve().is_relative_to(real / _STAGING):
+        if value and value not in ("auto", "none") and real_path(Path(value)).is_relative_to(real / _STAGING):
             raise ConfigError(f"{key}: {value} is inside {out / _STAGING}, the folder the final save starts "
                               "by removing. Move it elsewhere")
+    if _not_a_folder(out / _STAGING):
+        raise ConfigError(f"output_dir: {out / _STAGING} is not a folder (a link, FIFO, socket or file), and the final "
+                          "save stages its files in a folder of that name; remove it or choose another output_dir")
     if out.is_dir():
         folders = sorted(p.name for p in out.iterdir() if p.is_dir() and _file_name(p.name))
         if folders:
@@ -1231,7 +1249,7 @@ def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
 def _is_metrics_log(cfg: FinetuneConfig, path: Path) -> bool:
     """Whether ``path`` is this run's ``log.metrics_jsonl`` (kept in ``output_dir``, it is the
     run's own file: a rerun that resumes must not be refused for it)."""
-    return bool(cfg.log.metrics_jsonl) and path.resolve() == Path(cfg.log.metrics_jsonl).resolve()
+    return bool(cfg.log.metrics_jsonl) and real_path(path) == real_path(Path(cfg.log.metrics_jsonl))
 
 
 def _check_output_kind(cfg: FinetuneConfig, out: Path, names: list[str]) -> None:
@@ -1312,7 +1330,8 @@ def _writable_dir(key: str, path: Path) -> None:
 
 
 def _probe_dir(key: str, path: Path) -> None:
-    existing = next(p for p in (path, *path.parents) if p.exists())
+    existing = next(p for p in (path, *path.parents) if os.path.lexists(p))
+    os.stat(existing)  # a dangling link or a loop of links: its OSError names it
     if not existing.is_dir():
         raise ConfigError(f"{key}: cannot create the directory {path}: {existing} is a file")
     try:
@@ -1584,7 +1603,7 @@ def _rescue(cfg: FinetuneConfig, write_model: Callable[[Path], Any], name: str) 
         parent: Path | str = "a fallback folder"
         try:
             parent = candidate()
-            key = parent.resolve()
+            key = real_path(parent)
             if key in seen or not parent.is_dir():
                 continue
             seen.add(key)
@@ -1623,7 +1642,7 @@ def _memory_fs(path: Path) -> str | None:
     be told (not Linux)."""
     try:
         mounts = _MOUNTS.read_text().splitlines()
-        path = path.resolve()
+        path = real_path(path)
     except (OSError, ValueError):
         return None
     best, kind = -1, None
@@ -1692,6 +1711,9 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     out = Path(cfg.output_dir) if out is None else Path(out)
     created = missing_dirs(out)
     staging = out / _STAGING
+    if _not_a_folder(staging):  # never opened (a FIFO would block), never removed (a user's)
+        raise FileExistsError(errno.EEXIST, "the name of the save's staging folder is taken by something else; "
+                              "remove it", str(staging))
     try:
         cut = {key: _recorded(staging, key) for key in ("files", "weights")}  # a save a kill cut off
         shutil.rmtree(staging, ignore_errors=True)

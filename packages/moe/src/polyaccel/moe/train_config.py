@@ -33,6 +33,8 @@ from typing import Any, Literal
 
 import yaml
 
+from polyaccel.core.files import real_path
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run: unknown key, wrong type, missing file, bad shape.
@@ -368,7 +370,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
         file_dict = loaded
-        base_dir = path.resolve().parent
+        base_dir = real_path(path).parent
     file_dict = _resolve_paths(_resolve_paths(file_dict, base_dir, _INPUT_PATHS), Path.cwd(), _OUTPUT_PATHS)
     cli_dict: dict[str, Any] = {}
     for item in overrides:
@@ -612,7 +614,7 @@ def _resolve_paths(d: dict[str, Any], base: Path, keys: set[tuple[str, ...]] = _
         if isinstance(value, str) and "\0" in value:
             raise ConfigError(f"{'.'.join(key)}: {value!r} holds a NUL character", key=".".join(key))
         if isinstance(value, str) and not (key == ("checkpoint", "resume") and value in ("auto", "none")):
-            node[key[-1]] = str((base / Path(value).expanduser()).resolve())
+            node[key[-1]] = str(real_path(base / Path(value).expanduser()))
     return out
 
 
