@@ -11,8 +11,12 @@ process times, after checking each result against ``torch._grouped_mm`` (CUTLASS
   micro-batches as one pipelined loop per micro-batch (an experiment: slower at windows);
 - ``il(...)``: an experiment that interleaves the micro-batches in one loop, one descriptor
   pair each, zero-filled past each one's rows (slower too);
-- ``shipped(...)`` / ``shipped-acc(...)``: the shipped tensor-memory kernel at each tile of
-  :data:`SHIPPED` (one micro-batch), writing over the output and adding into it;
+- ``shipped(...)`` / ``shipped-acc(...)``: the shipped tensor-memory kernel at each entry of
+  its ``TMA_CONFIGS`` (one micro-batch), writing over the output and adding into it;
+- ``pers(...)``: an experiment, a persistent tensor-memory kernel with and without Triton's
+  automatic warp specialization (``-ws``: wrong results at some 4-warp tiles with Triton 3.6,
+  and slower when adding into ``.grad``) and with the output's tiles through the copy engine
+  (``-tmaepi``, shipped since session 28);
 - ``cutlass-concat``: ``torch._grouped_mm`` over the rows of all micro-batches at once (no
   accumulation into ``.grad``: a bound, not a replacement).
 
@@ -49,14 +53,10 @@ PTR = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 1
 TMA = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (256, 128, 64, 8, 4),
        (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 128, 128, 8, 3), (128, 256, 128, 8, 2),
        (256, 128, 128, 8, 2), (128, 256, 32, 8, 6)]
-SHIPPED = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 4), (256, 128, 64, 8, 3),
-           (128, 256, 32, 8, 6),
-           # one warpgroup and at most ~110 KB of shared memory: two programs per SM, so one's
-           # pipeline fill and .grad epilogue overlap the other's main loop
-           (128, 128, 64, 4, 3), (128, 128, 32, 4, 6), (128, 128, 32, 4, 4), (128, 128, 64, 4, 2),
-           (64, 256, 64, 4, 3), (256, 64, 64, 4, 3), (128, 256, 64, 8, 2)]
-"""Tile shapes for the shipped tensor-memory kernel (``shipped(...)`` writing over the output,
-``shipped-acc(...)`` adding into it), one micro-batch only."""
+PERSISTENT = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4),
+              (128, 128, 64, 4, 4), (128, 128, 32, 4, 6), (128, 256, 32, 8, 6)]
+"""Tile shapes for the persistent experiment (one micro-batch), each without and with Triton's
+automatic warp specialization and with pointer or tensor-memory epilogues."""
 IL = [(128, 256, 16, 8, 3), (128, 256, 16, 8, 4), (256, 128, 16, 8, 4), (128, 256, 32, 8, 2),
       (128, 128, 32, 8, 3), (128, 128, 32, 8, 4), (256, 128, 32, 8, 2), (128, 128, 16, 8, 5)]
 
@@ -131,6 +131,44 @@ def interleaved(DY0, DY1, DY2, DY3, X0, X1, X2, X3, OFFS0, OFFS1, OFFS2, OFFS3, 
     _store(acc, OUT, g, n0, k0, N, K, BLOCK_N, BLOCK_K)
 
 
+@triton.jit
+def persistent(DY, X, OFFS, T, OUT, G, N, K, stride_dy, stride_x, ACCUMULATE: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, PROGRAMS: tl.constexpr,
+               WS: tl.constexpr, EPI_TMA: tl.constexpr):
+    # One program per SM (or two) walks the output tiles expert-major; with WS Triton splits
+    # the loads from the MMAs into warp groups, so a tile's epilogue overlaps the next's loads.
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    per_group = tl.cdiv(N, BLOCK_N) * tiles_k
+    if EPI_TMA:  # needs N % BLOCK_N == 0 (a tile never crosses into the next expert)
+        out = tl.make_tensor_descriptor(OUT, shape=[G * N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    for tile in tl.range(tl.program_id(0), G * per_group, PROGRAMS, warp_specialize=WS):
+        g = tile // per_group
+        t = tile - g * per_group
+        n0 = (t // tiles_k) * BLOCK_N
+        k0 = (t % tiles_k) * BLOCK_K
+        start = tl.minimum(tl.load(OFFS + g - 1, mask=g > 0, other=0), T)
+        rows = tl.minimum(tl.load(OFFS + g), T) - start
+        dy = tl.make_tensor_descriptor(DY + start.to(tl.int64) * stride_dy, shape=[tl.maximum(rows, 1), N],
+                                       strides=[stride_dy, 1], block_shape=[BLOCK_T, BLOCK_N])
+        x = tl.make_tensor_descriptor(X + start.to(tl.int64) * stride_x, shape=[tl.maximum(rows, 1), K],
+                                      strides=[stride_x, 1], block_shape=[BLOCK_T, BLOCK_K])
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for r in range(0, rows, BLOCK_T):
+            acc = tl.dot(dy.load([r, n0]).T, x.load([r, k0]), acc)
+        if EPI_TMA:
+            if ACCUMULATE:
+                acc += out.load([g * N + n0, k0]).to(tl.float32)
+            out.store([g * N + n0, k0], acc.to(OUT.dtype.element_ty))
+        else:
+            rn = n0 + tl.arange(0, BLOCK_N)
+            rk = k0 + tl.arange(0, BLOCK_K)
+            off = g.to(tl.int64) * N * K + rn[:, None] * K + rk[None, :]
+            mask = (rn[:, None] < N) & (rk[None, :] < K)
+            if ACCUMULATE:
+                acc += tl.load(OUT + off, mask=mask, other=0.0).to(tl.float32)
+            tl.store(OUT + off, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
 def _launch(kernel, dys, xs, offs, out, cfg) -> None:  # noqa: ANN001
     from polyaccel.cuda._triton import cdiv
 
@@ -203,16 +241,27 @@ def run_case(name: str, only: str | None = None) -> list[dict]:
                                             ACCUMULATE=False, GRAD_FIRST=False, BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt, num_warps=w,
                                             num_stages=st))
     gw._ensure_scratch_allocator()
-    tma_plain = gw._tma_kernel()[0]
-    for cfg in SHIPPED if S == 1 else []:
-        bn, bk, bt, warps, stages = cfg
+    for cfg in gw.TMA_CONFIGS if S == 1 else []:
         for acc in (False, True):
             out.zero_()
-            record(f"shipped{'-acc' if acc else ''}{cfg}", lambda bn=bn, bk=bk, bt=bt, w=warps, st=stages, acc=acc:
-                   tma_plain[(-(-N // bn) * -(-K // bk), G)](
-                       dys[0], xs[0], offs[0], counts[0], out, N, K, gw._rows_key(R), dys[0].stride(0),
-                       xs[0].stride(0), ACCUMULATE=acc, GRAD_FIRST=False, BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt,
-                       num_warps=w, num_stages=st), check=not acc)
+            record(f"shipped{'-acc' if acc else ''}{cfg}", lambda cfg=cfg, acc=acc: gw._launch_tma(
+                dys[0], xs[0], offs[0], out, accumulate=acc, config=cfg), check=not acc)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for cfg in PERSISTENT if S == 1 else []:
+        bn, bk, bt, warps, stages = cfg
+        per_sm = 2 if warps == 4 else 1
+        for ws in (False, True):
+            for epi_tma in (False, True):
+                for acc in (False, True):
+                    out.zero_()
+                    tiles = G * -(-N // bn) * -(-K // bk)
+                    programs = min(tiles, sms * per_sm)
+                    variant = f"pers{'-ws' if ws else ''}{'-tmaepi' if epi_tma else ''}{'-acc' if acc else ''}{cfg}"
+                    record(variant, lambda bn=bn, bk=bk, bt=bt, w=warps, st=stages, acc=acc, ws=ws, e=epi_tma, p=programs:
+                           persistent[(p,)](dys[0], xs[0], offs[0], counts[0], out, G, N, K, dys[0].stride(0),
+                                            xs[0].stride(0), ACCUMULATE=acc, BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt,
+                                            PROGRAMS=p, WS=ws, EPI_TMA=e, num_warps=w, num_stages=st),
+                           check=not acc)
     for family, kernel, cfgs in (("tma", per_source_loops, TMA), ("il", interleaved, IL if S > 1 else [])):
         for cfg in cfgs:
             record(f"{family}{cfg}", lambda k=kernel, c=cfg: _launch(k, dys, xs, offs, out, c))
@@ -240,7 +289,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.empty_cache()
     print("best tile per kernel and case (TFLOP/s):")
     for case in dict.fromkeys(r["case"] for r in rows):
-        for family in ("prod", "prod-acc", "cutlass", "ptr", "tma", "il", "shipped(", "shipped-acc"):
+        for family in ("prod", "prod-acc", "cutlass", "ptr", "tma", "il", "shipped(", "shipped-acc", "pers(",
+                       "pers-acc", "pers-tmaepi(", "pers-tmaepi-acc", "pers-ws(", "pers-ws-acc", "pers-ws-tmaepi(",
+                       "pers-ws-tmaepi-acc"):
             mine = [r for r in rows if r["case"] == case and r["variant"].startswith(family) and "tflops" in r
                     and (family != "prod" or r["variant"] == "prod")]
             if mine:

@@ -57,19 +57,29 @@ def check_fwd_bwd(name, fast, ref, inputs, tol=1e-5):
 
 
 @contextlib.contextmanager
-def tma_rule(on: bool):
-    """One micro-batch takes the tensor-memory kernel (``on``) or the pointer kernel, whatever its rows."""
+def tma_rule(on: bool, launch: str | None = None):
+    """One micro-batch takes the tensor-memory kernel (``on``) or the pointer kernel, whatever its
+    rows; ``launch``: the tensor-memory kernel runs its first tile of that kind: "copy-engine"
+    (persistent, ``.grad`` tiles through the copy engine), "persistent" (through pointers) or
+    "one-per-program" (one tile per program). Persistent launches here take several tiles per
+    program (the interpreter counts 2 multiprocessors)."""
+    configs = grouped_wgrad.TMA_CONFIGS
     grouped_wgrad.TMA_MIN_ROWS = 1 if on else 1 << 40
+    if launch is not None:
+        kinds = {"copy-engine": lambda c: c[5] and c[6], "persistent": lambda c: c[5] and not c[6],
+                 "one-per-program": lambda c: not c[5] and not c[6]}
+        grouped_wgrad.TMA_CONFIGS = [c for c in configs if kinds[launch](c)]
     try:
         yield
     finally:
         grouped_wgrad.TMA_MIN_ROWS = 512
+        grouped_wgrad.TMA_CONFIGS = configs
 
 
-def check_grouped_wgrad(tma: bool):
-    """One micro-batch, pointer or tensor-memory kernel: an empty expert, rows past the last
-    one, groups that end inside a row chunk; new, added (the ``.grad`` tile read after the
-    main loop, or first: ``GRAD_FIRST``) and written over."""
+def check_grouped_wgrad(tma: bool, launch: str | None = None):
+    """One micro-batch, pointer or tensor-memory kernel (each ``launch`` of :func:`tma_rule`): an empty expert, rows past the last one, groups that end
+    inside a row chunk, tiles past the output's edges; new, added (the ``.grad`` tile read after
+    the main loop, or first: ``GRAD_FIRST``) and written over."""
     G, empty = (6, 2) if not tma else (5, 1)
     counts = torch.randint(0 if not tma else 1, 70 if not tma else 150, (G,))
     counts[empty] = 0
@@ -77,7 +87,7 @@ def check_grouped_wgrad(tma: bool):
     T = int(counts.sum()) + (3 if not tma else 9)  # rows past the last group are ignored
     dy, x = torch.randn(T, 136).half(), torch.randn(T, 72).half()
     ref = ops.grouped_mm_wgrad.reference(dy.double(), x.double(), offsets)
-    with tma_rule(tma):
+    with tma_rule(tma, launch):
         assert grouped_wgrad._takes_tma(dy, x, G) == tma
         fresh = grouped_wgrad.grouped_mm_wgrad(dy, x, offsets)
         acc = torch.randn(G, 136, 72).half()
@@ -92,7 +102,8 @@ def check_grouped_wgrad(tma: bool):
         over = torch.randn(G, 136, 72).half()
         grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=over, accumulate=False)
     errs = rel_err(fresh, ref), rel_err(acc, expected), rel_err(acc_first, expected), rel_err(over, ref)
-    print(f"grouped_mm_wgrad fp16, {'tensor-memory' if tma else 'pointer'} kernel (new, accumulate, accumulate "
+    kind = "pointer" if not tma else f"tensor-memory ({launch})"
+    print(f"grouped_mm_wgrad fp16, {kind} kernel (new, accumulate, accumulate "
           f"grad first, overwrite): rel err {', '.join(f'{e:.2e}' for e in errs)}")
     assert max(errs) < 2e-3 and not fresh[empty].any() and not over[empty].any(), errs
 
@@ -359,7 +370,8 @@ def main() -> None:
                   lambda h, w: ops.linear_cross_entropy.reference(h, w, labels),
                   [torch.randn(19, 32), 0.1 * torch.randn(300, 32)])
     check_grouped_wgrad(tma=False)
-    check_grouped_wgrad(tma=True)
+    for launch in ("copy-engine", "persistent", "one-per-program"):
+        check_grouped_wgrad(tma=True, launch=launch)
     check_grouped_wgrad_offsets_past_rows()
     check_grouped_wgrad_window()
     check_grouped_lowrank()

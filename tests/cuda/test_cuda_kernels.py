@@ -384,6 +384,32 @@ def test_gpu_grouped_mm_wgrad_tensor_memory_kernel():
 
 @gpu
 @needs_cuda
+def test_gpu_grouped_mm_wgrad_tensor_memory_kernel_every_tile():
+    """Each tile and launch the tensor-memory kernel's autotuner may pick (persistent or one
+    tile per program, .grad through the copy engine or pointers), written over and added into,
+    on fresh random rows: the autotuner keeps whichever is fastest, so each must be right."""
+    from polyaccel.cuda import grouped_wgrad
+
+    E, N, K = 6, 640, 1152  # tiles past both edges of N for 256-row tiles
+    counts = torch.randint(300, 900, (E,), device="cuda")
+    counts[4] = 0
+    offsets = counts.cumsum(0).to(torch.int32)
+    T = int(counts.sum()) + 5
+    dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    ref = ops.grouped_mm_wgrad.reference(dy.double(), x.double(), offsets)
+    for config in grouped_wgrad.TMA_CONFIGS:
+        over = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
+        grouped_wgrad._launch_tma(dy, x, offsets, over, accumulate=False, config=config)
+        acc = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
+        expected = acc.double() + ref
+        grouped_wgrad._launch_tma(dy, x, offsets, acc, accumulate=True, config=config)
+        assert rel_err(over, ref) < TOL[torch.bfloat16] and (over[4] == 0).all(), config
+        assert rel_err(acc, expected) < TOL[torch.bfloat16], config
+
+
+@gpu
+@needs_cuda
 def test_gpu_fused_wgrad_accumulation_matches_autograd():
     from polyaccel.moe.grouped_linear import grouped_linear
 

@@ -74,24 +74,43 @@ def grouped_wgrad(DY0, DY1, DY2, DY3, X0, X1, X2, X3, OFFS0, OFFS1, OFFS2, OFFS3
 
 
 @triton.jit
-def grouped_wgrad_tma(DY, X, OFFS, T, OUT, N, K, ROWS, stride_dy, stride_x, ACCUMULATE: tl.constexpr,
+def grouped_wgrad_tma(DY, X, OFFS, T, OUT, G, N, K, ROWS, stride_dy, stride_x, ACCUMULATE: tl.constexpr,
                       GRAD_FIRST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_T: tl.constexpr):
-    tile = tl.program_id(0)
-    g = tl.program_id(1)
+                      BLOCK_T: tl.constexpr, PER_SM: tl.constexpr, TMA_OUT: tl.constexpr):
+    # Output tiles expert-major, each program taking every num_programs-th (one each unless the
+    # launch is persistent: PER_SM programs per SM). TMA_OUT reads and writes the tiles of OUT
+    # with tensor-memory copies too: the store is asynchronous, so a tile's store runs under
+    # the next tile's loads and MMAs.
     tiles_k = tl.cdiv(K, BLOCK_K)
-    n0 = (tile // tiles_k) * BLOCK_N
-    k0 = (tile % tiles_k) * BLOCK_K
-    acc, off, mask = tile_start(OUT, g, n0 + tl.arange(0, BLOCK_N), k0 + tl.arange(0, BLOCK_K), N, K,
-                                ACCUMULATE and GRAD_FIRST, BLOCK_N, BLOCK_K)
-    start = tl.minimum(tl.load(OFFS + g - 1, mask=g > 0, other=0), T)
-    rows = tl.minimum(tl.load(OFFS + g), T) - start
-    if rows > 0:
-        # Descriptors over this expert's rows alone: the copies zero-fill past its last row.
-        dy = tl.make_tensor_descriptor(DY + start.to(tl.int64) * stride_dy, shape=[rows, N],
+    per_group = tl.cdiv(N, BLOCK_N) * tiles_k
+    if TMA_OUT:
+        out = tl.make_tensor_descriptor(OUT, shape=[G, N, K], strides=[N.to(tl.int64) * K, K, 1],
+                                        block_shape=[1, BLOCK_N, BLOCK_K])
+    for tile in range(tl.program_id(0), G * per_group, tl.num_programs(0)):
+        g = tile // per_group
+        n0 = ((tile - g * per_group) // tiles_k) * BLOCK_N
+        k0 = (tile % tiles_k) * BLOCK_K
+        if TMA_OUT:
+            if ACCUMULATE and GRAD_FIRST:
+                acc = out.load([g, n0, k0]).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        else:
+            acc, off, mask = tile_start(OUT, g, n0 + tl.arange(0, BLOCK_N), k0 + tl.arange(0, BLOCK_K), N, K,
+                                        ACCUMULATE and GRAD_FIRST, BLOCK_N, BLOCK_K)
+        start = tl.minimum(tl.load(OFFS + g - 1, mask=g > 0, other=0), T)
+        rows = tl.minimum(tl.load(OFFS + g), T) - start
+        # Descriptors over this expert's rows alone: the copies zero-fill past its last row (an
+        # empty expert's, never read, get one row).
+        dy = tl.make_tensor_descriptor(DY + start.to(tl.int64) * stride_dy, shape=[tl.maximum(rows, 1), N],
                                        strides=[stride_dy, 1], block_shape=[BLOCK_T, BLOCK_N])
-        x = tl.make_tensor_descriptor(X + start.to(tl.int64) * stride_x, shape=[rows, K],
+        x = tl.make_tensor_descriptor(X + start.to(tl.int64) * stride_x, shape=[tl.maximum(rows, 1), K],
                                       strides=[stride_x, 1], block_shape=[BLOCK_T, BLOCK_K])
         for t in range(0, rows, BLOCK_T):
             acc = tl.dot(dy.load([t, n0]).T, x.load([t, k0]), acc)
-    tile_finish(acc, OUT, off, mask, ACCUMULATE and not GRAD_FIRST)
+        if TMA_OUT:
+            if ACCUMULATE and not GRAD_FIRST:
+                acc += out.load([g, n0, k0]).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
+            out.store([g, n0, k0], acc.to(OUT.dtype.element_ty).reshape(1, BLOCK_N, BLOCK_K))
+        else:
+            tile_finish(acc, OUT, off, mask, ACCUMULATE and not GRAD_FIRST)

@@ -63,19 +63,29 @@ any other shape only the others (:func:`_prune`)."""
 
 SKINNY = 64
 
-TMA_CONFIGS = [  # (BLOCK_N, BLOCK_K, BLOCK_T, num_warps, num_stages): the best five of ten timed
-    (128, 256, 64, 8, 3),
-    (128, 256, 64, 8, 4),
-    (256, 128, 64, 8, 4),
-    (256, 128, 64, 8, 3),
-    (128, 256, 32, 8, 6),
-    # One warpgroup in ~96 KB of shared memory: two programs per SM, one's pipeline fill and
-    # .grad epilogue under the other's main loop. Adding into .grad on Mixtral's gate/up
-    # weights: 515 / 506 against 481 TFLOP/s for the best above (tools/bench_wgrad_tiles.py).
-    (128, 128, 32, 4, 6),
-    (128, 128, 64, 4, 3),
+TMA_CONFIGS = [  # (BLOCK_N, BLOCK_K, BLOCK_T, num_warps, num_stages, PER_SM, TMA_OUT)
+    # Persistent (PER_SM programs per SM walk the tiles), tiles of .grad read and stored by the
+    # copy engine: a tile's store overlaps the next tile's main loop. Adding into .grad, Mixtral's
+    # shapes on an H200: gate/up 570, down 457 TFLOP/s against 472 and 427 for the best of the
+    # one-tile-per-program rows below (tools/bench_wgrad_tiles.py, session 28).
+    (128, 256, 64, 8, 3, 1, True),
+    (256, 128, 64, 8, 3, 1, True),
+    (128, 256, 32, 8, 6, 1, True),
+    (128, 256, 64, 8, 3, 1, False),
+    (128, 128, 64, 4, 4, 2, True),
+    # One tile per program (PER_SM 0), .grad through pointers: the best five of ten timed, then
+    # one warpgroup in ~96 KB of shared memory, two programs per SM, one's pipeline fill and
+    # .grad epilogue under the other's main loop (+7% on Mixtral's gate/up in session 23).
+    (128, 256, 64, 8, 3, 0, False),
+    (128, 256, 64, 8, 4, 0, False),
+    (256, 128, 64, 8, 4, 0, False),
+    (256, 128, 64, 8, 3, 0, False),
+    (128, 256, 32, 8, 6, 0, False),
+    (128, 128, 32, 4, 6, 0, False),
+    (128, 128, 64, 4, 3, 0, False),
 ]
-"""Tile shapes the tensor-memory kernel's autotuner tries."""
+"""Tile shapes and launch kinds the tensor-memory kernel's autotuner tries; ``TMA_OUT`` ones
+only where the output's rows and pointer are 16-byte aligned (:func:`_prune_tma`)."""
 
 GRAD_FIRST = False
 """Whether an accumulating tile starts from ``.grad``'s current values, read before the main
@@ -109,13 +119,17 @@ def _kernel():
                                        prune_configs_by={"early_config_prune": _prune})
 
 
-def _autotuned(kernel, configs: list[tuple[int, ...]], key: list[str], **kwargs):  # noqa: ANN001, ANN202
-    """``kernel`` under Triton's autotuner over ``configs`` (BLOCK_N, BLOCK_K, BLOCK_T, warps, stages)."""
+def _autotuned(kernel, configs: list[tuple], key: list[str], **kwargs):  # noqa: ANN001, ANN202
+    """``kernel`` under Triton's autotuner over ``configs`` (BLOCK_N, BLOCK_K, BLOCK_T, warps,
+    stages, then the tensor-memory kernel's PER_SM and TMA_OUT)."""
     import triton
 
+    def meta(c: tuple) -> dict:
+        extra = dict(zip(("PER_SM", "TMA_OUT"), c[5:], strict=False))
+        return {"BLOCK_N": c[0], "BLOCK_K": c[1], "BLOCK_T": c[2], **extra}
+
     return triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt}, num_warps=w, num_stages=s)
-                 for bn, bk, bt, w, s in configs],
+        configs=[triton.Config(meta(c), num_warps=c[3], num_stages=c[4]) for c in configs],
         key=key,
         restore_value=["OUT"],  # trial runs add into OUT: put it back after each
         **kwargs,
@@ -126,8 +140,21 @@ def _autotuned(kernel, configs: list[tuple[int, ...]], key: list[str], **kwargs)
 def _tma_kernel():
     from polyaccel.cuda import _grouped_wgrad_triton as k  # imports Triton
 
-    return k.grouped_wgrad_tma, _autotuned(k.grouped_wgrad_tma, TMA_CONFIGS, ["N", "K", "ROWS", "ACCUMULATE",
-                                                                            "GRAD_FIRST"])
+    return k.grouped_wgrad_tma, _autotuned(k.grouped_wgrad_tma, TMA_CONFIGS, ["G", "N", "K", "ROWS", "ACCUMULATE",
+                                                                            "GRAD_FIRST"],
+                                           prune_configs_by={"early_config_prune": _prune_tma})
+
+
+def _out_aligned(out: torch.Tensor) -> bool:
+    """Whether the copy engine can address ``out`` [G, N, K]: 16-byte aligned pointer and rows."""
+    return out.data_ptr() % 16 == 0 and out.shape[-1] * out.element_size() % 16 == 0
+
+
+def _prune_tma(configs, named_args, **kwargs):  # noqa: ANN001, ANN201, ARG001
+    """The tensor-memory autotuner's early prune: no ``TMA_OUT`` tiles for an unaligned output."""
+    if _out_aligned(named_args["OUT"]):
+        return configs
+    return [c for c in configs if not c.kwargs["TMA_OUT"]]
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:  # noqa: ARG001
@@ -231,18 +258,34 @@ def _launch(dys: list[torch.Tensor], xs: list[torch.Tensor], offs: list[torch.Te
         plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, **flags, BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt)
 
 
-def _launch_tma(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, *, accumulate: bool) -> None:
+def _launch_tma(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, *, accumulate: bool,
+                config: tuple | None = None) -> None:
+    """One micro-batch through the tensor-memory kernel: autotuned, or at ``config`` (a
+    :data:`TMA_CONFIGS` entry; the Triton interpreter takes the first one that applies)."""
     G, N, K = out.shape
     _ensure_scratch_allocator()
     plain, tuned = _tma_kernel()
+    sms = _multiprocessors(out.device.index) if out.is_cuda else 2
 
     def grid(meta):
-        return cdiv(N, meta["BLOCK_N"]) * cdiv(K, meta["BLOCK_K"]), G
+        tiles = G * cdiv(N, meta["BLOCK_N"]) * cdiv(K, meta["BLOCK_K"])
+        return (min(tiles, sms * meta["PER_SM"]) if meta["PER_SM"] else tiles,)
 
-    args = (dy, x, offs, min(dy.shape[0], x.shape[0]), out, N, K, _rows_key(dy.shape[0]), dy.stride(0), x.stride(0))
-    if dy.is_cuda:
+    args = (dy, x, offs, min(dy.shape[0], x.shape[0]), out, G, N, K, _rows_key(dy.shape[0]), dy.stride(0),
+            x.stride(0))
+    if dy.is_cuda and config is None:
         tuned[grid](*args, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST)
-    else:  # Triton's CPU interpreter (tests): the first tile shape
-        bn, bk, bt, _, _ = TMA_CONFIGS[0]
-        plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST,
-                                                     BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt)
+        return
+    if config is None:  # Triton's CPU interpreter (tests): no timing
+        config = next(c for c in TMA_CONFIGS if _out_aligned(out) or not c[6])
+    bn, bk, bt, warps, stages, per_sm, tma_out = config
+    if tma_out and not _out_aligned(out):
+        raise ValueError("grouped_mm_wgrad: TMA_OUT needs a 16-byte aligned output")
+    meta = dict(BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt, PER_SM=per_sm, TMA_OUT=tma_out)
+    extra = dict(num_warps=warps, num_stages=stages) if dy.is_cuda else {}
+    plain[grid(meta)](*args, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST, **meta, **extra)
+
+
+@functools.cache
+def _multiprocessors(cuda_index: int) -> int:
+    return torch.cuda.get_device_properties(cuda_index).multi_processor_count
