@@ -269,6 +269,10 @@ def run_one(shape: str, entry: str, a) -> dict:
         rec = cli_run(shape, a)
         step_s, loss, peak, fast = rec["step_time_s"], rec["final_loss"], rec["peak_memory_gib"], rec.get("fast_path")
     else:
+        if a.wgrad_tiles == "one-per-program":
+            from polyaccel.cuda import grouped_wgrad
+
+            grouped_wgrad.TMA_CONFIGS = [c for c in grouped_wgrad.TMA_CONFIGS if not c[5]]
         a.profile_ms = a.profile_gaps = a.peak_warmup = a.loop_fast = None
         times, loss = (trainer_run if "trainer" in entry else plain_loop)(entry, config, a)
         fast = a.loop_fast
@@ -331,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5, help="measured optimizer steps")
     p.add_argument("--wgrad-window", default="auto", type=_window_arg,
                    help="the loop entry's GraphedMicroStep weight-gradient window (auto or a count)")
+    p.add_argument("--wgrad-tiles", default="all", choices=("all", "one-per-program"),
+                   help="one-per-program: the expert weight-gradient kernel's launches before session 28 "
+                        "(no persistent ones), for an A/B in the loop and trainer entries (not cli)")
     p.add_argument("--warmup", type=int, default=3, help="steps before measuring (compile, graph capture)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--timeout", type=float, default=900, help="seconds per row")
@@ -351,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown entries {bad}; choose from {', '.join(ENTRIES)}")
     rows = []
     passthrough = [f"--seq={a.seq}", f"--accum={a.accum}", f"--steps={a.steps}", f"--warmup={a.warmup}",
-                   f"--device={a.device}", f"--out-dir={a.out_dir}", f"--wgrad-window={a.wgrad_window}"]
+                   f"--device={a.device}", f"--out-dir={a.out_dir}", f"--wgrad-window={a.wgrad_window}", f"--wgrad-tiles={a.wgrad_tiles}"]
     passthrough += [f"--layers={a.layers}"] if a.layers else []
     passthrough += [f"--config={item}" for item in a.config]
     passthrough += ["--profile"] if a.profile else []

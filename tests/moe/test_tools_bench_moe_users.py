@@ -56,7 +56,8 @@ def test_a_profiled_step_reports_time_by_category_and_writes_the_table(bench, tm
 
 
 def test_each_row_process_gets_the_weight_gradient_window(bench, tmp_path, monkeypatch, capsys):
-    """``--wgrad-window`` reaches the per-row processes (it once stayed in the parent)."""
+    """``--wgrad-window`` and ``--wgrad-tiles`` reach the per-row processes (the window once
+    stayed in the parent)."""
     seen = []
 
     def fake_run(cmd, **kwargs):  # noqa: ANN001, ANN003, ANN202
@@ -67,9 +68,9 @@ def test_each_row_process_gets_the_weight_gradient_window(bench, tmp_path, monke
                                      returncode=0)
 
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
-    assert bench.main(["--entries", "loop", "--wgrad-window", "2", "--device", "cpu",
-                       "--out-dir", str(tmp_path)]) == 0
-    assert seen and all("--wgrad-window=2" in cmd for cmd in seen)
+    assert bench.main(["--entries", "loop", "--wgrad-window", "2", "--wgrad-tiles", "one-per-program",
+                       "--device", "cpu", "--out-dir", str(tmp_path)]) == 0
+    assert seen and all("--wgrad-window=2" in cmd and "--wgrad-tiles=one-per-program" in cmd for cmd in seen)
     capsys.readouterr()
 
 

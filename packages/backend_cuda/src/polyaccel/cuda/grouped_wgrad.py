@@ -19,7 +19,10 @@ A single micro-batch whose experts have many rows each (:data:`TMA_MIN_ROWS` on 
 e.g. Mixtral's 8 experts at ~1,000 rows) takes a second kernel that loads its tiles with
 Hopper's tensor-memory copies: one device-side descriptor per expert's row range, so the copy
 engine zero-fills past the range's end and no row mask is computed (Mixtral's shapes on an
-H200: 605 against 487 TFLOP/s for the first kernel's best tile, and CUTLASS's 552). Over
+H200: 605 against 487 TFLOP/s for the first kernel's best tile, and CUTLASS's 552). Its
+autotuner also tries persistent launches (a program per SM walks the tiles) that read and store
+the ``.grad`` tiles through the copy engine: the store is asynchronous, so it runs under the next
+tile's main loop, and adding into ``.grad`` costs little more than writing over it. Over
 several micro-batches it would need one short pipelined loop per source, which measured slower
 (362 against 461 TFLOP/s at ~256 rows per expert and source), so windows keep the first kernel.
 """
