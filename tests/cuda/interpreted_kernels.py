@@ -60,14 +60,14 @@ def check_fwd_bwd(name, fast, ref, inputs, tol=1e-5):
 def tma_rule(on: bool, launch: str | None = None):
     """One micro-batch takes the tensor-memory kernel (``on``) or the pointer kernel, whatever its
     rows; ``launch``: the tensor-memory kernel runs its first tile of that kind: "copy-engine"
-    (persistent, ``.grad`` tiles through the copy engine), "persistent" (through pointers) or
-    "one-per-program" (one tile per program). Persistent launches here take several tiles per
+    (persistent, ``.grad`` tiles through the copy engine), "persistent" (through pointers),
+    "banded" (tiles walked in bands of rows) or "one-per-program" (one tile per program). Persistent launches here take several tiles per
     program (the interpreter counts 2 multiprocessors)."""
     configs = grouped_wgrad.TMA_CONFIGS
     grouped_wgrad.TMA_MIN_ROWS = 1 if on else 1 << 40
     if launch is not None:
-        kinds = {"copy-engine": lambda c: c[5] and c[6], "persistent": lambda c: c[5] and not c[6],
-                 "one-per-program": lambda c: not c[5] and not c[6]}
+        kinds = {"copy-engine": lambda c: c[5] and c[6] and not c[7], "persistent": lambda c: c[5] and not c[6],
+                 "banded": lambda c: c[5] and c[7], "one-per-program": lambda c: not c[5] and not c[6]}
         grouped_wgrad.TMA_CONFIGS = [c for c in configs if kinds[launch](c)]
     try:
         yield
@@ -106,6 +106,27 @@ def check_grouped_wgrad(tma: bool, launch: str | None = None):
     print(f"grouped_mm_wgrad fp16, {kind} kernel (new, accumulate, accumulate "
           f"grad first, overwrite): rel err {', '.join(f'{e:.2e}' for e in errs)}")
     assert max(errs) < 2e-3 and not fresh[empty].any() and not over[empty].any(), errs
+
+
+def check_grouped_wgrad_banded():
+    """The tensor-memory kernel's banded walk (:data:`grouped_wgrad.TMA_CONFIGS` entries with
+    ``BAND_N``) over 10 x 2 tiles per expert: a full band of 8 rows of tiles and a part band of
+    2, each tile computed once (written over and added into, persistent with several tiles per
+    program)."""
+    G, N, K = 3, 10 * 128 - 8, 304  # 10 rows of 128-row tiles (the last part-filled), 2 columns
+    counts = torch.randint(1, 60, (G,))
+    offsets = counts.cumsum(0).to(torch.int32)
+    dy, x = torch.randn(int(counts.sum()), N).half(), torch.randn(int(counts.sum()), K).half()
+    ref = ops.grouped_mm_wgrad.reference(dy.double(), x.double(), offsets)
+    config = next(c for c in grouped_wgrad.TMA_CONFIGS if c[7] and c[0] == 128)
+    over = torch.randn(G, N, K).half()
+    grouped_wgrad._launch_tma(dy, x, offsets, over, accumulate=False, config=config)
+    acc = torch.randn(G, N, K).half()
+    expected = acc.double() + ref
+    grouped_wgrad._launch_tma(dy, x, offsets, acc, accumulate=True, config=config)
+    errs = rel_err(over, ref), rel_err(acc, expected)
+    print(f"grouped_mm_wgrad banded tiles {config}: rel err {errs[0]:.2e}, {errs[1]:.2e}")
+    assert max(errs) < 2e-3, errs
 
 
 def check_grouped_wgrad_offsets_past_rows():
@@ -370,8 +391,9 @@ def main() -> None:
                   lambda h, w: ops.linear_cross_entropy.reference(h, w, labels),
                   [torch.randn(19, 32), 0.1 * torch.randn(300, 32)])
     check_grouped_wgrad(tma=False)
-    for launch in ("copy-engine", "persistent", "one-per-program"):
+    for launch in ("copy-engine", "persistent", "banded", "one-per-program"):
         check_grouped_wgrad(tma=True, launch=launch)
+    check_grouped_wgrad_banded()
     check_grouped_wgrad_offsets_past_rows()
     check_grouped_wgrad_window()
     check_grouped_lowrank()

@@ -76,11 +76,14 @@ def grouped_wgrad(DY0, DY1, DY2, DY3, X0, X1, X2, X3, OFFS0, OFFS1, OFFS2, OFFS3
 @triton.jit
 def grouped_wgrad_tma(DY, X, OFFS, T, OUT, G, N, K, ROWS, stride_dy, stride_x, ACCUMULATE: tl.constexpr,
                       GRAD_FIRST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_T: tl.constexpr, PER_SM: tl.constexpr, TMA_OUT: tl.constexpr):
+                      BLOCK_T: tl.constexpr, PER_SM: tl.constexpr, TMA_OUT: tl.constexpr,
+                      BAND_N: tl.constexpr):
     # Output tiles expert-major, each program taking every num_programs-th (one each unless the
     # launch is persistent: PER_SM programs per SM). TMA_OUT reads and writes the tiles of OUT
     # with tensor-memory copies too: the store is asynchronous, so a tile's store runs under
-    # the next tile's loads and MMAs.
+    # the next tile's loads and MMAs. BAND_N > 0 walks each expert's tiles in bands of BAND_N
+    # rows of tiles, column by column: the tiles in flight share a few slices of both dy and x
+    # (which stay in L2) instead of one slice of dy and every slice of x.
     tiles_k = tl.cdiv(K, BLOCK_K)
     per_group = tl.cdiv(N, BLOCK_N) * tiles_k
     if TMA_OUT:
@@ -88,8 +91,16 @@ def grouped_wgrad_tma(DY, X, OFFS, T, OUT, G, N, K, ROWS, stride_dy, stride_x, A
                                         block_shape=[1, BLOCK_N, BLOCK_K])
     for tile in range(tl.program_id(0), G * per_group, tl.num_programs(0)):
         g = tile // per_group
-        n0 = ((tile - g * per_group) // tiles_k) * BLOCK_N
-        k0 = (tile % tiles_k) * BLOCK_K
+        t = tile - g * per_group
+        if BAND_N > 0:
+            per_band = BAND_N * tiles_k
+            first = (t // per_band) * BAND_N
+            height = tl.minimum(tl.cdiv(N, BLOCK_N) - first, BAND_N)
+            n0 = (first + (t % per_band) % height) * BLOCK_N
+            k0 = ((t % per_band) // height) * BLOCK_K
+        else:
+            n0 = (t // tiles_k) * BLOCK_N
+            k0 = (t % tiles_k) * BLOCK_K
         if TMA_OUT:
             if ACCUMULATE and GRAD_FIRST:
                 acc = out.load([g, n0, k0]).reshape(BLOCK_N, BLOCK_K).to(tl.float32)

@@ -66,26 +66,30 @@ any other shape only the others (:func:`_prune`)."""
 
 SKINNY = 64
 
-TMA_CONFIGS = [  # (BLOCK_N, BLOCK_K, BLOCK_T, num_warps, num_stages, PER_SM, TMA_OUT)
+TMA_CONFIGS = [  # (BLOCK_N, BLOCK_K, BLOCK_T, num_warps, num_stages, PER_SM, TMA_OUT, BAND_N)
     # Persistent (PER_SM programs per SM walk the tiles), tiles of .grad read and stored by the
     # copy engine: a tile's store overlaps the next tile's main loop. Adding into .grad, Mixtral's
     # shapes on an H200: gate/up 570, down 457 TFLOP/s against 472 and 427 for the best of the
     # one-tile-per-program rows below (tools/bench_wgrad_tiles.py, session 28).
-    (128, 256, 64, 8, 3, 1, True),
-    (256, 128, 64, 8, 3, 1, True),
-    (128, 256, 32, 8, 6, 1, True),
-    (128, 256, 64, 8, 3, 1, False),
-    (128, 128, 64, 4, 4, 2, True),
+    (128, 256, 64, 8, 3, 1, True, 0),
+    (256, 128, 64, 8, 3, 1, True, 0),
+    (128, 256, 32, 8, 6, 1, True, 0),
+    (128, 256, 64, 8, 3, 1, False, 0),
+    (128, 128, 64, 4, 4, 2, True, 0),
+    # The same in bands of 8 rows of tiles (BAND_N): for outputs many tiles wide (Mixtral's
+    # down weights: 56-112 columns of tiles) the tiles in flight then read a part of x, not all.
+    (128, 256, 64, 8, 3, 1, True, 8),
+    (256, 128, 64, 8, 3, 1, True, 8),
     # One tile per program (PER_SM 0), .grad through pointers: the best five of ten timed, then
     # one warpgroup in ~96 KB of shared memory, two programs per SM, one's pipeline fill and
     # .grad epilogue under the other's main loop (+7% on Mixtral's gate/up in session 23).
-    (128, 256, 64, 8, 3, 0, False),
-    (128, 256, 64, 8, 4, 0, False),
-    (256, 128, 64, 8, 4, 0, False),
-    (256, 128, 64, 8, 3, 0, False),
-    (128, 256, 32, 8, 6, 0, False),
-    (128, 128, 32, 4, 6, 0, False),
-    (128, 128, 64, 4, 3, 0, False),
+    (128, 256, 64, 8, 3, 0, False, 0),
+    (128, 256, 64, 8, 4, 0, False, 0),
+    (256, 128, 64, 8, 4, 0, False, 0),
+    (256, 128, 64, 8, 3, 0, False, 0),
+    (128, 256, 32, 8, 6, 0, False, 0),
+    (128, 128, 32, 4, 6, 0, False, 0),
+    (128, 128, 64, 4, 3, 0, False, 0),
 ]
 """Tile shapes and launch kinds the tensor-memory kernel's autotuner tries; ``TMA_OUT`` ones
 only where the output's rows and pointer are 16-byte aligned (:func:`_prune_tma`)."""
@@ -124,11 +128,11 @@ def _kernel():
 
 def _autotuned(kernel, configs: list[tuple], key: list[str], **kwargs):  # noqa: ANN001, ANN202
     """``kernel`` under Triton's autotuner over ``configs`` (BLOCK_N, BLOCK_K, BLOCK_T, warps,
-    stages, then the tensor-memory kernel's PER_SM and TMA_OUT)."""
+    stages, then the tensor-memory kernel's PER_SM, TMA_OUT and BAND_N)."""
     import triton
 
     def meta(c: tuple) -> dict:
-        extra = dict(zip(("PER_SM", "TMA_OUT"), c[5:], strict=False))
+        extra = dict(zip(("PER_SM", "TMA_OUT", "BAND_N"), c[5:], strict=False))
         return {"BLOCK_N": c[0], "BLOCK_K": c[1], "BLOCK_T": c[2], **extra}
 
     return triton.autotune(
@@ -281,10 +285,10 @@ def _launch_tma(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torc
         return
     if config is None:  # Triton's CPU interpreter (tests): no timing
         config = next(c for c in TMA_CONFIGS if _out_aligned(out) or not c[6])
-    bn, bk, bt, warps, stages, per_sm, tma_out = config
+    bn, bk, bt, warps, stages, per_sm, tma_out, band_n = config
     if tma_out and not _out_aligned(out):
         raise ValueError("grouped_mm_wgrad: TMA_OUT needs a 16-byte aligned output")
-    meta = dict(BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt, PER_SM=per_sm, TMA_OUT=tma_out)
+    meta = dict(BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt, PER_SM=per_sm, TMA_OUT=tma_out, BAND_N=band_n)
     extra = dict(num_warps=warps, num_stages=stages) if dy.is_cuda else {}
     plain[grid(meta)](*args, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST, **meta, **extra)
 
