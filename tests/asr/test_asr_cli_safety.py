@@ -209,7 +209,7 @@ def test_outputs_that_are_not_regular_files_are_refused(asr_cli, loads: list[str
         os.mkdir(out)
     assert asr_cli.run(str(wav), "-o", out) == 2
     assert ("is a directory" if kind == "dir" else "is not a regular file") in capsys.readouterr().err
-    assert loads == [] and not os.path.exists(out + ".lock")
+    assert loads == [] and not os.path.exists(out + ".polyaccel-asr.lock")
 
 
 @pytest.mark.timeout(60)
@@ -290,9 +290,9 @@ def test_a_second_run_on_the_same_output_is_refused(asr_cli, loads: list[str], t
         assert asr_cli.run(str(wav), "-o", str(out)) == 2
         assert f"another run (pid {os.getpid()}) is writing {out}" in capsys.readouterr().err
     assert not out.exists() and loads == []
-    (tmp_path / "out.jsonl.lock").write_text("polyaccel-asr lock, pid 12345\n")  # left by a kill -9: not held
+    (tmp_path / "out.jsonl.polyaccel-asr.lock").write_text("polyaccel-asr lock, pid 12345\n")  # left by a kill -9: not held
     assert asr_cli.run(str(wav), "-o", str(out)) == 0
-    assert not (tmp_path / "out.jsonl.lock").exists() and len(asr_cli.results(out)) == 1
+    assert not (tmp_path / "out.jsonl.polyaccel-asr.lock").exists() and len(asr_cli.results(out)) == 1
 
 
 @pytest.mark.timeout(120)
@@ -363,7 +363,7 @@ def test_a_lock_path_that_is_not_our_lock_file_is_left_alone(asr_cli, loads: lis
     out = tmp_path / "out.jsonl"
     mine = tmp_path / "notes.txt"
     mine.write_text("my notes\n")
-    lock = tmp_path / "out.jsonl.lock"
+    lock = tmp_path / "out.jsonl.polyaccel-asr.lock"
     if kind == "symlink":
         lock.symlink_to(mine)
     elif kind == "dangling symlink":  # opening it to lock would create a file where it points
@@ -486,7 +486,7 @@ def test_ray_address_auto_is_a_usage_error_before_any_model_loads(asr_cli, tmp_p
 
 def test_an_output_name_at_the_file_system_s_limit_gets_a_lock_that_fits(asr_cli, loads: list[str],
                                                                           tmp_path: Path) -> None:
-    """A legal 251-byte -o has no room for ".lock": its lock is its name cut short plus a hash,
+    """A legal 251-byte -o has no room for ".polyaccel-asr.lock": its lock is its name cut short plus a hash,
     the same for a second run, which is refused while the first holds it."""
     from polyaccel.asr.results_file import OutputBusy, OutputLock
 
@@ -499,4 +499,4 @@ def test_an_output_name_at_the_file_system_s_limit_gets_a_lock_that_fits(asr_cli
         assert len(OutputLock(out).path.name.encode()) <= 255
         with pytest.raises(OutputBusy):
             OutputLock(str(out)).acquire()
-    assert OutputLock(tmp_path / "x.jsonl").path == tmp_path / "x.jsonl.lock"
+    assert OutputLock(tmp_path / "x.jsonl").path == tmp_path / "x.jsonl.polyaccel-asr.lock"

@@ -233,7 +233,7 @@ def test_sigterm_ends_a_run_like_ctrl_c_and_the_rerun_resumes(asr_cli, tmp_path:
     assert capsys.readouterr().err == f"{word}; rerun the same command to resume\n"
     done = out.read_text()
     assert 1 <= done.count("\n") < 20 and done.endswith("\n")
-    assert not Path(f"{out}.lock").exists()
+    assert not Path(f"{out}.polyaccel-asr.lock").exists()
     assert cli.main(["transcribe", *wavs, "-o", str(out), "-q"]) == 0
     assert out.read_text().startswith(done) and out.read_text().count("\n") == 20
 
@@ -257,7 +257,7 @@ def test_a_second_ctrl_c_while_the_run_unwinds_ends_the_process_instead_of_raisi
         assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
         signal.signal(signal.SIGINT, signal.default_int_handler)
         assert capsys.readouterr().err == "interrupted; rerun the same command to resume\n"
-        assert not Path(f"{out}.lock").exists()
+        assert not Path(f"{out}.polyaccel-asr.lock").exists()
         assert cli.main(["transcribe", *wavs, "-o", str(out), "-q"]) == 0  # no Ctrl-C: the handler is put back
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
@@ -319,3 +319,33 @@ def test_a_path_inside_a_folder_we_may_not_enter_is_that_inputs_error_not_the_ru
     assert [it.path for it in cli._gather([locked])] == [locked]  # not "no such file or directory"
     with pytest.raises(cli.UsageError, match="no such file or directory"):
         cli._gather([str(tmp_path / "missing.wav")])
+
+
+@pytest.mark.parametrize("layout", ["single", "glob", "index"])
+def test_weights_that_are_a_fifo_are_refused_not_opened(tmp_path: Path, layout: str) -> None:
+    """A FIFO as a Whisper folder's weights (``model.safetensors``, the only ``*.safetensors``,
+    or a shard the index names) hung the CLI in native code that SIGTERM could not end; it is
+    refused before anything opens it. A link to a regular file (the Hub cache's layout) loads."""
+    from polyaccel.asr.weights import loaded_weight_files
+
+    name = {"single": "model.safetensors", "glob": "weights.safetensors", "index": "part-1.safetensors"}[layout]
+    if layout == "index":
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": name}}))
+    os.mkfifo(tmp_path / name)
+    with pytest.raises(ValueError, match="not a regular file"):
+        loaded_weight_files(tmp_path)
+    os.unlink(tmp_path / name)
+    (tmp_path / "blob").write_bytes(b"x")
+    (tmp_path / name).symlink_to(tmp_path / "blob")
+    assert loaded_weight_files(tmp_path) == [tmp_path / name]
+
+
+def test_conformer_weights_that_are_a_fifo_are_refused(tmp_path: Path) -> None:
+    from polyaccel.asr.conformer import ConformerAED
+    from polyaccel.asr.conformer_config import tiny
+
+    ConformerAED.from_config(tiny(), seed=0).save_pretrained(tmp_path)
+    os.unlink(tmp_path / "model.safetensors")
+    os.mkfifo(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="not a regular file"):
+        ConformerAED.from_pretrained(tmp_path)

@@ -280,7 +280,7 @@ def test_a_lock_file_removed_while_it_is_being_locked_is_made_again(tmp_path: Pa
 
     def flock(fd: int, op: int) -> None:
         if not calls:
-            os.unlink(tmp_path / "out.jsonl.lock")  # the holder's release, just before our flock
+            os.unlink(tmp_path / "out.jsonl.polyaccel-asr.lock")  # the holder's release, just before our flock
         calls.append(fd)
         real_flock(fd, op)
 

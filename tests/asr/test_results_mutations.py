@@ -78,9 +78,9 @@ def test_a_last_line_of_non_json_whitespace_is_repaired_before_appending(tmp_pat
                                   b"polyaccel-asr lock, pid 12\n34\n"])
 def test_a_file_of_digits_on_the_lock_path_is_not_taken_for_a_lock_file(tmp_path: Path, data: bytes) -> None:
     """A lock file of ours names itself and holds one process id. A user's file at
-    ``out.jsonl.lock`` that holds only a number (or starts like a lock file) is left alone,
+    ``out.jsonl.polyaccel-asr.lock`` that holds only a number (or starts like a lock file) is left alone,
     not truncated to our pid nor removed."""
-    lock = tmp_path / "out.jsonl.lock"
+    lock = tmp_path / "out.jsonl.polyaccel-asr.lock"
     lock.write_bytes(data)
     with pytest.raises(OSError, match="not a lock file of ours"):
         OutputLock(tmp_path / "out.jsonl").acquire()
@@ -88,7 +88,7 @@ def test_a_file_of_digits_on_the_lock_path_is_not_taken_for_a_lock_file(tmp_path
 
 
 def test_a_stale_lock_file_of_ours_is_taken_over(tmp_path: Path) -> None:
-    lock = tmp_path / "out.jsonl.lock"
+    lock = tmp_path / "out.jsonl.polyaccel-asr.lock"
     lock.write_text("polyaccel-asr lock, pid 999999\n")  # its run was killed: no flock held on it
     with OutputLock(tmp_path / "out.jsonl") as held:
         assert lock.read_text() == f"polyaccel-asr lock, pid {os.getpid()}\n"
@@ -204,7 +204,7 @@ def test_an_output_named_through_a_symlink_is_locked_and_written_as_the_file_it_
     assert f"is writing {link}" in capsys.readouterr().err and loads == []
     assert cli.main(["transcribe", wav, "-o", str(link), "-q"]) == 0
     assert link.is_symlink() and os.readlink(link) == str(real)
-    assert [r["path"] for r in scan_results(real).records] == [wav]
+    assert [r["path"] for r in scan_results(real).records] == ["x.wav", wav]  # x.wav: not an input here
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav", "link.jsonl", "real.jsonl"]
 
 
@@ -249,3 +249,126 @@ def test_a_rerun_from_another_folder_does_not_take_other_files_of_the_same_relat
     legacy.write_bytes(_line("clips/a.wav"))
     assert cli.main(["transcribe", "clips/a.wav", "-o", str(legacy), "-q"]) == 0
     assert len(scan_results(legacy).records) == 1
+
+
+# ---- found by an attack pass (session 28) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content", [
+    json.dumps({"path": {"train": "/data/train"}, "epochs": 30}).encode(),  # json.dump's config: no newline
+    json.dumps({"path": "b.wav", "text": "a manifest line"}).encode(),
+    b"\0" * 4096,  # a disk image, a sparse file
+    b"{",
+    b'{"path": ',
+])
+def test_a_one_line_file_without_a_newline_is_not_taken_for_a_torn_results_file(
+        asr_cli, loads: list[str], tmp_path: Path, content: bytes, capsys: pytest.CaptureFixture) -> None:
+    """A torn last line is a kill's doing only after whole records: a file whose only line lacks
+    its newline (what ``json.dump`` writes) or that holds zero bytes is a user's, refused with
+    every byte kept (it was replaced by one results line, or appended to)."""
+    out = tmp_path / "config.json"
+    out.write_bytes(content)
+    assert cli.main(["transcribe", str(asr_cli.wav(tmp_path / "a.wav")), "-o", str(out), "-q"]) == 2
+    assert "exists and is not a polyaccel-asr results file" in capsys.readouterr().err
+    assert out.read_bytes() == content and loads == []
+
+
+def test_a_torn_line_after_whole_records_is_still_repaired(asr_cli, loads: list[str], tmp_path: Path) -> None:
+    """The other side of the rule above: a kill's torn line (or a power loss's zero bytes) after a
+    whole record is dropped and the run resumes."""
+    wav = str(asr_cli.wav(tmp_path / "a.wav"))
+    for tail in (b'{"path": "b.w', b"\0" * 100):
+        out = tmp_path / "out.jsonl"
+        out.write_bytes(_line("x.wav") + tail)
+        assert cli.main(["transcribe", wav, "-o", str(out), "-q"]) == 0
+        assert [r["path"] for r in scan_results(out).records] == ["x.wav", wav]
+        out.unlink()
+
+
+def test_failed_records_of_inputs_not_in_this_run_are_kept(asr_cli, loads: list[str], tmp_path: Path) -> None:
+    """A resume drops failed records so that their files are tried again, but only for this
+    run's inputs: another folder's failures written to the same file stay (they were lost
+    without a retry)."""
+    (tmp_path / "A").mkdir()
+    (tmp_path / "B").mkdir()
+    a, b = asr_cli.wav(tmp_path / "A" / "good.wav"), asr_cli.wav(tmp_path / "B" / "other.wav")
+    bad = tmp_path / "A" / "bad.wav"
+    bad.write_text("not audio")
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["transcribe", str(tmp_path / "A"), "-o", str(out), "-q"]) == 1
+    assert cli.main(["transcribe", str(b), "-o", str(out), "-q"]) == 0
+    records = {r["path"]: r for r in scan_results(out).records}
+    assert set(records) == {str(a), str(bad), str(b)} and records[str(bad)]["error"]
+    bad.unlink()
+    asr_cli.wav(bad)  # now good audio: rerunning its folder retries it, replacing the failed record
+    assert cli.main(["transcribe", str(tmp_path / "A"), "-o", str(out), "-q"]) == 0
+    records = [r for r in scan_results(out).records if r["path"] == str(bad)]
+    assert len(records) == 1 and not records[0]["error"]
+
+
+def test_a_lock_file_that_cannot_be_removed_is_a_note_not_a_failure(asr_cli, loads: list[str], tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """Every result written, then the lock file's removal fails (its folder made read-only
+    meanwhile): exit 0 with a note (it was a PermissionError traceback and exit 1); the next run
+    takes the file over."""
+    out = tmp_path / "out.jsonl"
+    real_unlink = Path.unlink
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if self.name.endswith(results_file.LOCK_SUFFIX):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    wav = str(asr_cli.wav(tmp_path / "a.wav"))
+    assert cli.main(["transcribe", wav, "-o", str(out), "-q"]) == 0
+    assert "could not remove the lock file" in capsys.readouterr().err
+    monkeypatch.setattr(Path, "unlink", real_unlink)
+    assert cli.main(["transcribe", str(asr_cli.wav(tmp_path / "b.wav")), "-o", str(out), "-q"]) == 0
+    assert len(scan_results(out).records) == 2
+
+
+def test_a_users_lock_file_next_to_the_output_is_never_ours(asr_cli, loads: list[str], tmp_path: Path) -> None:
+    """``flock out.jsonl.lock polyaccel-asr ... -o out.jsonl`` (a cron job's usual guard) runs:
+    our lock has a name of its own, so the guard's lock neither blocks the run (it was refused
+    as "another run is writing") nor, left empty, gets removed by it."""
+    import fcntl
+
+    out = tmp_path / "out.jsonl"
+    guard = tmp_path / "out.jsonl.lock"
+    fd = os.open(guard, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert cli.main(["transcribe", str(asr_cli.wav(tmp_path / "a.wav")), "-o", str(out), "-q"]) == 0
+    finally:
+        os.close(fd)
+    assert guard.exists() and guard.read_bytes() == b"" and len(scan_results(out).records) == 1
+
+
+@pytest.mark.parametrize("argv", [["transcribe", "{wav}", "-o", "{out}", "--replicas", "100000"],
+                                  ["bench", "{wav}", "--repeat", "1000000000"]])
+def test_absurd_replica_and_repeat_counts_are_usage_errors(asr_cli, loads: list[str], tmp_path: Path,
+                                                           argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    """``--replicas 100000`` ran out of threads into a traceback that hid the cause ("cannot join
+    thread before it is started"); ``bench --repeat 1000000000`` built an 8 GB list first."""
+    wav, out = str(asr_cli.wav(tmp_path / "a.wav")), str(tmp_path / "out.jsonl")
+    with pytest.raises(SystemExit) as e:
+        cli.main([a.format(wav=wav, out=out) for a in argv])
+    assert e.value.code == 2 and "must be <=" in capsys.readouterr().err
+    assert loads == [] and not os.path.exists(out)
+
+
+def test_no_thread_left_for_a_replica_is_a_usage_error(asr_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """Fewer threads left than replicas asked for (a low ``ulimit -u``): one line naming the
+    cause and the flag, exit 2, the output untouched."""
+    def no_threads(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(Transcriber, "from_pretrained", staticmethod(no_threads))
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["transcribe", str(asr_cli.wav(tmp_path / "a.wav")), "-o", str(out), "--replicas", "8",
+                     "-q"]) == 2
+    assert "cannot start a thread for each of the 8 replicas" in capsys.readouterr().err
+    assert not out.exists()

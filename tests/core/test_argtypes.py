@@ -14,6 +14,9 @@ def test_integer_bounds() -> None:
     for text, message in (("0", "must be >= 1, got 0"), ("1.5", "expected an integer"), ("x", "expected an integer")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             integer(1)(text)
+    assert integer(1, 256)("256") == 256
+    with pytest.raises(argparse.ArgumentTypeError, match="must be <= 256, got 257"):
+        integer(1, 256)("257")
 
 
 def test_number_bounds_and_strictness() -> None:

@@ -467,3 +467,21 @@ def test_property_every_item_comes_back_once_in_order(jobs, replicas, batch_size
         else:
             assert r.ok and r.value == 2 * item.value
     assert m.done == len(items) and m.queue_depth == 0 and m.max_queue_depth <= capacity + replicas * batch_size
+
+
+def test_a_replica_thread_that_cannot_start_raises_that_error_and_leaves_no_thread(monkeypatch) -> None:
+    """When the system has no thread left for a replica (``--replicas 100000``), the pool
+    raises that error after closing the replicas already started; close() used to join the
+    thread that never started and raise "cannot join thread before it is started" instead."""
+    real_start = threading.Thread.start
+    started = []
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("polyaccel-replica") and len(started) == 2:
+            raise RuntimeError("can't start new thread")
+        started.append(self.name)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        ReplicaPool(ToyReplica, 4, batch_size=2)

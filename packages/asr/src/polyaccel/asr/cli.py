@@ -71,6 +71,8 @@ what was written is kept, rerun to resume;
 
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_NOTHING_DONE = 0, 1, 2, 3
+MAX_REPLICAS = 256  # model copies in this process, a thread each: more is a typo, not a setting
+MAX_REPEAT = 10_000  # bench --repeat: a list of that many copies of the inputs
 
 
 class UsageError(Exception):
@@ -152,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model directory (Hugging Face or CTranslate2) or known name "
                              "(whisper-tiny.en, whisper-base; default: %(default)s)")
         sp.add_argument("--backend", default="auto", help="auto, cpu, cuda or neuron (default: %(default)s)")
-        sp.add_argument("--replicas", type=integer(1), default=None,
-                        help="model replicas (default: the backend's: one on the CPU, two per GPU)")
+        sp.add_argument("--replicas", type=integer(1, MAX_REPLICAS), default=None,
+                        help="model replicas (default: the backend's: one on the CPU, two per GPU; "
+                             f"at most {MAX_REPLICAS})")
         sp.add_argument("--batch-size", type=integer(1), default=None,
                         help=batch_size_help or "items per replica batch (default: the backend's: 8 on the CPU, "
                                                 "64 on a GPU)")
@@ -207,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(b, batch_size_help=argparse.SUPPRESS)  # refused: --batch-sizes says which sizes run
     b.add_argument("--batch-sizes", default="1,4,8",
                    help="comma-separated batch sizes to run, one JSON line each (default: %(default)s)")
-    b.add_argument("--repeat", type=integer(1), default=1, help="use the inputs this many times (fills large batches)")
+    b.add_argument("--repeat", type=integer(1, MAX_REPEAT), default=1,
+                   help=f"use the inputs this many times (fills large batches; at most {MAX_REPEAT})")
 
     c = sub.add_parser("compile", help="compile every shape bucket ahead of time", formatter_class=fmt,
                        description=COMPILE_HELP)
@@ -357,7 +361,12 @@ class _locked:
                 os.unlink(self.out)  # made by this run, which wrote nothing into it (a full disk)
         except OSError:
             pass
+        from polyaccel.asr.results_file import printable
+
         self.lock.release()
+        if self.lock.left_behind:  # the results are written: a note, not a failure
+            print(f"note: could not remove the lock file {printable(str(self.lock.path))} "
+                  f"({self.lock.left_behind}); the next run takes it over", file=sys.stderr)
         self._cleanup()
 
     def _cleanup(self) -> None:
@@ -419,7 +428,7 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[st
     backend that fails to load leaves the file as it was; so does a resume whose ``kept`` records
     were made another way (another model, timestamps on or off, ...): a usage error."""
     from polyaccel.asr.ray_job import ActorsFailed, RowsLost  # (no Ray needed to import it)
-    from polyaccel.asr.results_file import ResultsWriter
+    from polyaccel.asr.results_file import ResultsWriter, path_key
 
     c = _Counts()
     writer = bar = None
@@ -427,6 +436,7 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[st
     # Records are matched to inputs by path, never by position: after a row a Ray job lost,
     # the rows behind it still come back (ray_job.exactly_once_indexed), one place early.
     unwritten = {it.path: it for it in todo}
+    retried = {path_key(it.path) for it in todo}  # failed records of other inputs stay in the file
     try:
         records = _results(todo, args)  # the model loads here (its errors: nothing written, no bar)
         bar = _progress(len(todo), args.quiet)  # from the first batch on, not from its result
@@ -441,7 +451,7 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[st
                 clash = _made_differently(kept, rec, args.timestamps)
                 if clash:
                     raise UsageError(_made_differently_message(args.output, clash))
-                writer = ResultsWriter(out, resume=not args.overwrite)
+                writer = ResultsWriter(out, resume=not args.overwrite, retried=retried)
             writer.write(rec)
             if rec.get("error"):
                 c.failed += 1
@@ -683,6 +693,11 @@ def _transcriber(args: argparse.Namespace, batch_size: int | None = None) -> Any
     except (BackendUnavailable, KeyError, ValueError, OSError, ModuleNotFoundError,
             WeightsReplaced) as e:  # OSError: not the -o's
         raise _usage_error(e) from None
+    except RuntimeError as e:
+        if "can't start new thread" not in str(e):
+            raise
+        raise UsageError(f"cannot start a thread for each of the {args.replicas} replicas (the system's limit "
+                         "on threads): ask for fewer with --replicas") from None
 
 
 def _may_exist(spec: str) -> bool:

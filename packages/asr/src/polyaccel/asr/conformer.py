@@ -37,6 +37,7 @@ from polyaccel.asr.char_tokenizer import CharTokenizer
 from polyaccel.asr.conformer_config import ConformerAEDConfig, subsampled_length
 from polyaccel.asr.interface import ASRModel, DecoderState
 from polyaccel.asr.upload import padded_batch
+from polyaccel.asr.weights import require_regular
 from polyaccel.core import ops
 from polyaccel.core.graphs import GraphSpec, ShapeBuckets
 
@@ -543,6 +544,7 @@ class ConformerAED(ASRModel):
         config = ConformerAEDConfig.load(directory)
         has_tokenizer = os.path.exists(os.path.join(directory, "tokenizer.json"))
         tokenizer = CharTokenizer.load(directory) if has_tokenizer else None
+        require_regular(os.path.join(directory, WEIGHTS_NAME))
         _check_fits_weights(cls, config, os.path.join(directory, WEIGHTS_NAME))
         with torch.device(device):
             model = cls(config, tokenizer)

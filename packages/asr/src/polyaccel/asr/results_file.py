@@ -179,12 +179,14 @@ def _parse(line: bytes, fields: tuple[str, ...]) -> dict[str, Any] | None:
     return None
 
 
-def _is_torn(line: bytes, complete: bool) -> bool:
-    """A last line cut off by a kill: no newline and the start of one of our records (zero
-    bytes after it are the unwritten end of the file after a power loss)."""
+def _is_torn(line: bytes, complete: bool, after_records: bool) -> bool:
+    """A last line cut off by a kill: no newline, the start of one of our records (zero bytes
+    after it are the unwritten end of the file after a power loss), and whole records before
+    it. A file whose only line is cut is refused: a user's one-line JSON file without a final
+    newline (what ``json.dump`` writes), or a file of zero bytes, would look the same."""
     head = b'{"path": '
     line = line.rstrip(b"\0")
-    return not complete and (line.startswith(head) or head.startswith(line))
+    return not complete and after_records and (line.startswith(head) or head.startswith(line))
 
 
 @dataclasses.dataclass(slots=True)
@@ -196,11 +198,13 @@ class ResultsScan:
     clean: bool
 
 
-def scan_results(path: str | os.PathLike, strict: bool = True) -> ResultsScan:
+def scan_results(path: str | os.PathLike, strict: bool = True,
+                 fields: tuple[str, ...] | None = None) -> ResultsScan:
     """Read a results file. ``strict``: raise :class:`NotResultsFile` at the first line that
-    is neither a full record, a blank line nor a torn last line; else skip such lines (and
-    accept any object with a ``path``)."""
-    fields = RECORD_FIELDS if strict else ("path",)
+    is neither a full record, a blank line nor a torn last line; else skip such lines. A
+    record is an object with ``fields`` (default: :data:`RECORD_FIELDS` when strict, else
+    ``path`` alone)."""
+    fields = fields or (RECORD_FIELDS if strict else ("path",))
     records: list[dict[str, Any]] = []
     clean = True
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the open
@@ -218,7 +222,7 @@ def scan_results(path: str | os.PathLike, strict: bool = True) -> ResultsScan:
                 clean = clean and complete
                 continue
             clean = False
-            if strict and not (line is not None and _is_torn(line, complete)):
+            if strict and not (line is not None and _is_torn(line, complete, bool(records))):
                 what = f"longer than {MAX_LINE_BYTES} bytes" if line is None else "not a results record"
                 raise NotResultsFile(f"line {lineno} is {what}")
     return ResultsScan(records, clean)
@@ -241,6 +245,22 @@ def completed(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         if not rec.get("error") and key not in seen:
             seen.add(key)
             kept.append(rec)
+    return kept
+
+
+def kept_on_resume(records: Iterable[dict[str, Any]], retried: set[str] | None) -> list[dict[str, Any]]:
+    """What a resumed file keeps, in file order: one record per input, its first good one;
+    an input's failed record only if it is not among ``retried`` (the :func:`path_key` of
+    every input of this run, which tries its failed ones again; None: all of them)."""
+    good = {record_key(r) for r in records if not r.get("error")}
+    seen: set[str] = set()
+    kept = []
+    for rec in records:
+        key = record_key(rec)
+        if key in seen or (rec.get("error") and (key in good or retried is None or key in retried)):
+            continue
+        seen.add(key)
+        kept.append(rec)
     return kept
 
 
@@ -275,19 +295,22 @@ class ResultsWriter:
     """Appends one JSON line per result to ``path`` (one ``write`` call each, so a killed process
     leaves whole lines) and fsyncs at most every :data:`FSYNC_INTERVAL_S` seconds and on close.
 
-    ``resume=True`` (the default) first repairs an existing file: it keeps the records without
-    an error, one per file (:func:`completed`), and drops the rest (a torn last line, failed
-    files, duplicates); it is rewritten only when something is dropped. :attr:`done` holds the
-    paths kept. ``resume=False`` starts the file afresh.
+    ``resume=True`` (the default) first repairs an existing file: it keeps one record per
+    file, the first without an error (:func:`kept_on_resume`), and drops the rest (a torn last
+    line, duplicates, and the failed records of ``retried``: the :func:`path_key` of this run's
+    inputs, whose failed files it tries again; None, every failed record); it is rewritten
+    only when something is dropped. A file that is not a results file raises
+    :class:`NotResultsFile` and is left as it was. :attr:`done` holds the paths kept without
+    an error. ``resume=False`` starts the file afresh.
     """
 
-    def __init__(self, path: str | os.PathLike, resume: bool = True):
+    def __init__(self, path: str | os.PathLike, resume: bool = True, retried: Iterable[str] | None = None):
         self.path = Path(path)
         self.done: set[str] = set()
         if resume and self.path.exists():
-            scan = scan_results(self.path, strict=False)
-            kept = completed(scan.records)
-            self.done = {record_path(r) for r in kept}
+            scan = scan_results(self.path, fields=("path",))
+            kept = kept_on_resume(scan.records, None if retried is None else set(retried))
+            self.done = {record_path(r) for r in kept if not r.get("error")}
             if len(kept) != len(scan.records) or not scan.clean:
                 _replace_with(self.path, kept)
         else:
@@ -356,14 +379,20 @@ def _same_inode(path: str, st: os.stat_result) -> bool:
     return (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino)
 
 
+LOCK_SUFFIX = ".polyaccel-asr.lock"
+"""Not ``.lock``: ``flock OUT.lock polyaccel-asr ... -o OUT`` (a cron job's usual guard) would
+hold our lock against us, and a user's own ``OUT.lock`` must never be touched."""
+
+
 def lock_name(output: str) -> str:
-    """``output + ".lock"``, or, where that name would be longer than a file name can be (255
-    bytes), the output's name cut short with 12 hex digits of its hash: the same for every run."""
+    """``output +`` :data:`LOCK_SUFFIX`, or, where that name would be longer than a file name
+    can be (255 bytes), the output's name cut short with 12 hex digits of its hash: the same
+    for every run."""
     folder, name = os.path.split(output)
-    if len(os.fsencode(name + ".lock")) <= NAME_MAX:
-        return output + ".lock"
+    if len(os.fsencode(name + LOCK_SUFFIX)) <= NAME_MAX:
+        return output + LOCK_SUFFIX
     digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:12]
-    return os.path.join(folder, f"{fit_name(name, NAME_MAX - len('.000000000000.lock'))}.{digest}.lock")
+    return os.path.join(folder, f"{fit_name(name, NAME_MAX - len('.000000000000' + LOCK_SUFFIX))}.{digest}{LOCK_SUFFIX}")
 
 
 LOCK_HEADER = "polyaccel-asr lock, pid "
@@ -372,13 +401,16 @@ not is a user's, never truncated or removed."""
 
 
 class OutputLock:
-    """An exclusive ``flock`` on ``<output>.lock`` for the length of one run; removed on
-    release. Raises :class:`OutputBusy` if another run holds it (never waits). An output name
-    within 5 bytes of the file system's limit gets ``<its start>.<hash of it>.lock``."""
+    """An exclusive ``flock`` on ``<output>``:data:`LOCK_SUFFIX` for the length of one run;
+    removed on release. Raises :class:`OutputBusy` if another run holds it (never waits). An
+    output name with no room for the suffix gets ``<its start>.<hash of it>``:data:`LOCK_SUFFIX`."""
 
     def __init__(self, output: str | os.PathLike):
         self.path = Path(lock_name(os.fspath(output)))
         self._fd: int | None = None
+        self.left_behind: str | None = None
+        """Why :meth:`release` could not remove the lock file (a folder no longer writable), if so:
+        the next run takes it over as a lock file a run left."""
 
     def acquire(self) -> OutputLock:
         """Take the lock or raise OutputBusy (or OSError if the lock file cannot be made)."""
@@ -437,6 +469,8 @@ class OutputLock:
             fd, self._fd = self._fd, None
             try:
                 self.path.unlink(missing_ok=True)
+            except OSError as e:
+                self.left_behind = e.strerror or str(e)
             finally:
                 os.close(fd)
 

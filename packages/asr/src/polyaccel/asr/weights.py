@@ -342,12 +342,26 @@ def weight_files(path: Path) -> list[Path]:
     return sorted(Path(path).glob("*.safetensors"))
 
 
+def require_regular(path: str | os.PathLike) -> None:
+    """Raise ``ValueError`` unless ``path`` (after links) is a regular file: weights read from a
+    FIFO block in native code that no signal interrupts, and a device never ends."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return  # the loader names the missing file
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path}: not a regular file (a FIFO, device, socket or folder); refused as weights")
+
+
 def loaded_weight_files(path: Path) -> list[Path]:
     """The weight files a Hugging Face model directory is loaded from, as Transformers picks
     them: the shards ``model.safetensors.index.json`` names, else ``model.safetensors``, else
     every ``*.safetensors`` (sorted). Another ``*.safetensors`` beside ``model.safetensors`` (a
     ``model.fp32.safetensors`` variant, a user's backup) is not loaded: its tensors would
-    silently replace the model's. An index naming a file outside the folder is a ``ValueError``."""
+    silently replace the model's. An index naming a file outside the folder, or a weight file
+    that is not a regular file (:func:`require_regular`), is a ``ValueError``."""
     from polyaccel.asr.config_limits import read_json_object
 
     path = Path(path)
@@ -360,9 +374,13 @@ def loaded_weight_files(path: Path) -> list[Path]:
         for name in names:
             if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
                 raise ValueError(f"{index} names the shard {name!r}, not a file in {path}; refused")
-        return [path / name for name in names]
-    single = path / "model.safetensors"
-    return [single] if single.is_file() else weight_files(path)
+        files = [path / name for name in names]
+    else:
+        single = path / "model.safetensors"
+        files = [single] if os.path.lexists(single) else weight_files(path)
+    for f in files:
+        require_regular(f)
+    return files
 
 
 def file_sha256(path: Path, *, cache: str | os.PathLike | None = None) -> str:

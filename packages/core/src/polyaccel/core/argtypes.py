@@ -8,8 +8,8 @@ import math
 from collections.abc import Callable
 
 
-def integer(minimum: int) -> Callable[[str], int]:
-    """An integer >= ``minimum``."""
+def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An integer >= ``minimum`` (and <= ``maximum`` when given)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -17,6 +17,8 @@ def integer(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
         return value
     return parse
 

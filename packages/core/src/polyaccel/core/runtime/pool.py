@@ -376,7 +376,11 @@ class ReplicaPool:
         thread = threading.Thread(target=self._worker, args=(slot, first), daemon=True,
                                   name=f"{self._name}-{slot}" + (f".{gen}" if gen else ""))
         self._threads[slot] = thread
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:  # no thread left to start ("can't start new thread"): none to join
+            self._threads[slot] = None
+            raise
 
     def _worker(self, slot: int, first: bool) -> None:
         """A worker thread: build the replica, then serve batches until closed or dead."""
