@@ -481,7 +481,7 @@ def asr_two_runs(ctx: Ctx, c: Checks) -> None:
     n = 6 if ctx.asr_model == DEFAULT_ASR_MODEL else 60
     ctx.clips(d / "clips", n)
     cmd = [*ctx.asr, "transcribe", "clips", "-o", "out.jsonl", "--batch-size", "1", *ctx.asr_args()]
-    lock = d / "out.jsonl.lock"
+    lock = d / "out.jsonl.polyaccel-asr.lock"
     first = ctx.start(cmd, d, "first")
     held = ctx.wait_for(lambda: lock.exists() and lock.read_text().startswith("polyaccel-asr lock, pid ")
                         and lock.read_text().endswith("\n"), first)
@@ -510,11 +510,11 @@ def asr_lock_not_ours(ctx: Ctx, c: Checks) -> None:
     before = _snapshot(d)
     for label, text in (("a symlink to the user's notes", None), ("a file of the user's", "not a pid\n"),
                         ("a file of the user's holding a number", "12345\n")):
-        lock = d / "out.jsonl.lock"
+        lock = d / "out.jsonl.polyaccel-asr.lock"
         lock.symlink_to(d / "notes.txt") if text is None else lock.write_text(text)
         p = ctx.run([*ctx.asr, "transcribe", str(clip), "-o", "out.jsonl", *ctx.asr_args()], d)
         said = "not a lock file of ours" in p.err
-        c(p.rc == 2 and said, f"out.jsonl.lock {label}: exit {p.rc}, "
+        c(p.rc == 2 and said, f"out.jsonl.polyaccel-asr.lock {label}: exit {p.rc}, "
           + ("'not a lock file of ours'" if said else f"stderr: {_tail(p.err, 160)!r}"))
         kept = os.path.lexists(lock) and (lock.is_symlink() if text is None else lock.read_text() == text)
         c(kept, "the lock path left as it was" if kept else "the lock path was changed")
@@ -744,7 +744,7 @@ SCENARIOS = [
              "transcribed, exit 1", asr_corrupt_audio),
     Scenario("asr-two-runs", "two runs on one -o at once: second exits 2 naming the first's pid; first "
              "finishes, each input once", asr_two_runs),
-    Scenario("asr-lock-not-ours", "out.jsonl.lock is a symlink to a user's file, or a user's file: exit 2, "
+    Scenario("asr-lock-not-ours", "out.jsonl.polyaccel-asr.lock is a symlink to a user's file, or a user's file: exit 2, "
              "nothing written through it or replaced", asr_lock_not_ours),
     Scenario("moe-kill-resume", "kill -9 mid-training, rerun: resumes from the newest checkpoint, finishes; "
              "losses equal an uninterrupted run's, each step logged once", moe_kill_resume),
