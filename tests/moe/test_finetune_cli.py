@@ -158,7 +158,12 @@ def test_unreadable_model_config_and_data_are_config_errors(capsys, tmp_path):
                                       ("b.txt", b"\xff\xfe", True, "b.txt: not UTF-8 text"),
                                       ("c.jsonl", b'{"text": 5}\n', None, "c.jsonl:1: 'text' must be a string"),
                                       ("d.jsonl", b'{"prompt": "a", "completion": [1]}\n', None,
-                                       "d.jsonl:1: 'completion' must be a string")]:
+                                       "d.jsonl:1: 'completion' must be a string"),
+                                      # valid JSON, no text: the tokenizer raised a TypeError traceback
+                                      ("e.jsonl", b'{"text": "\\ud800 cat"}\n', None,
+                                       "e.jsonl:1: 'text' is not valid Unicode"),
+                                      ("f.jsonl", b'{"prompt": "a\\udfff", "completion": "b"}\n', None,
+                                       "f.jsonl:1: 'prompt' is not valid Unicode")]:
         (tmp_path / name).write_bytes(data)
         cfg = DataConfig(text=str(tmp_path / name)) if text else DataConfig(jsonl=str(tmp_path / name))
         with pytest.raises(ConfigError, match=message):

@@ -46,6 +46,32 @@ def test_an_output_dir_that_is_a_checkpoint_is_refused(saved, tmp_path, capsys, 
     assert ckpt.verify_checkpoint(step) is None and not (tmp_path / "ck").exists()
 
 
+@pytest.mark.parametrize("marker", ["trainer_state.json", "optimizer.pt", "scheduler.pt", "rng_state.pth",
+                                    "rng_state_3.pth", "scaler.pt"])
+def test_a_transformers_trainer_checkpoint_as_output_dir_is_refused(saved, tmp_path, capsys, monkeypatch, marker):
+    """A Transformers ``Trainer`` checkpoint (``checkpoint-N``: weights beside the optimizer's,
+    scheduler's and RNG state) was taken for a saved model and had its weights replaced: a
+    resume from it then paired new weights with the old optimizer state, with no error."""
+    step = tmp_path / "trn" / "checkpoint-2"
+    shutil.copytree(saved, step)
+    (step / marker).write_bytes(b"state")
+    before = {p.name: p.read_bytes() for p in step.iterdir()}
+    monkeypatch.setattr(train, "_load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert _finetune(tmp_path, f"output_dir={step}") == 2
+    assert "is a training checkpoint" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in step.iterdir()} == before
+
+
+def test_a_saved_model_with_the_trainers_training_args_may_be_saved_over(saved, tmp_path):
+    """The other side: ``Trainer.save_model``'s final folder (weights, config and its
+    ``training_args.bin``) is a saved model, not a checkpoint; the CLI may save over it."""
+    out = tmp_path / "final"
+    shutil.copytree(saved, out)
+    (out / "training_args.bin").write_bytes(b"args")
+    assert _finetune(tmp_path, f"output_dir={out}") == 0
+    assert (out / "training_args.bin").read_bytes() == b"args"
+
+
 def test_an_output_dir_holding_a_config_json_but_no_model_is_refused(tmp_path, capsys, monkeypatch):
     """A project folder's own config.json is not a saved model: it would be overwritten."""
     folder = tmp_path / "project"

@@ -363,6 +363,10 @@ def _text(rec: dict[str, Any], key: str, where: str) -> str:
     """``rec[key]``, which must be a string."""
     if not isinstance(rec[key], str):
         raise ConfigError(f"{where}: {key!r} must be a string, got {type(rec[key]).__name__}")
+    try:
+        rec[key].encode("utf-8")
+    except UnicodeEncodeError as e:  # a JSON escape of half a surrogate pair: valid JSON, no text
+        raise ConfigError(f"{where}: {key!r} is not valid Unicode (a lone surrogate at character {e.start})") from None
     return rec[key]
 
 

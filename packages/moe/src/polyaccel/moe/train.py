@@ -1234,7 +1234,8 @@ def _check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
                               "choose another output_dir")
         names = sorted(p.name for p in out.iterdir() if not p.is_dir() and p.name != _RECORD
                        and not _is_metrics_log(cfg, p) and not _is_run_lock(p))
-        if ckpt.MANIFEST in names or ckpt.TRAINER_STATE in names:  # another run's, or checkpoint.resume
+        if ckpt.MANIFEST in names or ckpt.TRAINER_STATE in names or any(map(_HF_TRAINER_STATE.fullmatch, names)):
+            # another run's, checkpoint.resume, or a Transformers Trainer checkpoint (checkpoint-N)
             raise ConfigError(f"output_dir: {out} is a training checkpoint; saving there would change its weights, "
                               "so it could no longer be resumed from. Choose another output_dir")
         saved = any(n in ("config.json", _ADAPTER_CONFIG) for n in names) and any(map(_WEIGHT_FILE.match, names))
@@ -1680,6 +1681,9 @@ _KEPT_NAMES = ("README.md",)
 """Names the final save writes only into a folder without such a file: PEFT's model card. It is
 no part of the model (nothing loads it), and a ``README.md`` already in ``output_dir``, the
 user's own or an earlier save's card, possibly edited, is kept byte for byte."""
+_HF_TRAINER_STATE = re.compile(r"trainer_state\.json|optimizer\.pt|scheduler\.pt|rng_state(_\d+)?\.pth|scaler\.pt")
+"""Files a Transformers ``Trainer`` checkpoint (``checkpoint-N``) holds beside the weights: new
+weights saved among them would be resumed with the old optimizer and scheduler state."""
 _WEIGHT_FILE = re.compile(r"^(model|adapter_model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
 """The names Transformers and PEFT give weights (one file, numbered shards, their index): an
 earlier save's that this save lacks are deleted; any other file (``model.fp16.safetensors``,
