@@ -178,3 +178,35 @@ def test_the_layer_floor_is_checked_where_the_model_is_built_not_on_a_driver(mon
     monkeypatch.setattr(AutoModelForCausalLM, "from_config", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(ConfigError, match="take at least"):
         train.build_model(cfg.model, big, dtype=torch.bfloat16, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("override", ["decoder_sparse_step=0", "pad_token_id=1000", "pad_token_id=-2",
+                                      "initializer_range=-1.0", "rope_parameters.rope_theta=abc",
+                                      "rope_parameters.rope_theta=0", "dtype=abc"])
+def test_odd_model_config_values_are_one_line_before_the_model_is_built(tmp_path, capsys, monkeypatch, override):
+    """Each of these raised a traceback (ZeroDivisionError in a layer's constructor, an assertion
+    in the embedding, ``normal_`` with a negative std, a TypeError in the rotary frequencies,
+    an AttributeError from Transformers' config) with exit 1; now exit 2 naming the field."""
+    monkeypatch.setattr(train, "_load_model", lambda *a, **k: pytest.fail("the model was built"))
+    assert _finetune(tmp_path, f"output_dir={tmp_path / 'out'}", f"model.config.{override}") == 2
+    err = capsys.readouterr().err
+    named = "model.config: module 'torch' has no attribute 'abc'" if override == "dtype=abc" else \
+        override.split("=")[0].split(".")[-1]
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and named in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fields,message", [({"n_group": 3}, "not a multiple of n_group"),
+                                            ({"n_group": 0}, "n_group=0 must be at least 1"),
+                                            ({"n_group": 2, "topk_group": 5}, "topk_group=5 is more than n_group=2"),
+                                            ({"v_head_dim": 0}, "v_head_dim=0 must be at least 1")])
+def test_deepseek_v3_router_groups_that_cannot_route_are_refused(fields, message):
+    """DeepSeek-V3's grouped router reshapes the experts into n_group groups and keeps the best
+    topk_group: a count that does not divide them, or more groups kept than exist, failed at
+    the first forward with a shape error."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(**{"n_routed_experts": 8, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
+                                 **fields})
+    with pytest.raises(ConfigError, match=message):
+        train._check_model_sizes(config)

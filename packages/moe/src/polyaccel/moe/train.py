@@ -150,7 +150,7 @@ def resolve_model_config(cfg: ModelConfig):
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
-    bad_config = (OSError, ValueError, KeyError, TypeError, RecursionError, StrictDataclassError)
+    bad_config = (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, StrictDataclassError)
     fields = dict(cfg.config)
     if cfg.path is not None:
         if not Path(cfg.path, "config.json").is_file():
@@ -265,7 +265,8 @@ def validate(cfg: FinetuneConfig, model_config: Any) -> None:
 
 
 _SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "intermediate_size", "moe_intermediate_size")
+                "head_dim", "intermediate_size", "moe_intermediate_size", "decoder_sparse_step", "n_group",
+                "topk_group", "v_head_dim", "kv_lora_rank")
 """Model config fields that, when set, must be positive integers: a model of 0 layers (or a
 negative count) trains and saves an empty decoder; 0 heads or widths crash mid-run."""
 
@@ -297,6 +298,28 @@ def _check_model_sizes(model_config: Any) -> None:
         raise ConfigError(f"the model config's rotary head size is {rotary} (qk_rope_head_dim, else head_dim, else "
                           "hidden_size / num_attention_heads), an odd number: rotary embeddings turn pairs of "
                           "dimensions", key="model.config.head_dim")
+    experts, groups, top = (getattr(model_config, k, None) for k in ("n_routed_experts", "n_group", "topk_group"))
+    if isinstance(groups, int) and groups >= 1:  # DeepSeek-V3's grouped router: experts in n_group groups
+        if isinstance(experts, int) and experts % groups:
+            raise ConfigError(f"the model config's n_routed_experts={experts} is not a multiple of n_group={groups}",
+                              key="model.config.n_group")
+        if isinstance(top, int) and top > groups:
+            raise ConfigError(f"the model config's topk_group={top} is more than n_group={groups}",
+                              key="model.config.topk_group")
+    pad, vocab = getattr(model_config, "pad_token_id", None), getattr(model_config, "vocab_size", None)
+    if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
+        raise ConfigError(f"the model config's pad_token_id={pad} is not a token of its vocab_size={vocab}",
+                          key="model.config.pad_token_id")
+    std = getattr(model_config, "initializer_range", None)
+    if isinstance(std, (int, float)) and not (math.isfinite(std) and std >= 0):
+        raise ConfigError(f"the model config's initializer_range={std} must be a finite number >= 0",
+                          key="model.config.initializer_range")
+    rope = getattr(model_config, "rope_parameters", None)
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else getattr(model_config, "rope_theta", None)
+    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float))
+                              or not math.isfinite(theta) or theta <= 0):
+        raise ConfigError(f"the model config's rope_theta={theta!r} must be a positive number",
+                          key="model.config.rope_theta")
     act = getattr(model_config, "hidden_act", None)
     if isinstance(act, str) and act not in ACT2FN and act not in _ACTIVATIONS:  # Transformers' KeyError mid-build
         raise ConfigError(f"the model config's hidden_act={act!r} is not an activation polyaccel or Transformers "
