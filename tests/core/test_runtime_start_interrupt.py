@@ -41,3 +41,35 @@ def test_ctrl_c_while_replicas_start_closes_the_built_ones_and_ends_every_thread
         signal.signal(signal.SIGINT, previous)
     assert sorted(built) == [0, 1] and sorted(closed) == [0, 1]
     assert not [t.name for t in threading.enumerate() if t.name.startswith("start-interrupt")]
+
+
+@pytest.mark.timeout(30)
+def test_ctrl_c_inside_thread_start_still_joins_and_closes_that_replica(monkeypatch):
+    """The signal can land while ``Thread.start()`` waits for the new thread: that thread runs
+    and builds its replica, so the pool must keep it to join and close (it was dropped)."""
+    built, closed = [], []
+
+    class SlowToLoad:
+        def __init__(self, index: int) -> None:
+            self.index = index
+            time.sleep(0.5)
+            built.append(index)
+
+        def process(self, batch):
+            return batch
+
+        def close(self) -> None:
+            closed.append(self.index)
+
+    real_start = threading.Thread.start
+
+    def start_then_interrupt(thread):
+        real_start(thread)
+        if thread.name == "start-in-start-1":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        ReplicaPool(SlowToLoad, 3, name="start-in-start")
+    assert sorted(built) == [0, 1] and sorted(closed) == [0, 1]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("start-in-start")]

@@ -378,8 +378,12 @@ class ReplicaPool:
         self._threads[slot] = thread
         try:
             thread.start()
-        except BaseException:  # no thread left to start ("can't start new thread"): none to join
+        except RuntimeError:  # no thread left to start ("can't start new thread"): none to join
             self._threads[slot] = None
+            raise
+        except BaseException:  # Ctrl-C inside start(): the thread most likely runs; keep it to join
+            if not _started_soon(thread):
+                self._threads[slot] = None
             raise
 
     def _worker(self, slot: int, first: bool) -> None:
@@ -615,3 +619,16 @@ class ReplicaPool:
                     return
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"replica threads still running {timeout} s after close()")
+
+
+def _started_soon(thread: threading.Thread, wait_s: float = 5.0) -> bool:
+    """Whether ``thread``, whose ``start()`` was interrupted, can be joined within ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            thread.join(0)  # raises while the thread has not started
+            return True
+        except RuntimeError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
