@@ -28,7 +28,8 @@ OPAQUE = {"void", "nrt_model_t", "nrt_tensor_t", "nrt_tensor_set_t"}
 SCALARS = {"size_t": ctypes.c_size_t, "int32_t": ctypes.c_int32, "int": ctypes.c_int, "NRT_STATUS": ctypes.c_int,
            **{e: ctypes.c_int for e in ENUMS}}
 NUMPY_NAMES = {"FLOAT32": np.float32, "BFLOAT16": ml_dtypes.bfloat16, "FLOAT16": np.float16, "INT32": np.int32,
-               "INT64": np.int64, "INT8": np.int8, "UINT8": np.uint8}
+               "INT64": np.int64, "INT8": np.int8, "UINT8": np.uint8, "INT16": np.int16, "UINT16": np.uint16,
+               "UINT32": np.uint32, "UINT64": np.uint64}
 
 
 def _enumerators(header: str) -> list[str]:
@@ -88,6 +89,7 @@ def layout_mismatches(facts: dict[str, int]) -> list[str]:
                 "NRT_TENSOR_USAGE_INPUT": nrt.USAGE_INPUT, "NRT_TENSOR_USAGE_OUTPUT": nrt.USAGE_OUTPUT}
     expected |= {f"NRT_DTYPE_{n}": nrt.DTYPE_CODES[np.dtype(t)] for n, t in NUMPY_NAMES.items()}
     expected |= {name: code for code, name in nrt.STATUS_NAMES.items() if f"enum {name}" in facts}
+    expected |= {name: code for code, name in nrt.UNSUPPORTED_DTYPE_NAMES.items()}
     bad += [f"{name} = {facts.get(f'enum {name}')} published, {v} ours" for name, v in expected.items()
             if facts.get(f"enum {name}") != v]
     if len(nrt.DTYPE_CODES) != len(NUMPY_NAMES):

@@ -18,104 +18,197 @@ from polyaccel.neuron import nrt, runtime
 
 FAKE_LIBNRT_C = r"""
 /* A stand-in for libnrt.so.1 with the signatures polyaccel declares. A "NEFF" is the text
-   "FAKE <n> <sleep_ms>": one float32 input "input0" and one output "output0" of n elements;
-   execute sleeps sleep_ms, writes output = 2 * input and counts executions per core. */
+   "FAKE <n> <sleep_ms> [<dtype code> [<size> [<ndim>]]]": one input "input0" and one output
+   "output0" of n elements (float32, n*4 bytes and rank 1 unless given); execute sleeps sleep_ms, writes
+   output = 2 * input and counts executions per core.
+   Handles are never freed, only marked dead, so that any later use of one (after its free,
+   or after nrt_close) is counted in fake_misuse() instead of crashing; fake_fail() makes the
+   next call(s) of a function return a status. */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#define LIVE 0x11FE
+#define DEAD 0xDEAD
 typedef struct { char name[256]; int usage; size_t size; int dtype; uint32_t *shape; uint32_t ndim; } info_t;
 typedef struct { uint64_t count; info_t entries[]; } info_array_t;
-typedef struct { int core; int n; int sleep_ms; uint32_t shape[1]; } model_t;
-typedef struct { int core; size_t size; char name[256]; char *data; } tensor_t;
-typedef struct { int n; char names[16][256]; tensor_t *t[16]; } tset_t;
+typedef struct { int magic; int core; int n; int sleep_ms; int dtype; size_t size; unsigned ndim; uint32_t shape[1]; } model_t;
+typedef struct { int magic; int core; size_t size; char name[256]; char *data; } tensor_t;
+typedef struct { int magic; int n; char names[16][256]; tensor_t *t[16]; } tset_t;
 
 static int initialized = 0;
 static int exec_count[64];
-static int live_tensors = 0;
+static int live_tensors = 0, live_models = 0, live_sets = 0, live_infos = 0;
+static int misuse = 0, closed_with_live = 0, close_calls = 0, executing = 0;
 static int last_nc_count = 0;
 static int load_log[4096];
 static int load_n = 0;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static struct { char call[64]; int status; int skip; } faults[4];
 
-int nrt_init(int framework, const char *fw, const char *fal) { initialized = 1; return 0; }
-void nrt_close(void) { initialized = 0; }
-int fake_exec_count(int core) { return __atomic_load_n(&exec_count[core], __ATOMIC_SEQ_CST); }
-int fake_live_tensors(void) { return live_tensors; }
+#define BUMP(v, d) __atomic_add_fetch(&(v), (d), __ATOMIC_SEQ_CST)
+#define GET(v) __atomic_load_n(&(v), __ATOMIC_SEQ_CST)
+
+int fake_fail(const char *call, int status, int skip) {
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < 4; i++) if (!faults[i].call[0]) {
+        snprintf(faults[i].call, 64, "%s", call); faults[i].status = status; faults[i].skip = skip;
+        pthread_mutex_unlock(&mu); return 0;
+    }
+    pthread_mutex_unlock(&mu); return -1;
+}
+void fake_clear_faults(void) { pthread_mutex_lock(&mu); memset(faults, 0, sizeof faults); pthread_mutex_unlock(&mu); }
+static int injected(const char *call) {
+    int status = 0;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < 4; i++) if (faults[i].call[0] && strcmp(faults[i].call, call) == 0) {
+        if (faults[i].skip-- > 0) break;
+        status = faults[i].status; faults[i].call[0] = 0; break;
+    }
+    pthread_mutex_unlock(&mu);
+    return status;
+}
+/* a handle that is dead, or any handle used while the runtime is closed, is misuse */
+static int bad(int magic) { if (magic != LIVE || !GET(initialized)) { BUMP(misuse, 1); return 1; } return 0; }
+
+int fake_exec_count(int core) { return GET(exec_count[core]); }
+int fake_live_tensors(void) { return GET(live_tensors); }
+int fake_live_models(void) { return GET(live_models); }
+int fake_live_sets(void) { return GET(live_sets); }
+int fake_live_infos(void) { return GET(live_infos); }
+int fake_misuse(void) { return GET(misuse); }
+int fake_closed_with_live(void) { return GET(closed_with_live); }
+int fake_close_calls(void) { return GET(close_calls); }
+int fake_executing(void) { return GET(executing); }
 int fake_last_nc_count(void) { return last_nc_count; }
-int fake_load_count(void) { return __atomic_load_n(&load_n, __ATOMIC_SEQ_CST); }
+int fake_load_count(void) { return GET(load_n); }
 int fake_loaded_core(int i) { return load_log[i]; }  /* start_nc of the i-th nrt_load call */
 
+int nrt_init(int framework, const char *fw, const char *fal) { __atomic_store_n(&initialized, 1, __ATOMIC_SEQ_CST); return 0; }
+void nrt_close(void) {
+    BUMP(close_calls, 1);
+    BUMP(closed_with_live, GET(live_models) + GET(live_tensors) + GET(live_sets));
+    __atomic_store_n(&initialized, 0, __ATOMIC_SEQ_CST);
+}
+
 int nrt_load(const void *neff, size_t size, int32_t start_nc, int32_t nc_count, model_t **model) {
-    if (!initialized) return 13;
+    if (!GET(initialized)) return 13;
     last_nc_count = nc_count;
-    int slot = __atomic_fetch_add(&load_n, 1, __ATOMIC_SEQ_CST);
+    int slot = BUMP(load_n, 1) - 1;
     if (slot < 4096) load_log[slot] = start_nc;
+    int rc = injected("nrt_load");
+    if (rc) return rc;
     if (size < 4 || memcmp(neff, "FAKE", 4) != 0) return 10;
     if (start_nc > 7) return 9;
     char buf[64] = {0};
     memcpy(buf, neff, size < 63 ? size : 63);
     model_t *m = calloc(1, sizeof(model_t));
     m->core = start_nc < 0 ? 0 : start_nc;
-    if (sscanf(buf, "FAKE %d %d", &m->n, &m->sleep_ms) != 2) { free(m); return 2; }
+    m->dtype = 0xA; m->size = 0; m->ndim = 1;
+    int got = sscanf(buf, "FAKE %d %d %i %zu %u", &m->n, &m->sleep_ms, &m->dtype, &m->size, &m->ndim);
+    if (got < 2) { free(m); return 2; }
+    if (got < 4) m->size = (size_t)m->n * 4;
+    if (got < 5) m->ndim = 1;
     m->shape[0] = (uint32_t)m->n;
+    m->magic = LIVE;
+    BUMP(live_models, 1);
     *model = m;
     return 0;
 }
-int nrt_unload(model_t *m) { free(m); return 0; }
+int nrt_unload(model_t *m) {
+    if (bad(m->magic)) return 3;
+    int rc = injected("nrt_unload");
+    m->magic = DEAD; BUMP(live_models, -1);
+    return rc;
+}
 
 int nrt_get_model_tensor_info(model_t *m, info_array_t **out) {
+    if (bad(m->magic)) return 3;
+    int rc = injected("nrt_get_model_tensor_info");
+    if (rc) return rc;
     info_array_t *a = calloc(1, sizeof(info_array_t) + 2 * sizeof(info_t));
     a->count = 2;
     for (int i = 0; i < 2; i++) {
         snprintf(a->entries[i].name, 256, i == 0 ? "input0" : "output0");
-        a->entries[i].usage = i; a->entries[i].size = (size_t)m->n * 4; a->entries[i].dtype = 0xA;
-        a->entries[i].shape = m->shape; a->entries[i].ndim = 1;
+        a->entries[i].usage = i; a->entries[i].size = m->size; a->entries[i].dtype = m->dtype;
+        a->entries[i].shape = m->shape; a->entries[i].ndim = m->ndim;
     }
+    BUMP(live_infos, 1);
     *out = a;
     return 0;
 }
-int nrt_free_model_tensor_info(info_array_t *a) { free(a); return 0; }
+int nrt_free_model_tensor_info(info_array_t *a) { free(a); BUMP(live_infos, -1); return 0; }
 
 int nrt_tensor_allocate(int placement, int core, size_t size, const char *name, tensor_t **out) {
+    if (!GET(initialized)) { BUMP(misuse, 1); return 13; }
+    int rc = injected("nrt_tensor_allocate");
+    if (rc) return rc;
     tensor_t *t = calloc(1, sizeof(tensor_t));
     t->core = core; t->size = size; snprintf(t->name, 256, "%s", name); t->data = calloc(1, size);
-    __atomic_add_fetch(&live_tensors, 1, __ATOMIC_SEQ_CST);
+    t->magic = LIVE;
+    BUMP(live_tensors, 1);
     *out = t;
     return 0;
 }
 void nrt_tensor_free(tensor_t **t) {
-    if (*t) { free((*t)->data); free(*t); *t = NULL; __atomic_sub_fetch(&live_tensors, 1, __ATOMIC_SEQ_CST); }
+    if (!*t) return;
+    if (bad((*t)->magic)) return;
+    (*t)->magic = DEAD; *t = NULL; BUMP(live_tensors, -1);
 }
 int nrt_tensor_write(tensor_t *t, const void *buf, size_t off, size_t size) {
+    if (bad(t->magic)) return 3;
     if (off + size > t->size) return 1006;
     memcpy(t->data + off, buf, size); return 0;
 }
 int nrt_tensor_read(const tensor_t *t, void *buf, size_t off, size_t size) {
+    if (bad(t->magic)) return 3;
     if (off + size > t->size) return 1006;
     memcpy(buf, t->data + off, size); return 0;
 }
-int nrt_allocate_tensor_set(tset_t **out) { *out = calloc(1, sizeof(tset_t)); return 0; }
+int nrt_allocate_tensor_set(tset_t **out) {
+    int rc = injected("nrt_allocate_tensor_set");
+    if (rc) return rc;
+    tset_t *s = calloc(1, sizeof(tset_t)); s->magic = LIVE; BUMP(live_sets, 1);
+    *out = s; return 0;
+}
 int nrt_add_tensor_to_tensor_set(tset_t *s, const char *name, tensor_t *t) {
+    if (bad(s->magic) || bad(t->magic)) return 3;
+    int rc = injected("nrt_add_tensor_to_tensor_set");
+    if (rc) return rc;
     if (s->n == 16) return 4;
     snprintf(s->names[s->n], 256, "%s", name); s->t[s->n++] = t; return 0;
 }
-void nrt_destroy_tensor_set(tset_t **s) { free(*s); *s = NULL; }
+void nrt_destroy_tensor_set(tset_t **s) {
+    if (!*s) return;
+    if (bad((*s)->magic)) return;
+    (*s)->magic = DEAD; *s = NULL; BUMP(live_sets, -1);
+}
 
 static tensor_t *find(const tset_t *s, const char *name) {
     for (int i = 0; i < s->n; i++) if (strcmp(s->names[i], name) == 0) return s->t[i];
     return NULL;
 }
 int nrt_execute(model_t *m, const tset_t *in, tset_t *out) {
+    if (bad(m->magic) || bad(in->magic) || bad(out->magic)) return 3;
     tensor_t *x = find(in, "input0"), *y = find(out, "output0");
     if (!x || !y) return 1002;
     if (x->core != m->core || y->core != m->core) return 2;
+    int rc = injected("nrt_execute");
+    if (rc) return rc;
+    BUMP(executing, 1);
     usleep(m->sleep_ms * 1000);
-    float *xi = (float *)x->data, *yo = (float *)y->data;
-    for (int i = 0; i < m->n; i++) yo[i] = 2.0f * xi[i];
-    __atomic_add_fetch(&exec_count[m->core], 1, __ATOMIC_SEQ_CST);
-    return 0;
+    /* everything this call uses must still be alive when the device is done with it */
+    int gone = bad(m->magic) || bad(in->magic) || bad(out->magic) || bad(x->magic) || bad(y->magic);
+    if (!gone) {
+        float *xi = (float *)x->data, *yo = (float *)y->data;
+        for (int i = 0; i < m->n; i++) yo[i] = 2.0f * xi[i];
+        BUMP(exec_count[m->core], 1);
+    }
+    BUMP(executing, -1);
+    return gone ? 3 : 0;
 }
 """
 
@@ -128,7 +221,7 @@ def fake_libnrt(tmp_path_factory):
     d = tmp_path_factory.mktemp("fake_nrt")
     (d / "fake_nrt.c").write_text(FAKE_LIBNRT_C)
     so = d / "libnrt.so.1"
-    subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-o", str(so), str(d / "fake_nrt.c")], check=True)
+    subprocess.run([gcc, "-shared", "-fPIC", "-pthread", "-O1", "-o", str(so), str(d / "fake_nrt.c")], check=True)
     lib = nrt.load(str(so))
     lib.init()
     yield lib
@@ -402,3 +495,235 @@ def test_more_replicas_than_visible_cores_only_when_sharing_is_asked_for(fake_li
     assert _loads_since(fake_libnrt, start) == [2, 3, 2, 3]  # round-robin over the cores from index 2
     for r in replicas:
         r.close()
+
+
+# ---- error paths against the fake's fault injection and handle tracking ------------------------
+
+
+def _live(lib) -> tuple[int, int, int, int]:
+    """(models, tensor sets, tensors, tensor-info tables) the fake libnrt holds right now."""
+    f = lib.lib
+    return f.fake_live_models(), f.fake_live_sets(), f.fake_live_tensors(), f.fake_live_infos()
+
+
+@pytest.fixture
+def faults(fake_libnrt):
+    """``faults("nrt_execute", 5, skip=0)``: that call returns the status once, after ``skip``
+    successful calls. Cleared after the test; the test also asserts no handle was misused."""
+    misuse = fake_libnrt.lib.fake_misuse()
+
+    def inject(call: str, status: int, skip: int = 0) -> None:
+        assert fake_libnrt.lib.fake_fail(call.encode(), status, skip) == 0
+
+    yield inject
+    fake_libnrt.lib.fake_clear_faults()
+    assert fake_libnrt.lib.fake_misuse() == misuse, "a freed or closed handle was used"
+
+
+@pytest.fixture
+def private_libnrt(fake_libnrt, tmp_path):
+    """A Libnrt of its own (a copy of the fake: its own globals), for tests that close the runtime."""
+    so = tmp_path / "own" / "libnrt.so.1"
+    so.parent.mkdir()
+    shutil.copy(fake_libnrt.path, so)
+    lib = nrt.Libnrt(str(so))
+    lib.init()
+    yield lib
+    lib.close()
+
+
+def test_a_failing_nrt_load_is_a_named_error_and_loads_nothing(fake_libnrt, faults):
+    before = _live(fake_libnrt)
+    faults("nrt_load", 4)
+    with pytest.raises(nrt.NrtError, match=r"nrt_load failed: NRT_RESOURCE \(4\) \[core 6\]") as e:
+        runtime.NeuronModel(b"FAKE 4 0", core=6, lib=fake_libnrt)
+    assert (e.value.call, e.value.status) == ("nrt_load", "NRT_RESOURCE")
+    assert _live(fake_libnrt) == before
+
+
+@pytest.mark.parametrize("code,status", [(5, "NRT_TIMEOUT"), (1002, "NRT_EXEC_BAD_INPUT"), (1201, "NRT_EXEC_HW_ERR_1")])
+def test_a_failing_execute_is_a_named_error_and_the_model_stays_usable(fake_libnrt, faults, code, status):
+    model = runtime.NeuronModel(b"FAKE 4 0", core=4, lib=fake_libnrt)
+    faults("nrt_execute", code)
+    with pytest.raises(nrt.NrtError, match=rf"nrt_execute failed: {status} \({code}\) \[core 4\]") as e:
+        model.execute([np.ones(4, np.float32)])
+    assert e.value.code == code
+    (y,) = model.execute([np.ones(4, np.float32)])
+    np.testing.assert_array_equal(y, np.full(4, 2, np.float32))
+    model.close()
+
+
+@pytest.mark.parametrize("call,skip", [
+    ("nrt_get_model_tensor_info", 0),
+    ("nrt_allocate_tensor_set", 0),  # the input set
+    ("nrt_allocate_tensor_set", 1),  # the output set, after the inputs were allocated and bound
+    ("nrt_tensor_allocate", 0),
+    ("nrt_tensor_allocate", 1),  # output0, after input0 was allocated and bound
+    ("nrt_add_tensor_to_tensor_set", 1),  # output0 allocated but not bound
+])
+def test_a_partial_setup_failure_frees_every_handle_made_so_far(fake_libnrt, faults, call, skip):
+    before = _live(fake_libnrt)
+    faults(call, 4, skip)
+    with pytest.raises(nrt.NrtError, match=rf"{call} failed: NRT_RESOURCE \(4\) \[core 2") as e:
+        runtime.NeuronModel(b"FAKE 4 0", core=2, lib=fake_libnrt)
+    assert e.value.call == call
+    assert _live(fake_libnrt) == before  # no model, set, tensor or tensor-info table left behind
+
+
+def test_a_failing_cleanup_does_not_hide_the_setup_error(fake_libnrt, faults):
+    before = _live(fake_libnrt)
+    faults("nrt_tensor_allocate", 4, 1)
+    faults("nrt_unload", 1)
+    with pytest.raises(nrt.NrtError, match="nrt_tensor_allocate failed: NRT_RESOURCE") as e:
+        runtime.NeuronModel(b"FAKE 4 0", core=2, lib=fake_libnrt)
+    assert any("nrt_unload failed: NRT_FAILURE" in note for note in e.value.__notes__)
+    assert _live(fake_libnrt)[1:] == before[1:]  # sets and tensors freed although the unload failed
+
+
+def test_a_replica_whose_second_graph_fails_to_load_closes_the_first(fake_libnrt, faults):
+    """NeuronReplica loaded its graphs one by one; when one failed, those already loaded stayed
+    on the core until garbage collection (the pool keeps the error, and with it the replica)."""
+    before = _live(fake_libnrt)
+    faults("nrt_load", 9, 1)
+    with pytest.raises(nrt.NrtError, match="NRT_LOAD_NOT_ENOUGH_NC") as kept:  # kept, as a pool keeps it
+        runtime.NeuronReplica({"encode": b"FAKE 4 0", "decode": b"FAKE 4 0"}, core=1, lib=fake_libnrt)
+    assert _live(fake_libnrt) == before and kept.value.call == "nrt_load"
+
+
+def _execute_in_thread(model, x):
+    out: dict = {}
+
+    def run():
+        try:
+            out["y"] = model.execute([x])
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def _wait_executing(lib, n: int = 1) -> None:
+    deadline = time.monotonic() + 5
+    while lib.lib.fake_executing() < n:
+        assert time.monotonic() < deadline, "nrt_execute never started"
+        time.sleep(0.002)
+
+
+def test_closing_a_model_during_execute_waits_for_it_and_later_calls_are_refused(fake_libnrt, faults):
+    """close() freed the tensors and unloaded the model while another thread's nrt_execute was
+    still using them (the GIL is released in the call): a use-after-free in libnrt."""
+    model = runtime.NeuronModel(b"FAKE 4 200", core=5, lib=fake_libnrt)
+    x = np.arange(4, dtype=np.float32)
+    t, out = _execute_in_thread(model, x)
+    _wait_executing(fake_libnrt)
+    model.close()  # returns only once the running execute is done
+    assert fake_libnrt.lib.fake_executing() == 0
+    t.join()
+    assert "error" not in out, out
+    np.testing.assert_array_equal(out["y"][0], 2 * x)
+    with pytest.raises(RuntimeError, match="model on NeuronCore 5 is closed"):
+        model.execute([x])
+    model.close()  # idempotent
+
+
+def test_executes_on_one_model_from_two_threads_take_turns(fake_libnrt, faults):
+    """Two threads on one model wrote into the same input tensor: the first call could run on
+    (and return the result of) the second call's input."""
+    model = runtime.NeuronModel(b"FAKE 4 100", core=6, lib=fake_libnrt)
+    xa, xb = np.full(4, 1, np.float32), np.full(4, 7, np.float32)
+    ta, outa = _execute_in_thread(model, xa)
+    _wait_executing(fake_libnrt)
+    tb, outb = _execute_in_thread(model, xb)
+    ta.join()
+    tb.join()
+    np.testing.assert_array_equal(outa["y"][0], 2 * xa)
+    np.testing.assert_array_equal(outb["y"][0], 2 * xb)
+    model.close()
+
+
+def test_closing_the_runtime_closes_its_models_first_and_waits_for_execute(private_libnrt):
+    """nrt_close ran with models still loaded and an execute in flight; closing those models
+    afterwards (explicitly or at garbage collection) handed freed handles to a closed runtime."""
+    lib = private_libnrt
+    busy = runtime.NeuronModel(b"FAKE 4 200", core=0, lib=lib)
+    idle = runtime.NeuronModel(b"FAKE 4 0", core=1, lib=lib)
+    x = np.ones(4, np.float32)
+    t, out = _execute_in_thread(busy, x)
+    _wait_executing(lib)
+    lib.close()
+    t.join()
+    assert "error" not in out, out
+    assert lib.lib.fake_closed_with_live() == 0  # nothing was loaded when nrt_close ran
+    assert busy.closed and idle.closed
+    idle.close()
+    busy.close()
+    del idle, busy
+    lib.close()  # idempotent: nrt_close once
+    assert lib.lib.fake_close_calls() == 1
+    assert lib.lib.fake_misuse() == 0
+
+
+def test_a_model_made_after_the_runtime_closed_runs_on_a_new_runtime(private_libnrt):
+    lib = private_libnrt
+    lib.close()
+    model = runtime.NeuronModel(b"FAKE 2 0", core=0, lib=lib)  # nrt_init again
+    (y,) = model.execute([np.ones(2, np.float32)])
+    np.testing.assert_array_equal(y, np.full(2, 2, np.float32))
+    model.close()
+    assert lib.lib.fake_misuse() == 0
+
+
+@pytest.mark.parametrize("neff,match", [
+    (b"FAKE 4 0 0xE", r"'input0' has a dtype polyaccel cannot convert \(NRT_DTYPE_FP8_E4\)"),
+    (b"FAKE 4 0 0x30", r"'input0' has a dtype polyaccel cannot convert \(nrt dtype code 0x30\)"),
+    (b"FAKE 4 0 0xA 12", r"'input0': 12 bytes do not hold shape \(4,\) of float32"),
+    (b"FAKE 4 0 0xA 16 99", r"'input0': rank 99 .* is not a valid tensor-info entry"),  # the table is freed too
+])
+def test_a_neff_tensor_we_cannot_convert_is_refused_at_load(fake_libnrt, faults, neff, match):
+    """A tensor of a dtype code we had no NumPy type for was read as raw bytes (outputs failed
+    in reshape, inputs were written without any dtype check); a size that disagreed with the
+    shape failed later in reshape."""
+    before = _live(fake_libnrt)
+    with pytest.raises(ValueError, match=match):
+        runtime.NeuronModel(neff, core=0, lib=fake_libnrt)
+    assert _live(fake_libnrt) == before
+
+
+def test_integer_dtype_codes_of_nrt_h_map_to_numpy():
+    info = nrt.TensorInfo("ids", nrt.USAGE_INPUT, 8, nrt.CODE_DTYPES[0x5], (4,), 0x5)
+    info.check()
+    assert info.dtype == np.uint16
+
+
+def test_neff_files_are_read_only_when_regular_nonempty_and_ours(tmp_path, monkeypatch):
+    good = tmp_path / "g.neff"
+    good.write_bytes(b"FAKE 4 0")
+    good.chmod(0o644)
+    assert runtime.read_neff(good) == b"FAKE 4 0"
+    empty = tmp_path / "empty.neff"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="is empty"):
+        runtime.read_neff(empty)
+    fifo = tmp_path / "pipe.neff"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):  # would have blocked forever
+        runtime.read_neff(fifo)
+    shared = tmp_path / "shared.neff"
+    shared.write_bytes(b"FAKE 4 0")
+    shared.chmod(0o664)
+    with pytest.raises(PermissionError, match="not writable by others: chmod go-w"):
+        runtime.read_neff(shared)
+    monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 1 if os.getuid() else 4242)
+    if os.getuid() == 0:
+        os.chown(good, 4243, -1)
+    with pytest.raises(PermissionError, match="owned by uid"):
+        runtime.read_neff(good)
+
+
+def test_replica_factory_reads_neffs_through_the_checks(fake_libnrt, tmp_path, monkeypatch):
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-7")
+    (tmp_path / "g.neff").write_bytes(b"")
+    with pytest.raises(ValueError, match="is empty"):
+        runtime.replica_factory({"g": tmp_path / "g.neff"}, lib_path=fake_libnrt.path)

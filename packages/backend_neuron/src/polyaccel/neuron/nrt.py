@@ -13,6 +13,7 @@ import ctypes
 import dataclasses
 import os
 import threading
+import weakref
 from typing import Any
 
 import ml_dtypes
@@ -34,8 +35,16 @@ STATUS_NAMES: dict[int, str] = {
 DTYPE_CODES: dict[np.dtype, int] = {
     np.dtype(np.float32): 0xA, np.dtype(ml_dtypes.bfloat16): 0x6, np.dtype(np.float16): 0x7,
     np.dtype(np.int32): 0x8, np.dtype(np.int64): 0xC, np.dtype(np.int8): 0x2, np.dtype(np.uint8): 0x3,
+    np.dtype(np.int16): 0x4, np.dtype(np.uint16): 0x5, np.dtype(np.uint32): 0x9, np.dtype(np.uint64): 0x1,
 }
 CODE_DTYPES: dict[int, np.dtype] = {v: k for k, v in DTYPE_CODES.items()}
+UNSUPPORTED_DTYPE_NAMES: dict[int, str] = {
+    0x0: "NRT_DTYPE_UNKNOWN", 0xB: "NRT_DTYPE_FP32R", 0xD: "NRT_DTYPE_FP8_E3", 0xE: "NRT_DTYPE_FP8_E4",
+    0xF: "NRT_DTYPE_FP8_E5",
+}
+"""Codes nrt.h declares that have no NumPy dtype here: a NEFF tensor of one is refused at load."""
+MAX_TENSOR_DIMS = 32
+MAX_MODEL_TENSORS = 1 << 16
 
 FRAMEWORK_NONE = 1
 PLACEMENT_DEVICE = 0
@@ -48,11 +57,11 @@ VNC_COUNT_AUTO = -1
 class NrtError(RuntimeError):
     """A libnrt call failed; ``code`` is the status and ``status`` its name."""
 
-    def __init__(self, call: str, code: int) -> None:
+    def __init__(self, call: str, code: int, where: str = "") -> None:
         self.call = call
         self.code = code
         self.status = STATUS_NAMES.get(code, f"NRT_STATUS_{code}")
-        super().__init__(f"{call} failed: {self.status} ({code})")
+        super().__init__(f"{call} failed: {self.status} ({code})" + (f" [{where}]" if where else ""))
 
 
 class TensorInfoC(ctypes.Structure):
@@ -78,10 +87,29 @@ class TensorInfo:
     size: int
     dtype: np.dtype | None
     shape: tuple[int, ...]
+    dtype_code: int = -1
 
     @property
     def is_input(self) -> bool:
         return self.usage == USAGE_INPUT
+
+    def check(self) -> None:
+        """Raise ``ValueError`` unless the entry is one we can bind: a known dtype, an input or
+        output, and a size that is exactly its shape times its element size."""
+        if self.usage not in (USAGE_INPUT, USAGE_OUTPUT):
+            raise ValueError(f"NEFF tensor {self.name!r} has usage {self.usage}, neither input nor output")
+        if self.dtype is None:
+            raise ValueError(f"NEFF tensor {self.name!r} has a dtype polyaccel cannot convert "
+                             f"({self.dtype_name}); only {sorted(str(d) for d in DTYPE_CODES)} are supported")
+        elements = int(np.prod(self.shape, dtype=np.int64)) if self.shape else self.size // self.dtype.itemsize
+        if elements * self.dtype.itemsize != self.size:
+            raise ValueError(f"NEFF tensor {self.name!r}: {self.size} bytes do not hold shape {self.shape} "
+                             f"of {self.dtype} (the runtime's tensor table is inconsistent)")
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype) if self.dtype is not None else UNSUPPORTED_DTYPE_NAMES.get(
+            self.dtype_code, f"nrt dtype code {self.dtype_code:#x}")
 
 
 _p = ctypes.c_void_p
@@ -119,12 +147,15 @@ class Libnrt:
             fn.restype, fn.argtypes = restype, argtypes
         self.initialized = False
         self._lock = threading.Lock()
+        self._models: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._models_lock = threading.Lock()
 
     @staticmethod
-    def check(call: str, rc: int) -> None:
-        """Raise :class:`NrtError` unless ``rc`` is NRT_SUCCESS."""
+    def check(call: str, rc: int, where: str = "") -> None:
+        """Raise :class:`NrtError` unless ``rc`` is NRT_SUCCESS; ``where`` (e.g. the core) goes
+        into the message."""
         if rc != 0:
-            raise NrtError(call, rc)
+            raise NrtError(call, rc, where)
 
     def init(self) -> None:
         """``nrt_init`` once per process (later calls do nothing)."""
@@ -133,33 +164,81 @@ class Libnrt:
                 self.check("nrt_init", self.lib.nrt_init(FRAMEWORK_NONE, b"", b""))
                 self.initialized = True
 
+    def register(self, model: Any) -> None:
+        """Track ``model`` (it has ``close()``) so that :meth:`close` releases it before ``nrt_close``."""
+        with self._models_lock:
+            self._models.add(model)
+
+    def unregister(self, model: Any) -> None:
+        with self._models_lock:
+            self._models.discard(model)
+
     def close(self) -> None:
-        """``nrt_close``; after it the process may ``init`` again."""
+        """Close every model still open on this runtime (each waits for its running
+        ``nrt_execute``), then ``nrt_close``. Idempotent; afterwards the process may ``init``
+        again. A model's failure to close is raised after ``nrt_close`` has run."""
         with self._lock:
-            if self.initialized:
-                self.lib.nrt_close()
-                self.initialized = False
+            if not self.initialized:
+                return
+            with self._models_lock:
+                models = list(self._models)
+            errors = []
+            for model in models:
+                try:
+                    model.close()
+                except Exception as e:  # noqa: BLE001 - close the rest and the runtime first
+                    errors.append(e)
+            self.lib.nrt_close()
+            self.initialized = False
+        if errors:
+            raise errors[0]
 
     def load(self, neff: bytes, start_core: int = -1) -> ctypes.c_void_p:
         """Load a NEFF onto ``start_core`` (-1: the first free one); returns the model handle.
         ``vnc_count`` is always :data:`VNC_COUNT_AUTO`, as the published ``nrt.h`` asks."""
+        if not neff:
+            raise ValueError("the NEFF is empty (0 bytes)")
         model = ctypes.c_void_p()
         buf = ctypes.create_string_buffer(neff, len(neff))
-        self.check("nrt_load", self.lib.nrt_load(buf, len(neff), start_core, VNC_COUNT_AUTO, ctypes.byref(model)))
+        self.check("nrt_load", self.lib.nrt_load(buf, len(neff), start_core, VNC_COUNT_AUTO, ctypes.byref(model)),
+                   f"core {start_core}")
+        if not model:
+            raise NrtError("nrt_load", 3, f"core {start_core}: returned success but no model handle")
         return model
 
-    def tensor_info(self, model: ctypes.c_void_p) -> list[TensorInfo]:
-        """The model's inputs and outputs (``nrt_get_model_tensor_info``)."""
+    def tensor_info(self, model: ctypes.c_void_p, where: str = "") -> list[TensorInfo]:
+        """The model's inputs and outputs (``nrt_get_model_tensor_info``); the runtime's table is
+        freed on every path."""
         arr = ctypes.POINTER(TensorInfoArrayC)()
-        self.check("nrt_get_model_tensor_info", self.lib.nrt_get_model_tensor_info(model, ctypes.byref(arr)))
-        count = arr.contents.tensor_count
-        entries = ctypes.cast(ctypes.addressof(arr.contents) + ctypes.sizeof(TensorInfoArrayC),
-                              ctypes.POINTER(TensorInfoC * count)).contents
-        infos = [TensorInfo(e.name.decode(), e.usage, e.size, CODE_DTYPES.get(e.dtype),
-                            tuple(e.shape[i] for i in range(e.ndim))) for e in entries]
-        if hasattr(self.lib, "nrt_free_model_tensor_info"):
-            self.lib.nrt_free_model_tensor_info(arr)
-        return infos
+        self.check("nrt_get_model_tensor_info", self.lib.nrt_get_model_tensor_info(model, ctypes.byref(arr)),
+                   where)
+        if not arr:
+            raise NrtError("nrt_get_model_tensor_info", 3, f"{where}: returned success but no table")
+        try:
+            return _read_tensor_table(arr)
+        finally:
+            if hasattr(self.lib, "nrt_free_model_tensor_info"):
+                self.lib.nrt_free_model_tensor_info(arr)
+
+
+def _read_tensor_table(arr: Any) -> list[TensorInfo]:
+    """Copy ``nrt_tensor_info_array_t`` into :class:`TensorInfo` entries, refusing counts and
+    ranks that only a layout mismatch (or a broken runtime) would produce."""
+    count = arr.contents.tensor_count
+    if count > MAX_MODEL_TENSORS:
+        raise ValueError(f"nrt_get_model_tensor_info reports {count} tensors: not a table this libnrt "
+                         f"version's layout matches (see tests/neuron/test_nrt_abi.py)")
+    entries = ctypes.cast(ctypes.addressof(arr.contents) + ctypes.sizeof(TensorInfoArrayC),
+                          ctypes.POINTER(TensorInfoC * count)).contents
+    infos = []
+    for e in entries:
+        name = e.name.decode("utf-8", "replace")
+        if e.ndim > MAX_TENSOR_DIMS or (e.ndim and not e.shape):
+            raise ValueError(f"NEFF tensor {name!r}: rank {e.ndim} with shape pointer "
+                             f"{'set' if e.shape else 'NULL'} is not a valid tensor-info entry")
+        infos.append(TensorInfo(name, e.usage, e.size, CODE_DTYPES.get(e.dtype),
+                                tuple(e.shape[i] for i in range(e.ndim)), e.dtype))
+    return infos
 
 
 def _trusted(uid: int) -> bool:

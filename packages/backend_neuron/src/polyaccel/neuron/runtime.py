@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -45,48 +46,68 @@ class NeuronModel:
     NEURON_RT_VISIBLE_CORES), not an absolute core id.
 
     Tensors are bound by the names in the NEFF's tensor table (``input0..``, ``output0..``
-    for TorchNeuron graphs), allocated once on the model's core and reused every call.
+    for TorchNeuron graphs), allocated once on the model's core and reused every call. Calls
+    on one model take turns (they share its tensors); ``close()`` waits for a running call,
+    and a call after ``close()`` is refused instead of reaching freed handles.
     """
 
     def __init__(self, neff: bytes | str | Path, core: int, lib: nrt.Libnrt | None = None) -> None:
         self.lib = lib or nrt.load()
         self.core = core
+        self._lock = threading.Lock()
+        self._closed = False
         self._tensors: list[ctypes.c_void_p] = []
         self._sets: list[ctypes.c_void_p] = []
         self._model = ctypes.c_void_p()
+        data = neff if isinstance(neff, bytes) else read_neff(neff)
         self.lib.init()
-        data = neff if isinstance(neff, bytes) else Path(neff).read_bytes()
         self._model = self.lib.load(data, core)
+        self.lib.register(self)
         try:
-            self.infos = self.lib.tensor_info(self._model)
+            self.infos = self.lib.tensor_info(self._model, f"core {core}")
+            for info in self.infos:
+                info.check()
             self.inputs = [i for i in self.infos if i.is_input]
             self.outputs = [i for i in self.infos if not i.is_input]
             self._in_set, self._in_handles = self._tensor_set(self.inputs)
             self._out_set, self._out_handles = self._tensor_set(self.outputs)
-        except BaseException:
-            self.close()  # a half-built model must not stay loaded on its core
+        except BaseException as e:
+            self._close_after_failure(e)  # a half-built model must not stay loaded on its core
             raise
 
+    def _close_after_failure(self, error: BaseException) -> None:
+        """Release what setup made; a failure here is noted on ``error``, never raised over it."""
+        try:
+            self.close()
+        except Exception as cleanup:  # noqa: BLE001 - the setup error is the one to report
+            error.add_note(f"while releasing the half-built model on core {self.core}: {cleanup}")
+
     def _tensor_set(self, infos: Sequence[nrt.TensorInfo]) -> tuple[ctypes.c_void_p, list[ctypes.c_void_p]]:
-        """Allocate one device tensor per entry on this core and bind them by name in a new set."""
-        lib = self.lib.lib
+        """Allocate one device tensor per entry on this core and bind them by name in a new set.
+        Every handle libnrt returned is recorded before the next call, so a failure part-way
+        leaves nothing that ``close()`` does not free."""
+        lib, where = self.lib.lib, f"core {self.core}"
         tset = ctypes.c_void_p()
-        self.lib.check("nrt_allocate_tensor_set", lib.nrt_allocate_tensor_set(ctypes.byref(tset)))
+        self.lib.check("nrt_allocate_tensor_set", lib.nrt_allocate_tensor_set(ctypes.byref(tset)), where)
         self._sets.append(tset)
         handles = []
         for info in infos:
             t = ctypes.c_void_p()
             self.lib.check("nrt_tensor_allocate", lib.nrt_tensor_allocate(
-                nrt.PLACEMENT_DEVICE, self.core, info.size, info.name.encode(), ctypes.byref(t)))
+                nrt.PLACEMENT_DEVICE, self.core, info.size, info.name.encode(), ctypes.byref(t)),
+                f"{where}, tensor {info.name}, {info.size} bytes")
             self._tensors.append(t)
             handles.append(t)
             self.lib.check("nrt_add_tensor_to_tensor_set",
-                           lib.nrt_add_tensor_to_tensor_set(tset, info.name.encode(), t))
+                           lib.nrt_add_tensor_to_tensor_set(tset, info.name.encode(), t), f"{where}, tensor {info.name}")
         return tset, handles
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def execute(self, inputs: Sequence[Any] | Mapping[str, Any]) -> list[np.ndarray]:
         """Write ``inputs`` (arrays by position or by tensor name), run, read the outputs."""
-        lib = self.lib.lib
         if isinstance(inputs, Mapping):
             missing = [i.name for i in self.inputs if i.name not in inputs]
             if missing:
@@ -94,30 +115,53 @@ class NeuronModel:
             inputs = [inputs[i.name] for i in self.inputs]
         if len(inputs) != len(self.inputs):
             raise ValueError(f"the NEFF takes {len(self.inputs)} inputs, got {len(inputs)}")
-        for info, handle, value in zip(self.inputs, self._in_handles, inputs):
-            arr = _input_array(info, value)
-            self.lib.check("nrt_tensor_write", lib.nrt_tensor_write(handle, arr.ctypes.data, 0, arr.nbytes))
-        self.lib.check("nrt_execute", lib.nrt_execute(self._model, self._in_set, self._out_set))
+        arrays = [_input_array(info, value) for info, value in zip(self.inputs, inputs)]
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the model on NeuronCore {self.core} is closed; load it again to run it")
+            return self._run(arrays)
+
+    def _run(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Write, ``nrt_execute``, read; the caller holds the model's lock."""
+        lib, where = self.lib.lib, f"core {self.core}"
+        for info, handle, arr in zip(self.inputs, self._in_handles, arrays):
+            self.lib.check("nrt_tensor_write", lib.nrt_tensor_write(handle, arr.ctypes.data, 0, arr.nbytes),
+                           f"{where}, input {info.name}")
+        self.lib.check("nrt_execute", lib.nrt_execute(self._model, self._in_set, self._out_set), where)
         outs = []
         for info, handle in zip(self.outputs, self._out_handles):
-            out = np.empty(info.size // (info.dtype.itemsize if info.dtype else 1), info.dtype or np.uint8)
-            self.lib.check("nrt_tensor_read", lib.nrt_tensor_read(handle, out.ctypes.data, 0, out.nbytes))
-            outs.append(out.reshape(info.shape) if info.shape else out)
+            out = np.empty(info.shape, info.dtype) if info.shape else np.empty(info.size // info.dtype.itemsize,
+                                                                                info.dtype)
+            self.lib.check("nrt_tensor_read", lib.nrt_tensor_read(handle, out.ctypes.data, 0, out.nbytes),
+                           f"{where}, output {info.name}")
+            outs.append(out)
         return outs
 
     __call__ = execute
 
     def close(self) -> None:
-        """Free tensors and tensor sets, unload the model (idempotent)."""
+        """Free tensor sets and tensors and unload the model, after a running ``execute``
+        finishes. Idempotent; every handle is released even when one release fails (the first
+        failure is raised afterwards)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.lib.unregister(self)
+            self._release()
+
+    def _release(self) -> None:
         lib = self.lib.lib
-        for tset in self._sets:
-            lib.nrt_destroy_tensor_set(ctypes.byref(tset))
-        for t in self._tensors:
-            lib.nrt_tensor_free(ctypes.byref(t))
-        self._sets, self._tensors = [], []
-        if self._model:
-            self.lib.check("nrt_unload", lib.nrt_unload(self._model))
-            self._model = ctypes.c_void_p()
+        sets, tensors, model = self._sets, self._tensors, self._model
+        self._sets, self._tensors, self._model = [], [], ctypes.c_void_p()
+        for tset in sets:
+            if tset:
+                lib.nrt_destroy_tensor_set(ctypes.byref(tset))
+        for t in tensors:
+            if t:
+                lib.nrt_tensor_free(ctypes.byref(t))
+        if model:
+            self.lib.check("nrt_unload", lib.nrt_unload(model), f"core {self.core}")
 
     def __del__(self) -> None:
         try:
@@ -131,13 +175,23 @@ class NeuronReplica:
 
     ``process(batch)`` is what ``ReplicaPool`` calls: by default each item is the input list
     of the only graph; pass ``process`` to run a pipeline (e.g. encoder then decoder steps).
+    If one graph fails to load, the graphs already loaded are closed before the error goes on.
     """
 
     def __init__(self, neffs: Mapping[str, bytes | str | Path], core: int, lib: nrt.Libnrt | None = None,
                  process: Callable[[NeuronReplica, list[Any]], Sequence[Any]] | None = None) -> None:
         self.core = core
-        self.models = {name: NeuronModel(neff, core, lib) for name, neff in neffs.items()}
+        self.models: dict[str, NeuronModel] = {}
         self._process = process
+        try:
+            for name, neff in neffs.items():
+                self.models[name] = NeuronModel(neff, core, lib)
+        except BaseException as e:
+            try:
+                self.close()
+            except Exception as cleanup:  # noqa: BLE001 - the load error is the one to report
+                e.add_note(f"while closing the graphs already loaded on core {core}: {cleanup}")
+            raise
 
     def execute(self, graph: str, inputs: Sequence[Any] | Mapping[str, Any]) -> list[np.ndarray]:
         return self.models[graph].execute(inputs)
@@ -151,8 +205,15 @@ class NeuronReplica:
         return [model.execute(item) for item in batch]
 
     def close(self) -> None:
+        """Close every graph's model; the first failure is raised after all were tried."""
+        errors = []
         for m in self.models.values():
-            m.close()
+            try:
+                m.close()
+            except Exception as e:  # noqa: BLE001 - close the others first
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 def replica_factory(neffs: Mapping[str, bytes | str | Path], *, first_core: int = 0,
@@ -170,7 +231,7 @@ def replica_factory(neffs: Mapping[str, bytes | str | Path], *, first_core: int 
 
     visible = visible_core_count()
     core_index(0, visible, first=first_core)  # a bad first_core fails here, not in a worker
-    blobs = {k: v if isinstance(v, bytes) else Path(v).read_bytes() for k, v in neffs.items()}
+    blobs = {k: v if isinstance(v, bytes) else read_neff(v) for k, v in neffs.items()}
     lock = threading.Lock()
 
     def factory(index: int) -> NeuronReplica:
@@ -181,6 +242,31 @@ def replica_factory(neffs: Mapping[str, bytes | str | Path], *, first_core: int 
         return NeuronReplica(blobs, core, lib, process)
 
     return factory
+
+
+def read_neff(path: str | Path) -> bytes:
+    """The bytes of the NEFF file at ``path``, read once (libnrt gets the bytes, never the path).
+
+    Refused with a clear error: anything but a regular file (a FIFO or device would block or
+    never end), an empty file, one that changed size while read, and one that a user other
+    than you or root owns or that group or others may write (they could swap the program the
+    NeuronCore runs). The checks apply to the file actually opened, not to a name.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"NEFF {path} is not a regular file")
+        if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+            raise PermissionError(f"refusing NEFF {path}: owned by uid {st.st_uid} with mode "
+                                  f"{st.st_mode & 0o7777:o}; a NEFF must be yours (or root's) and not "
+                                  f"writable by others: chmod go-w it, or copy it somewhere of your own")
+        if st.st_size == 0:
+            raise ValueError(f"NEFF {path} is empty (0 bytes): a failed or unfinished compile?")
+        data = f.read(st.st_size + 1)
+    if len(data) != st.st_size:
+        raise ValueError(f"NEFF {path} changed size while it was read ({st.st_size} -> {len(data)} bytes)")
+    return data
 
 
 def _input_array(info: nrt.TensorInfo, value: Any) -> np.ndarray:
