@@ -284,3 +284,45 @@ def test_kernel_source_is_rebound_per_implementation():
     np.testing.assert_array_equal(double(x, impl="sim"), 2 * x)
     assert double.build("sim") is double.build(nki_api.SIM)
     assert double.build("sim").last_run.dma.hbm_to_sbuf == x.nbytes
+
+
+def test_64_bit_dtypes_are_refused_like_real_nki():
+    """The interpreter ran float64/int64 kernels (NumPy can); a NeuronCore has no 64-bit types,
+    so such a kernel call passed here and could not compile for the device."""
+    def copy(a):
+        out = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+        nl.store(out, nl.load(a))
+        return out
+
+    with pytest.raises(NKIRuleError, match="kernel argument 'a' has dtype float64") as e:
+        _run(copy, np.zeros((4, 4), np.float64))
+    assert _rule(e) == "dtype"
+    with pytest.raises(NKIRuleError) as e:
+        _run(lambda: nl.ndarray((4, 4), np.int64, buffer=nl.sbuf))
+    assert _rule(e) == "dtype"
+    np.testing.assert_array_equal(_run(copy, np.ones((4, 4), np.int32))[0], np.ones((4, 4), np.int32))
+
+
+def test_ffn_kernel_on_float64_inputs_is_refused():
+    import torch
+
+    from polyaccel.neuron.kernels.ffn import ffn
+
+    x, w1, w2 = torch.zeros(4, 8, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64), \
+        torch.zeros(8, 16, dtype=torch.float64)
+    with pytest.raises(NKIRuleError, match=r"\[dtype\]"):
+        ffn(x, w1, None, w2, None, impl="sim")
+
+
+def test_a_tile_covers_contiguous_partitions():
+    """A stepped slice of the partition axis (every other partition) was accepted; a tile is a
+    start partition plus a count, so real NKI cannot express it."""
+    def strided(a):
+        t = nl.load(a)
+        out = nl.ndarray((2, 4), a.dtype, buffer=nl.shared_hbm)
+        nl.store(out, t[0:4:2, :])
+        return out
+
+    with pytest.raises(NKIRuleError, match="contiguous range of partitions") as e:
+        _run(strided, np.zeros((4, 4), np.float32))
+    assert _rule(e) == "partition-axis"

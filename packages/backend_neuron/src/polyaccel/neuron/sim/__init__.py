@@ -32,7 +32,7 @@ import numpy as np
 
 from polyaccel.neuron.sim import isa, language
 from polyaccel.neuron.sim.rules import NKIRuleError
-from polyaccel.neuron.sim.tensor import DMAStats, NDArray, SimRun, set_run, shared_hbm
+from polyaccel.neuron.sim.tensor import DMAStats, NDArray, SimRun, check_dtype, set_run, shared_hbm
 
 __all__ = ["DMAStats", "NKIRuleError", "SimKernel", "SimRun", "isa", "jit", "language", "simulate"]
 
@@ -98,6 +98,7 @@ class SimKernel:
         if was_torch:
             value = torch_to_numpy(value)
         if isinstance(value, np.ndarray):
+            check_dtype(value.dtype, f"kernel argument {name!r}")
             value = NDArray(value, language.hbm, None, name)
         return value, was_torch
 

@@ -49,6 +49,18 @@ int32 = np.dtype(np.int32)
 int8 = np.dtype(np.int8)
 uint8 = np.dtype(np.uint8)
 
+NKI_DTYPES = frozenset(np.dtype(t) for t in (
+    np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
+    np.int32, np.int16, np.int8, np.uint32, np.uint16, np.uint8, np.bool_))
+"""Element types a NeuronCore engine handles; nothing 64-bit (no float64, int64)."""
+
+
+def check_dtype(dtype: np.dtype, what: str) -> None:
+    """Raise the ``dtype`` rule unless ``dtype`` is one NKI tensors can have."""
+    if np.dtype(dtype) not in NKI_DTYPES:
+        raise NKIRuleError("dtype", f"{what} has dtype {np.dtype(dtype)}, which NKI does not support "
+                                    f"(no 64-bit types on a NeuronCore: cast to float32/int32 first)")
+
 
 @dataclasses.dataclass
 class DMAStats:
@@ -169,6 +181,10 @@ class NDArray:
         idx = index if isinstance(index, tuple) else (index,)
         if self.buffer.on_chip and idx and not isinstance(idx[0], slice):
             raise NKIRuleError("partition-axis", "index the partition axis (dim 0) of a tile with a slice")
+        if self.buffer.on_chip and idx and idx[0].step not in (None, 1):
+            raise NKIRuleError("partition-axis", (
+                f"partition slice {idx[0]!r}: a tile covers a contiguous range of partitions (step 1); "
+                f"stride along a free dim instead"))
         if any(not isinstance(i, (slice, int, type(Ellipsis))) for i in idx):
             raise NKIRuleError("access-pattern", f"only basic slicing is supported, got {index!r}")
         return NDArray(self.data[index], self.buffer, self.alloc, self.name)
@@ -203,6 +219,7 @@ def allocate(shape: tuple[int, ...], dtype: Any, buffer: Buffer, name: str = "")
     capacity rules and charged to the running kernel."""
     shape = tuple(int(s) for s in shape)
     dtype = np.dtype(dtype)
+    check_dtype(dtype, f"{buffer} tensor {name or shape}")
     if buffer.on_chip:
         if len(shape) < 2:
             raise NKIRuleError("partition-axis", f"an on-chip tile needs a partition and a free dim, got {shape}")
