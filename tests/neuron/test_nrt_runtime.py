@@ -273,6 +273,7 @@ def test_dp8_replicas_on_8_cores_run_in_parallel(fake_libnrt, tmp_path, monkeypa
     GIL released the wall time is ~50 ms, not 400."""
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")  # so that both are restored after the test
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-7")
+    fake_libnrt.close()  # libnrt reads the visible cores at nrt_init: the factory restarts it
     env = runtime.configure_lnc1()
     assert env == {"NEURON_LOGICAL_NC_CONFIG": "1", "NEURON_RT_VISIBLE_CORES": "0-7"}
     (tmp_path / "encode.neff").write_bytes(b"FAKE 1024 50")
@@ -310,6 +311,7 @@ def test_replica_works_in_core_replica_pool(fake_libnrt, tmp_path, monkeypatch):
     if not hasattr(pool_mod, "ReplicaPool"):
         pytest.skip("polyaccel.core.runtime.ReplicaPool is not there yet")
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "4-7")
+    fake_libnrt.close()  # libnrt reads the visible cores at nrt_init: the factory restarts it
     (tmp_path / "g.neff").write_bytes(b"FAKE 8 1")
     factory = runtime.replica_factory({"g": tmp_path / "g.neff"}, lib_path=fake_libnrt.path)
     items = [[np.full(8, i, np.float32)] for i in range(20)]
@@ -463,6 +465,7 @@ def test_replicas_load_on_core_indices_relative_to_the_visible_cores(fake_libnrt
     from polyaccel.neuron.plugin import NeuronBackend
 
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "8-15")
+    fake_libnrt.close()  # libnrt reads the visible cores at nrt_init: the factory restarts it
     assert NeuronBackend().replica_cores(8) == list(range(8))
     (tmp_path / "g.neff").write_bytes(b"FAKE 4 0")
     neffs = {"g": tmp_path / "g.neff"}
@@ -484,6 +487,7 @@ def test_more_replicas_than_visible_cores_only_when_sharing_is_asked_for(fake_li
     from polyaccel.neuron.plugin import NeuronBackend
 
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "8-11")
+    fake_libnrt.close()  # libnrt reads the visible cores at nrt_init: the factory restarts it
     with pytest.raises(ValueError, match="share=True"):
         NeuronBackend().replica_cores(5)
     assert NeuronBackend().replica_cores(6, share=True) == [0, 1, 2, 3, 0, 1]
@@ -727,3 +731,31 @@ def test_replica_factory_reads_neffs_through_the_checks(fake_libnrt, tmp_path, m
     (tmp_path / "g.neff").write_bytes(b"")
     with pytest.raises(ValueError, match="is empty"):
         runtime.replica_factory({"g": tmp_path / "g.neff"}, lib_path=fake_libnrt.path)
+
+
+def test_changing_the_visible_cores_after_the_runtime_started_is_refused(private_libnrt, tmp_path, monkeypatch):
+    """libnrt reads NEURON_RT_VISIBLE_CORES once, at nrt_init. configure_lnc1() or a new
+    NEURON_RT_VISIBLE_CORES after the first model loaded changed nothing in the runtime, while
+    replica_factory numbered cores from the new value: replicas landed on other cores than
+    asked, or failed with NRT_LOAD_NOT_ENOUGH_NC."""
+    lib = private_libnrt
+    monkeypatch.setattr(nrt, "_libs", {lib.path: lib})
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-7")
+    lib.close()
+    lib.init()  # started with 0-7
+    with pytest.raises(RuntimeError, match=r"NEURON_RT_VISIBLE_CORES='8-15' but the Neuron runtime was started "
+                                           r"with NEURON_RT_VISIBLE_CORES='0-7'"):
+        runtime.configure_lnc1(first_core=8)
+    assert os.environ["NEURON_RT_VISIBLE_CORES"] == "0-7"  # nothing half-changed
+    (tmp_path / "g.neff").write_bytes(b"FAKE 4 0")
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "4-7")
+    factory = runtime.replica_factory({"g": tmp_path / "g.neff"}, lib_path=lib.path)
+    loads = lib.lib.fake_load_count()
+    with pytest.raises(RuntimeError, match="set it .* before the first model loads"):
+        factory(0)
+    assert lib.lib.fake_load_count() == loads  # refused before nrt_load
+    lib.close()  # a restarted runtime takes the new value
+    factory(0).close()
+    assert lib.init_env["NEURON_RT_VISIBLE_CORES"] == "4-7"
+    assert runtime.configure_lnc1(4, first_core=4)["NEURON_RT_VISIBLE_CORES"] == "4-7"  # the same: fine

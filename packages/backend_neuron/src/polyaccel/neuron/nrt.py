@@ -50,6 +50,8 @@ FRAMEWORK_NONE = 1
 PLACEMENT_DEVICE = 0
 USAGE_INPUT, USAGE_OUTPUT = 0, 1
 TENSOR_NAME_MAX = 256
+RUNTIME_ENV = ("NEURON_RT_VISIBLE_CORES", "NEURON_LOGICAL_NC_CONFIG")
+"""Read by libnrt once, at ``nrt_init``."""
 VNC_COUNT_AUTO = -1
 """``nrt_load``'s ``vnc_count``: nrt.h (runtime API 2.0) marks it deprecated, "always use -1"."""
 
@@ -146,6 +148,7 @@ class Libnrt:
                 raise OSError(f"{path} has no symbol {name}; is it libnrt.so.1?")
             fn.restype, fn.argtypes = restype, argtypes
         self.initialized = False
+        self.init_env: dict[str, str | None] = {}
         self._lock = threading.Lock()
         self._models: weakref.WeakSet[Any] = weakref.WeakSet()
         self._models_lock = threading.Lock()
@@ -161,8 +164,24 @@ class Libnrt:
         """``nrt_init`` once per process (later calls do nothing)."""
         with self._lock:
             if not self.initialized:
+                env = runtime_env()
                 self.check("nrt_init", self.lib.nrt_init(FRAMEWORK_NONE, b"", b""))
-                self.initialized = True
+                self.initialized, self.init_env = True, env
+
+    def check_env(self, env: dict[str, str | None] | None = None) -> None:
+        """Raise ``RuntimeError`` if the runtime was initialized with other NeuronCore settings
+        than ``env`` (default: the current environment): libnrt read them once, at ``nrt_init``,
+        so core numbers computed from the new values would point at other cores."""
+        env = runtime_env() if env is None else env
+        with self._lock:
+            if not self.initialized:
+                return
+            for key in RUNTIME_ENV:
+                if env.get(key) != self.init_env.get(key):
+                    raise RuntimeError(
+                        f"{key}={env.get(key)!r} but the Neuron runtime was started with "
+                        f"{key}={self.init_env.get(key)!r} (libnrt reads it once, at nrt_init): set it "
+                        f"(runtime.configure_lnc1()) before the first model loads, or close the runtime first")
 
     def register(self, model: Any) -> None:
         """Track ``model`` (it has ``close()``) so that :meth:`close` releases it before ``nrt_close``."""
@@ -219,6 +238,17 @@ class Libnrt:
         finally:
             if hasattr(self.lib, "nrt_free_model_tensor_info"):
                 self.lib.nrt_free_model_tensor_info(arr)
+
+
+def runtime_env() -> dict[str, str | None]:
+    """The current values of the variables libnrt reads at ``nrt_init``."""
+    return {key: os.environ.get(key) for key in RUNTIME_ENV}
+
+
+def started_runtimes() -> list[Libnrt]:
+    """The loaded libnrt instances that are initialized (``nrt_init`` done, not closed)."""
+    with _libs_lock:
+        return [lib for lib in _libs.values() if lib.initialized]
 
 
 def _read_tensor_table(arr: Any) -> list[TensorInfo]:

@@ -30,11 +30,15 @@ CORES_PER_CHIP_LNC1 = 8
 def configure_lnc1(num_cores: int = CORES_PER_CHIP_LNC1, first_core: int = 0) -> dict[str, str]:
     """Set the runtime environment for LNC=1 replicas on cores ``first_core..+num_cores-1``.
 
-    Must run before ``nrt_init`` (i.e. before the first model loads). Returns what it set.
-    libnrt then numbers those cores 0..num_cores-1: replicas use indices, not ``first_core``.
+    Must run before ``nrt_init`` (i.e. before the first model loads): with a runtime already
+    started on other settings it raises ``RuntimeError`` instead of changing what libnrt would
+    no longer read. Returns what it set. libnrt then numbers those cores 0..num_cores-1:
+    replicas use indices, not ``first_core``.
     """
     env = {"NEURON_LOGICAL_NC_CONFIG": "1",
            "NEURON_RT_VISIBLE_CORES": f"{first_core}-{first_core + num_cores - 1}"}
+    for lib in nrt.started_runtimes():
+        lib.check_env(env)
     os.environ.update(env)
     return env
 
@@ -230,6 +234,7 @@ def replica_factory(neffs: Mapping[str, bytes | str | Path], *, first_core: int 
     from polyaccel.neuron.plugin import core_index, visible_core_count
 
     visible = visible_core_count()
+    env = nrt.runtime_env()  # what ``visible`` was computed from; the runtime must have started with it
     core_index(0, visible, first=first_core)  # a bad first_core fails here, not in a worker
     blobs = {k: v if isinstance(v, bytes) else read_neff(v) for k, v in neffs.items()}
     lock = threading.Lock()
@@ -239,6 +244,7 @@ def replica_factory(neffs: Mapping[str, bytes | str | Path], *, first_core: int 
         lib = nrt.load(lib_path)
         with lock:  # nrt_init once, before the first load
             lib.init()
+        lib.check_env(env)
         return NeuronReplica(blobs, core, lib, process)
 
     return factory
