@@ -759,3 +759,19 @@ def test_changing_the_visible_cores_after_the_runtime_started_is_refused(private
     factory(0).close()
     assert lib.init_env["NEURON_RT_VISIBLE_CORES"] == "4-7"
     assert runtime.configure_lnc1(4, first_core=4)["NEURON_RT_VISIBLE_CORES"] == "4-7"  # the same: fine
+
+
+def test_nrt_load_gets_the_neff_bytes_without_another_copy(fake_libnrt):
+    """Libnrt.load copied every NEFF into a ctypes buffer first: with eight replicas loading a
+    NEFF of several GB at once, eight extra copies sat in host memory."""
+    import tracemalloc
+
+    neff = b"FAKE 4 0 " + b" " * (32 << 20)
+    tracemalloc.start()
+    try:
+        model = fake_libnrt.load(neff, 0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < len(neff) // 2, f"{peak} bytes allocated to load a {len(neff)}-byte NEFF"
+    fake_libnrt.check("nrt_unload", fake_libnrt.lib.nrt_unload(model))

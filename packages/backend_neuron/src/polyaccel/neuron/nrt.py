@@ -218,9 +218,10 @@ class Libnrt:
         if not neff:
             raise ValueError("the NEFF is empty (0 bytes)")
         model = ctypes.c_void_p()
-        buf = ctypes.create_string_buffer(neff, len(neff))
-        self.check("nrt_load", self.lib.nrt_load(buf, len(neff), start_core, VNC_COUNT_AUTO, ctypes.byref(model)),
-                   f"core {start_core}")
+        # the bytes object itself (nrt_load takes const void *): no second copy of a NEFF of GBs
+        # per replica while eight replicas load at once
+        self.check("nrt_load", self.lib.nrt_load(bytes(neff), len(neff), start_core, VNC_COUNT_AUTO,
+                                                 ctypes.byref(model)), f"core {start_core}")
         if not model:
             raise NrtError("nrt_load", 3, f"core {start_core}: returned success but no model handle")
         return model
