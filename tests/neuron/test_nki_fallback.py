@@ -76,3 +76,30 @@ def test_installed_sdk_is_picked_without_a_warning(monkeypatch, tmp_path, caplog
     impl = nki_api.get()
     assert impl.name == "nki" and impl.nki is sys.modules["nki"] and nki_api.available() == ["sim", "nki"]
     assert _warnings(caplog) == []
+
+
+def test_kernels_on_neuron_tensors_need_lnc1(monkeypatch):
+    """The kernels are called as kernel(...) = kernel[1]; NKI needs the call's LNC to match
+    NEURON_LOGICAL_NC_CONFIG, so at LNC=2 the call went to the compiler and failed there."""
+    from types import SimpleNamespace
+
+    from polyaccel.neuron.kernels.ffn import ffn_kernel
+
+    on_neuron = SimpleNamespace(device=SimpleNamespace(type="neuron"))
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    with pytest.raises(RuntimeError, match="ffn_kernel is written for LNC=1 but NEURON_LOGICAL_NC_CONFIG=2"):
+        ffn_kernel(on_neuron)
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")
+    with pytest.raises(RuntimeError, match=r"NEURON_LOGICAL_NC_CONFIG is unset \(the runtime's trn2 default is LNC=2\)"):
+        ffn_kernel(on_neuron)
+
+
+def test_an_unset_lnc_is_trn2s_default_of_2(monkeypatch):
+    """cores_per_chip() took an unset NEURON_LOGICAL_NC_CONFIG for LNC=1 (8 cores per chip);
+    the runtime then exposed 4 and replicas 4..7 of a chip failed in nrt_load."""
+    from polyaccel.neuron.plugin import NeuronBackend
+
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    assert NeuronBackend().cores_per_chip() == 4
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    assert NeuronBackend().cores_per_chip() == 8

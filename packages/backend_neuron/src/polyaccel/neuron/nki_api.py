@@ -109,6 +109,7 @@ class Kernel:
         """Run on tensors of the ``neuron`` device through TorchNeuron, anything else
         (NumPy arrays, CPU tensors) through ``impl``'s simulator."""
         if any(getattr(getattr(a, "device", None), "type", None) == "neuron" for a in args):
+            require_lnc1(self.__name__)
             return self.torch_op()(*args)
         return self.simulate(*args, impl=impl)
 
@@ -135,6 +136,20 @@ class Kernel:
         if isinstance(out, tuple):
             return tuple(sim.numpy_to_torch(np.asarray(o)) for o in out)
         return sim.numpy_to_torch(np.asarray(out))
+
+
+def require_lnc1(name: str) -> None:
+    """Raise unless the runtime runs at LNC=1: polyaccel's kernels are LNC=1 kernels (no work
+    split across the logical core's physical cores), called as ``kernel(...)``, i.e.
+    ``kernel[1]``, and NKI requires the call's LNC to match NEURON_LOGICAL_NC_CONFIG."""
+    from polyaccel.neuron.plugin import LNC_ENV, logical_nc_config
+
+    lnc = logical_nc_config()
+    if lnc != "1":
+        setting = f"{LNC_ENV}={lnc}" if os.environ.get(LNC_ENV, "").strip() else \
+            f"{LNC_ENV} is unset (the runtime's trn2 default is LNC={lnc})"
+        raise RuntimeError(f"NKI kernel {name} is written for LNC=1 but {setting}: run at LNC=1 "
+                           f"(polyaccel.neuron.runtime.configure_lnc1()) or use the reference op")
 
 
 def kernel(fn: types.FunctionType) -> Kernel:

@@ -61,6 +61,16 @@ def _core_range(part: str, spec: str) -> range:
     return range(int(lo), int(hi or lo) + 1)
 
 
+LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+TRN2_DEFAULT_LNC = "2"
+
+
+def logical_nc_config() -> str:
+    """The LNC the Neuron runtime will use: NEURON_LOGICAL_NC_CONFIG, else trn2's default, 2
+    (two physical cores per logical one). polyaccel's DP8 needs 1: ``runtime.configure_lnc1()``."""
+    return os.environ.get(LNC_ENV, "").strip() or TRN2_DEFAULT_LNC
+
+
 def neuron_chips() -> int:
     """Neuron devices (``/dev/neuron*``) on this machine."""
     return sum(os.path.exists(f"/dev/neuron{i}") for i in range(16))
@@ -104,7 +114,7 @@ class NeuronBackend(Backend):
     priority = 90
     ray_resource = "neuron_cores"
     visible_devices_env = "NEURON_RT_VISIBLE_CORES"
-    lnc_env = "NEURON_LOGICAL_NC_CONFIG"
+    lnc_env = LNC_ENV
 
     def availability(self) -> Availability:
         if importlib.util.find_spec("torch_neuronx") is None:
@@ -118,8 +128,9 @@ class NeuronBackend(Backend):
         return Availability.yes("Neuron SDK and devices found")
 
     def cores_per_chip(self) -> int:
-        """8 NeuronCores per trn2 chip at LNC=1 (our default), 4 at LNC=2."""
-        return 8 if os.environ.get(self.lnc_env, "1") == "1" else 4
+        """8 NeuronCores per trn2 chip at LNC=1 (``configure_lnc1()``), 4 at LNC=2, which is
+        what the runtime uses on trn2 when NEURON_LOGICAL_NC_CONFIG is unset."""
+        return 8 if logical_nc_config() == "1" else 4
 
     def device_count(self) -> int:
         chips = neuron_chips()
