@@ -775,3 +775,28 @@ def test_nrt_load_gets_the_neff_bytes_without_another_copy(fake_libnrt):
         tracemalloc.stop()
     assert peak < len(neff) // 2, f"{peak} bytes allocated to load a {len(neff)}-byte NEFF"
     fake_libnrt.check("nrt_unload", fake_libnrt.lib.nrt_unload(model))
+
+
+@pytest.mark.parametrize("code,restarts,ok", [(6, 1, True), (5, 1, True), (1002, 0, False)])
+def test_a_core_failure_rebuilds_the_replica_an_input_error_fails_the_item(fake_libnrt, faults, tmp_path,
+                                                                            monkeypatch, code, restarts, ok):
+    """A hardware error or timeout in nrt_execute was an ordinary exception: the pool retried
+    the items one by one on the same core. Now such statuses raise ReplicaDied (the replica is
+    closed, loaded again, the item re-run); a bad input stays that item's error."""
+    from polyaccel.core.runtime import ReplicaPool
+
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
+    fake_libnrt.close()  # libnrt reads the visible cores at nrt_init: the factory restarts it
+    (tmp_path / "g.neff").write_bytes(b"FAKE 4 0")
+    factory = runtime.replica_factory({"g": tmp_path / "g.neff"}, lib_path=fake_libnrt.path)
+    before = _live(fake_libnrt)
+    with ReplicaPool(factory, 1, restart_backoff_s=0) as pool:
+        faults("nrt_execute", code)
+        (result,) = list(pool.map([[np.ones(4, np.float32)]]))
+        assert pool.metrics().restarts == restarts
+    assert result.ok is ok, result.error
+    if ok:
+        np.testing.assert_array_equal(result.value[0], np.full(4, 2, np.float32))
+    else:
+        assert isinstance(result.error, nrt.NrtError) and result.error.status == "NRT_EXEC_BAD_INPUT"
+    assert _live(fake_libnrt) == before  # the dead replica's model was unloaded and its tensors freed

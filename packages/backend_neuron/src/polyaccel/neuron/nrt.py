@@ -30,6 +30,12 @@ STATUS_NAMES: dict[int, str] = {
     **{c: f"NRT_EXEC_HW_ERR_{c - 1200}" for c in range(1200, 1207)},
 }
 
+CORE_FAILURES = frozenset({3, 5, 6, 13, 14, *range(1200, 1207)})
+"""Statuses after which a core's models are not to be trusted with the next item: invalid
+handle, timeout, hardware errors, runtime uninitialized or closed. A replica that meets one
+is rebuilt (unloaded and loaded again), not retried; input errors (NRT_EXEC_BAD_INPUT,
+NRT_EXEC_OOB) stay the item's own."""
+
 # ---- dtypes (nrt_dtype_t) ---------------------------------------------------------------------
 
 DTYPE_CODES: dict[np.dtype, int] = {

@@ -201,6 +201,19 @@ class NeuronReplica:
         return self.models[graph].execute(inputs)
 
     def process(self, batch: list[Any]) -> Sequence[Any]:
+        """Run ``batch``. A libnrt status that leaves the core in doubt (timeout, hardware
+        error: :data:`nrt.CORE_FAILURES`) raises ``ReplicaDied``, so the pool rebuilds this
+        replica and runs the items elsewhere instead of retrying them on the same core."""
+        try:
+            return self._run_batch(batch)
+        except nrt.NrtError as e:
+            if e.code in nrt.CORE_FAILURES:
+                from polyaccel.core.runtime.results import ReplicaDied
+
+                raise ReplicaDied(f"NeuronCore {self.core}: {e}") from e
+            raise
+
+    def _run_batch(self, batch: list[Any]) -> Sequence[Any]:
         if self._process is not None:
             return self._process(self, batch)
         if len(self.models) != 1:
