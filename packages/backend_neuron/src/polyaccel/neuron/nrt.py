@@ -269,7 +269,7 @@ def _read_tensor_table(arr: Any) -> list[TensorInfo]:
                           ctypes.POINTER(TensorInfoC * count)).contents
     infos = []
     for e in entries:
-        name = e.name.decode("utf-8", "replace")
+        name = e.name.decode()
         if e.ndim > MAX_TENSOR_DIMS or (e.ndim and not e.shape):
             raise ValueError(f"NEFF tensor {name!r}: rank {e.ndim} with shape pointer "
                              f"{'set' if e.shape else 'NULL'} is not a valid tensor-info entry")
