@@ -18,8 +18,8 @@ def _model(device: str, backend: str, **kw):
     return model.to(device).train()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"])
-@pytest.mark.parametrize("window", ["auto", 2])
+@pytest.mark.parametrize(("arch", "window"), [("qwen3_moe", "auto"), ("mixtral", 2), ("olmoe", 2),
+                                            ("deepseek_v3", "auto")])  # each window, each architecture
 def test_documented_two_line_loop_runs_off_cuda_like_the_plain_loop(arch, window, caplog):
     """README's own loop (FlatAdamW + ``GraphedMicroStep(model, grad_accum=4, wgrad_window=...)``)
     on the CPU: eager calls, said once in the log, and the weights of the plain loop with torch
