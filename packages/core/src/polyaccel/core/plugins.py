@@ -78,7 +78,7 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
     for dist in list(md.distributions()):
         for ep in dist.entry_points:
             if ep.group != ENTRY_POINT_GROUP or pm.has_plugin(ep.name) or pm.is_blocked(ep.name) \
-                    or ep.name in _broken:
+                    or ep.name in _broken:  # (a package visible twice: one warning)
                 continue
             try:
                 pm.register(ep.load(), name=ep.name)
@@ -108,9 +108,7 @@ def reset() -> None:
 def backends() -> dict[str, Backend]:
     """All known backends by name, available or not, highest priority first (a plugin that
     failed to load last, as a :class:`BrokenPlugin`)."""
-    found: list[Backend] = []
-    for group in plugin_manager().hook.polyaccel_add_backends():
-        found.extend(group)
+    found = _supplied_backends(plugin_manager())
     found.sort(key=lambda b: -b.priority)
     out: dict[str, Backend] = {}
     for b in found:
@@ -120,6 +118,23 @@ def backends() -> dict[str, Backend]:
     for name, why in dict(_broken).items():
         out.setdefault(name, BrokenPlugin(name, why))
     return out
+
+
+def _supplied_backends(pm: pluggy.PluginManager) -> list[Backend]:
+    """Every plugin's ``polyaccel_add_backends``, each called on its own: one that raises (a
+    driver library missing at construction) is recorded as broken, the others still count."""
+    found: list[Backend] = []
+    for impl in reversed(pm.hook.polyaccel_add_backends.get_hookimpls()):  # the order pluggy calls them in
+        try:
+            found.extend(impl.function())
+        except Exception as e:  # noqa: BLE001 - reported through the backend it stands for
+            why = f"its plugin's polyaccel_add_backends failed: {type(e).__name__}: {e}"
+            with _lock:
+                new = impl.plugin_name not in _broken
+                _broken.setdefault(impl.plugin_name, why)
+            if new:
+                log.warning("backend plugin %r skipped: %s", impl.plugin_name, why)
+    return found
 
 
 def select_backend(name: str | Backend = "auto") -> Backend:
