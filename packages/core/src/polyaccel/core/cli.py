@@ -54,7 +54,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     import torch
 
-    from polyaccel.core.plugins import ENTRY_POINT_GROUP, backends
+    from polyaccel.core.plugins import ENTRY_POINT_GROUP, backends, broken_plugins
 
     print(f"python     {platform.python_version()} ({sys.executable})")
     print(f"torch      {torch.__version__} (cuda build: {torch.version.cuda or 'no'})")
@@ -72,12 +72,13 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"backend {b.name:<7} {'OK ' if a.ok else 'NO '} {a.reason}"
               + (f" -> {a.install_hint}" if a.install_hint and not a.ok else ""))
         ok &= b.name != "cpu" or a.ok
-    return 0 if ok else 1
+    return 0 if ok and not broken_plugins() else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="polyaccel", description=__doc__,
-                                epilog="exit status: 0 ok, 1 doctor found the cpu backend unusable (or another error, "
+                                epilog="exit status: 0 ok, 1 doctor found the cpu backend unusable or a backend plugin that "
+                                       "fails to load (or another error, "
                                        "named in one line), 2 usage error, 141 the reader of the output went away "
                                        "(e.g. `| head`)")
     sub = p.add_subparsers(dest="cmd", required=True)

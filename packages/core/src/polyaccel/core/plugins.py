@@ -1,7 +1,10 @@
 """Backend discovery through pluggy and the ``polyaccel.backends`` entry-point group.
 
-Plugins are loaded on first use, not at import. A plugin that fails to import is an error
-with its traceback (never a silent fallback). Set ``POLYACCEL_DISABLE_PLUGIN_AUTOLOAD=1`` to
+Plugins are loaded on first use, not at import. An entry point whose plugin fails to load
+(a stale or half-installed package) never takes the other backends down: it is skipped with
+a warning, listed by ``backends()`` as an unavailable backend whose reason names the error,
+and selecting it by name raises :class:`BackendUnavailable` with that reason (never a silent
+fallback). A module named in ``POLYACCEL_PLUGINS`` that fails to import raises. Set ``POLYACCEL_DISABLE_PLUGIN_AUTOLOAD=1`` to
 load only the built-in CPU backend. ``POLYACCEL_PLUGINS=mod.a,mod.b`` registers plugin
 modules by import path as well (like ``PYTEST_PLUGINS``): useful where the packages are on
 ``PYTHONPATH`` but not installed, so their entry points are not visible.
@@ -10,6 +13,7 @@ modules by import path as well (like ``PYTEST_PLUGINS``): useful where the packa
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import threading
 from collections.abc import Iterable
@@ -17,7 +21,9 @@ from collections.abc import Iterable
 import pluggy
 
 from polyaccel.core import cpu, hookspec
-from polyaccel.core.backend import Backend, BackendUnavailable
+from polyaccel.core.backend import Availability, Backend, BackendUnavailable
+
+log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "polyaccel.backends"
 DISABLE_AUTOLOAD_ENV = "POLYACCEL_DISABLE_PLUGIN_AUTOLOAD"
@@ -26,6 +32,23 @@ EXTRA_PLUGINS_ENV = "POLYACCEL_PLUGINS"
 _lock = threading.RLock()
 _pm: pluggy.PluginManager | None = None
 _activated: set[str] = set()
+_broken: dict[str, str] = {}  # entry-point name -> why its plugin could not be loaded
+
+
+class BrokenPlugin(Backend):
+    """Stands in for an entry point whose plugin failed to load: listed, never available."""
+
+    priority = -1
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name = name
+        self._reason = reason
+
+    def availability(self) -> Availability:
+        return Availability.no(self._reason)
+
+    def device_count(self) -> int:
+        return 0
 
 
 def plugin_manager() -> pluggy.PluginManager:
@@ -37,7 +60,7 @@ def plugin_manager() -> pluggy.PluginManager:
             pm.add_hookspecs(hookspec)
             pm.register(cpu, name="cpu")
             if not os.environ.get(DISABLE_AUTOLOAD_ENV):
-                pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+                _load_entry_points(pm)
             for modname in filter(None, os.environ.get(EXTRA_PLUGINS_ENV, "").split(",")):
                 if pm.get_plugin(modname.strip()) is None and not pm.is_registered(
                         importlib.import_module(modname.strip())):
@@ -46,26 +69,72 @@ def plugin_manager() -> pluggy.PluginManager:
         return _pm
 
 
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    """Register the plugin of every entry point in :data:`ENTRY_POINT_GROUP` (the first of a
+    name wins); one that fails to load or register is recorded in ``_broken`` and warned
+    about, so that it cannot take the other backends down."""
+    import importlib.metadata as md
+
+    for dist in list(md.distributions()):
+        for ep in dist.entry_points:
+            if ep.group != ENTRY_POINT_GROUP or pm.has_plugin(ep.name) or pm.is_blocked(ep.name) \
+                    or ep.name in _broken:  # (a package visible twice: one warning)
+                continue
+            try:
+                pm.register(ep.load(), name=ep.name)
+            except Exception as e:  # noqa: BLE001 - reported through the backend it stands for
+                why = (f"its plugin {ep.value} (package {dist.metadata['Name']}) failed to load: "
+                       f"{type(e).__name__}: {e}")
+                _broken[ep.name] = why
+                log.warning("backend plugin %r skipped: %s", ep.name, why)
+                log.debug("backend plugin %r failed to load", ep.name, exc_info=True)
+
+
+def broken_plugins() -> dict[str, str]:
+    """Entry-point name -> why its plugin could not be loaded (empty when all loaded)."""
+    plugin_manager()
+    return dict(_broken)
+
+
 def reset() -> None:
     """Forget loaded plugins and activations (tests use this)."""
     global _pm
     with _lock:
         _pm = None
         _activated.clear()
+        _broken.clear()
 
 
 def backends() -> dict[str, Backend]:
-    """All known backends by name, available or not, highest priority first."""
-    found: list[Backend] = []
-    for group in plugin_manager().hook.polyaccel_add_backends():
-        found.extend(group)
+    """All known backends by name, available or not, highest priority first (a plugin that
+    failed to load last, as a :class:`BrokenPlugin`)."""
+    found = _supplied_backends(plugin_manager())
     found.sort(key=lambda b: -b.priority)
     out: dict[str, Backend] = {}
     for b in found:
         if b.name in out:
             raise RuntimeError(f"two plugins supply a backend named {b.name!r}")
         out[b.name] = b
+    for name, why in dict(_broken).items():
+        out.setdefault(name, BrokenPlugin(name, why))
     return out
+
+
+def _supplied_backends(pm: pluggy.PluginManager) -> list[Backend]:
+    """Every plugin's ``polyaccel_add_backends``, each called on its own: one that raises (a
+    driver library missing at construction) is recorded as broken, the others still count."""
+    found: list[Backend] = []
+    for impl in reversed(pm.hook.polyaccel_add_backends.get_hookimpls()):  # the order pluggy calls them in
+        try:
+            found.extend(impl.function())
+        except Exception as e:  # noqa: BLE001 - reported through the backend it stands for
+            why = f"its plugin's polyaccel_add_backends failed: {type(e).__name__}: {e}"
+            with _lock:
+                new = impl.plugin_name not in _broken
+                _broken.setdefault(impl.plugin_name, why)
+            if new:
+                log.warning("backend plugin %r skipped: %s", impl.plugin_name, why)
+    return found
 
 
 def select_backend(name: str | Backend = "auto") -> Backend:
