@@ -65,7 +65,7 @@ def test_joining_a_cluster_keeps_the_auth_mode_the_user_set(fresh_token: Path,
     ("127.0.0.1:6379", True), ("127.1.2.3:6379", True), ("localhost:6379", True), ("[::1]:6379", True),
     ("ray://127.0.0.1:10001", True), ("http://localhost:8265", True),
     ("10.0.0.5:6379", False), ("10.127.0.1:6379", False), ("ray://10.0.0.5:10001", False),
-    ("node127.example.com:6379", False), ("", False), (None, False)])
+    ("node127.example.com:6379", False), ("127.evil.example:6379", False), ("", False), (None, False)])
 def test_is_loopback_address(address: str | None, loopback: bool) -> None:
     assert ray_local.is_loopback_address(address) is loopback
 

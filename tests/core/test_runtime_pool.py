@@ -485,3 +485,26 @@ def test_a_replica_thread_that_cannot_start_raises_that_error_and_leaves_no_thre
     monkeypatch.setattr(threading.Thread, "start", start)
     with pytest.raises(RuntimeError, match="can't start new thread"):
         ReplicaPool(ToyReplica, 4, batch_size=2)
+
+
+def test_a_successor_thread_that_cannot_start_retires_the_slot_and_nothing_hangs(monkeypatch) -> None:
+    """A replica dies and the system has no thread left for its successor: the slot is retired
+    (the last one: every waiting item fails with ReplicaDied naming the cause), where the slot
+    stayed 'alive' with no worker and its queued items waited for ever."""
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("polyaccel-replica") and "." in self.name:  # a successor
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    items = [ToyItem(i, kill=i == 3) for i in range(8)]
+    with ReplicaPool(ToyReplica, 1, batch_size=1, restart_backoff_s=0.0) as pool:
+        results = list(pool.map(items))
+        late = pool.submit(ToyItem(99)).result(timeout=5)
+        m = pool.metrics()
+    assert all(r.ok for r in results[:3])
+    assert all(isinstance(r.error, ReplicaDied) for r in results[3:])
+    assert isinstance(late.error, ReplicaDied) and "can't start new thread" in repr(late.error.__cause__)
+    assert not m.replicas[0].alive and not _pool_threads()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ipaddress
 import logging
 import os
 import secrets
@@ -285,7 +286,12 @@ def _node_ports(ray: Any) -> dict[str, int]:
 def is_loopback_address(address: str | None) -> bool:
     """Whether a Ray address (``host:port``, ``ray://...``, ``http://...``) names this machine's loopback."""
     host = (address or "").rpartition("://")[2].rsplit(":", 1)[0].strip("[]")
-    return host == "localhost" or host.startswith("127.") or host == "::1"
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: only "localhost" is known to be this machine's loopback
+        return False
 
 
 def starts_private_cluster(address: str | None) -> bool:

@@ -547,8 +547,11 @@ class ReplicaPool:
                     pass
         self._deliver(done + [(task, _cancelled(task)) for task in cancelled])
         close_replica(replica)
-        with self._lock:
-            self._spawn(slot, first=False)
+        try:
+            with self._lock:
+                self._spawn(slot, first=False)
+        except RuntimeError as error:  # no thread left for a successor: the slot is gone
+            self._retire(slot, error)
 
     def _retire(self, slot: int, error: BaseException) -> None:
         """Give up on a slot whose factory keeps failing; fail everything if none is left."""
