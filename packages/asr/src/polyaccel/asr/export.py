@@ -31,7 +31,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from polyaccel.core.files import create_file, replace_file
+from polyaccel.core.files import NAME_MAX, create_file, replace_file, fit_name
 
 FORMATS = ("srt", "vtt", "txt")
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_NOTHING_DONE = 0, 1, 2, 3
@@ -183,7 +183,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             continue
         written += 1
         if not args.quiet and os.path.basename(target) != _name(path, args.format):
-            _say(f"  {shown} -> {_show(target)} (name taken by another input)")
+            why = "name cut to fit" if len(_name(path, args.format)) > NAME_MAX else "name taken by another input"
+            _say(f"  {shown} -> {_show(target)} ({why})")
     if not written:
         for d in reversed(created):  # no empty folders left by a run that wrote nothing
             with contextlib.suppress(OSError):
@@ -228,14 +229,25 @@ def _target(out_dir: bytes, path: str, fmt: str, taken: set[str]) -> bytes:
     """The file for ``path`` in ``out_dir``: its :func:`_name`, or ``stem-2.fmt``, ... when another
     input took that name in any letter case (``A.srt`` and ``a.srt`` are one file on macOS and
     Windows file systems)."""
-    name = _name(path, fmt)
-    stem = name[: -len(fmt) - 1]
-    k = 1
+    ext = b"." + fmt.encode()
+    stem = _name(path, fmt)[: -len(ext)]
+    name, k = _fit(stem, NAME_MAX - len(ext)) + ext, 1
     while _fold(name) in taken:
         k += 1
-        name = stem + b"-%d." % k + fmt.encode()
+        name = _fit(stem, NAME_MAX - len(ext) - len(b"-%d" % k)) + b"-%d" % k + ext
     taken.add(_fold(name))
     return os.path.join(out_dir, name)
+
+
+def _fit(stem: bytes, room: int) -> bytes:
+    """``stem`` cut to ``room`` bytes (whole characters when it is UTF-8): an input named with
+    the 255 bytes a file name may have, ``x.au``, has no room for ``.srt``."""
+    if len(stem) <= room:
+        return stem
+    try:
+        return os.fsencode(fit_name(stem.decode("utf-8"), room))
+    except UnicodeDecodeError:
+        return stem[:room]
 
 
 def _fold(name: bytes) -> str:
