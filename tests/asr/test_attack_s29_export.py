@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,27 @@ def test_two_long_names_that_meet_when_cut_get_a_suffix(tmp_path: Path, capsys) 
     assert sorted(os.listdir(tmp_path / "subs")) == ["y" * 249 + "-2.srt", "y" * 251 + ".srt"]
     srt = (tmp_path / "subs" / ("y" * 251 + ".srt")).read_text()
     assert srt == "1\n00:00:00,000 --> 00:00:01,500\nhello there\n\n"
+
+
+def test_a_rerun_removes_what_a_killed_export_left_and_nothing_else(tmp_path: Path, capsys) -> None:
+    """An export killed (SIGKILL) while writing ``a.srt`` leaves ``a.srt.<12 hex>.tmp`` beside it,
+    never a cut ``a.srt``; the rerun writes ``a.srt`` and removes that leftover. It used to stay
+    for good. A file of that shape for a name this run does not write, or a fresh one (another
+    export writing now), is left alone."""
+    out = _results(tmp_path, ["/clips/a.wav", "/clips/b.wav"])
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    old = time.time() - 3600
+    killed = subs / "a.srt.0123456789ab.tmp"
+    killed.write_text("1\n00:00:00,000 --> 00:0")  # cut mid-write
+    up_to_date = subs / "b.srt.0123456789ab.tmp"
+    (subs / "b.srt").write_text("1\n00:00:00,000 --> 00:00:01,500\nhello there\n\n")
+    up_to_date.write_text("1\n")
+    theirs = subs / "notes.txt.0123456789ab.tmp"
+    theirs.write_text("a user's file")
+    for f in (killed, up_to_date, theirs):
+        os.utime(f, (old, old))
+    fresh = subs / "a.srt.fedcba987654.tmp"
+    fresh.write_text("being written")
+    assert cli.main(["export", str(out), "-f", "srt", "-d", str(subs)]) == 0, capsys.readouterr().err
+    assert sorted(os.listdir(subs)) == sorted(["a.srt", "b.srt", theirs.name, fresh.name])

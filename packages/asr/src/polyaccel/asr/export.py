@@ -9,7 +9,8 @@ existing file is never replaced unless ``--overwrite``, and never when it is one
 transcribed inputs (audio named ``talk.txt``), the results file, or a file that does not hold
 text (audio or other binary data: a relative input path read from another directory finds no
 input, but the audio is still not text); a new one is created exclusively
-(``O_EXCL``), a replaced one written next to it and renamed over it.
+(``O_EXCL``), a replaced one written next to it and renamed over it. The temporary a kill
+left beside a file (``a.srt.<12 hex>.tmp``) is removed by the rerun that has that file.
 
 A file that already holds exactly what would be written counts as done (a rerun succeeds); a
 ``-d`` folder the run created is removed again if nothing was written into it.
@@ -134,6 +135,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise ExportUsageError(f"cannot read {args.results}: {e.strerror or e}") from None
         created = _missing_dirs(args.dir)
         out_dir = _out_dir(args.dir)
+        leftovers = _killed_writes(out_dir)
     except ExportUsageError as e:
         _say(f"polyaccel-asr export: error: {e}")
         return EXIT_USAGE
@@ -173,6 +175,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         except FileExistsError:
             if _holds_exactly(target, body.encode("utf-8")):  # a rerun: this very file is there
                 same += 1
+                _remove(leftovers.pop(os.path.basename(target), ()))
                 continue
             problems += 1
             _say(f"  skipped {shown}: {_show(target)} exists with other content (--overwrite replaces it)")
@@ -182,6 +185,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             _say(f"  failed {shown}: cannot write {_show(target)}: {e.strerror or e}")
             continue
         written += 1
+        _remove(leftovers.pop(os.path.basename(target), ()))
         if not args.quiet and os.path.basename(target) != _name(path, args.format):
             why = "name cut to fit" if len(_name(path, args.format)) > NAME_MAX else "name taken by another input"
             _say(f"  {shown} -> {_show(target)} ({why})")
@@ -278,6 +282,39 @@ def _missing_dirs(d: str) -> list[str]:
         missing.append(path)
         path = os.path.dirname(path)
     return missing[::-1]
+
+
+_TEMP = re.compile(rb"(.+\.(?:srt|vtt|txt))\.[0-9a-f]{12}\.tmp")
+
+
+def _killed_writes(out_dir: bytes) -> dict[bytes, list[bytes]]:
+    """The temporary files an export killed mid-write left in ``out_dir`` (``a.srt.<12 hex>.tmp``:
+    regular files of ours, older than this run), by the name they were for. Each is removed
+    once this run has that file (so only a name this run writes, never anything else)."""
+    import time
+
+    found: dict[bytes, list[bytes]] = {}
+    now, uid = time.time(), os.getuid()
+    try:
+        names = os.listdir(out_dir)
+    except OSError:
+        return found
+    for name in names:
+        m = _TEMP.fullmatch(name)
+        if not m:
+            continue
+        path = os.path.join(out_dir, name)
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == uid and st.st_mtime < now - 1:
+                found.setdefault(m[1], []).append(path)
+    return found
+
+
+def _remove(paths: Sequence[bytes]) -> None:
+    for p in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(p)
 
 
 def _open_existing(path: bytes) -> int:
