@@ -55,3 +55,19 @@ def test_the_cli_says_it_in_one_line(tmp_path: Path, asr_cli, capsys, field: str
     assert rc == 2, err
     assert len(err.strip().splitlines()) == 1 and f"{field}=" in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("field, value", [("characters", 5), ("characters", ["ab", "c"]), ("special_tokens", [1, 2]),
+                                          ("unk_token", None), ("lowercase", "yes")])
+def test_a_tokenizer_field_of_the_wrong_type_is_refused_naming_it(tmp_path: Path, field: str, value: object) -> None:
+    """``characters: 5`` was a TypeError traceback; ``characters: ["ab", "c"]`` loaded, each list
+    item one "character" (a model decoding "ab" for one id)."""
+    from polyaccel.asr.char_tokenizer import CharTokenizer
+
+    CharTokenizer().save(tmp_path)
+    tok = json.loads((tmp_path / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer.json").write_text(json.dumps({**tok, field: value}))
+    with pytest.raises(ValueError, match=rf"tokenizer\.json: {field}=.* is not "):
+        CharTokenizer.load(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    assert CharTokenizer.load(tmp_path).to_dict() == CharTokenizer().to_dict()  # control
