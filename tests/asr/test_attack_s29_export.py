@@ -69,3 +69,18 @@ def test_a_rerun_removes_what_a_killed_export_left_and_nothing_else(tmp_path: Pa
     fresh.write_text("being written")
     assert cli.main(["export", str(out), "-f", "srt", "-d", str(subs)]) == 0, capsys.readouterr().err
     assert sorted(os.listdir(subs)) == sorted(["a.srt", "b.srt", theirs.name, fresh.name])
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["wer", "--refs", "/dev/null", "--hyps", "{out}"], "--refs /dev/null: is not a regular file"),
+    (["wer", "--refs", "{out}", "--hyps", "/dev/null"], "--hyps /dev/null: is not a regular file"),
+    (["export", "/dev/null", "-d", "{tmp}/subs"], "/dev/null is not a regular file"),
+])
+def test_a_device_is_not_called_missing(tmp_path: Path, capsys, argv: list[str], said: str) -> None:
+    """``wer --refs /dev/zero`` said "not found", ``export /dev/stdin`` "no such results file"."""
+    out = _results(tmp_path, ["/clips/a.wav"])
+    argv = [a.format(out=out, tmp=tmp_path) for a in argv]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert said in err and "not found" not in err and "no such" not in err, err
+    assert not (tmp_path / "subs").exists()

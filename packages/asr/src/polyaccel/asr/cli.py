@@ -753,11 +753,15 @@ def _gather(specs: Sequence[str]) -> list[Any]:
     return items
 
 
+_NOT_REGULAR = "is not a regular file (a device, pipe or socket); give a file"
+
+
 def _read_refs(path: str, read_refs: Any) -> dict[str, str]:
     if not path:
         raise UsageError("--refs is an empty name (an unset shell variable?)")
     if not Path(path).is_file():
-        what = "is a folder, not a reference file (JSONL or TSV)" if Path(path).is_dir() else "not found"
+        what = ("is a folder, not a reference file (JSONL or TSV)" if Path(path).is_dir()
+                else _NOT_REGULAR if os.path.exists(path) else "not found")
         raise UsageError(f"--refs {path}: {what}")
     try:
         return read_refs(path)
@@ -849,6 +853,8 @@ def _read_hyps(path: str) -> list[dict[str, Any]]:
     from polyaccel.asr.results_file import NotResultsFile, scan_results
 
     if not Path(path).is_file():
+        if os.path.exists(path):
+            raise UsageError(f"--hyps {path}: {'is a folder' if Path(path).is_dir() else _NOT_REGULAR}")
         raise UsageError(f"results file not found: {path}")
     try:
         return scan_results(path).records

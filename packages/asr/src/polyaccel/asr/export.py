@@ -126,6 +126,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         if not os.path.isfile(args.results):
+            if os.path.exists(args.results):
+                raise ExportUsageError(f"{args.results} is not a regular file (a folder, device or pipe); "
+                                       "export reads the results file `transcribe` wrote")
             raise ExportUsageError(f"no such results file: {args.results}")
         try:
             records = scan_results(args.results).records
