@@ -32,7 +32,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from polyaccel.core.files import NAME_MAX, create_file, replace_file, fit_name
+from polyaccel.core.files import NAME_MAX, create_file, fit_name, replace_file
 
 FORMATS = ("srt", "vtt", "txt")
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_NOTHING_DONE = 0, 1, 2, 3
