@@ -70,7 +70,20 @@ class CharTokenizer:
     def load(cls, directory: str | os.PathLike[str]) -> CharTokenizer:
         from polyaccel.asr.config_limits import read_json_object
 
-        d = read_json_object(os.path.join(directory, "tokenizer.json"))
+        path = os.path.join(directory, "tokenizer.json")
+        d = read_json_object(path)
         if d.get("type") != "char":
             raise ValueError(f"not a character tokenizer: type={d.get('type')!r}")
-        return cls(d["characters"], d["special_tokens"], d["unk_token"], d.get("lowercase", True))
+        fields = {"characters": (d.get("characters"), "a string"),
+                  "special_tokens": (d.get("special_tokens"), "a list of strings"),
+                  "unk_token": (d.get("unk_token"), "a string"), "lowercase": (d.get("lowercase", True), "true or false")}
+        for name, (value, want) in fields.items():
+            ok = (isinstance(value, list) and all(isinstance(t, str) for t in value) if name == "special_tokens"
+                  else isinstance(value, bool if name == "lowercase" else str))
+            if not ok:
+                text = repr(value)
+                raise ValueError(f"{path}: {name}={text if len(text) <= 60 else text[:57] + '...'} is not {want}")
+        try:
+            return cls(d["characters"], d["special_tokens"], d["unk_token"], d.get("lowercase", True))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None

@@ -257,6 +257,8 @@ def _main(argv: list[str]) -> int:
         except KeyboardInterrupt as e:  # its temporary folder is gone: OUT is complete or absent
             return _interrupted(e, "nothing was converted")
     args = build_parser().parse_args(argv)
+    from polyaccel.core.runtime import ReplicaStartError
+
     try:
         if args.command == "export":
             from polyaccel.asr.export import cmd_export
@@ -272,6 +274,11 @@ def _main(argv: list[str]) -> int:
     except StdoutError as e:
         print(f"polyaccel-asr {args.command}: error: {e}", file=sys.stderr)
         return 1
+    except ReplicaStartError as e:  # bench, compile (transcribe says it as a UsageError)
+        from polyaccel.asr.results_file import printable
+
+        print(f"polyaccel-asr {args.command}: error: {printable(_not_started(e))}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as e:
         return _interrupted(e, "rerun the same command to resume")
 
@@ -429,6 +436,7 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[st
     were made another way (another model, timestamps on or off, ...): a usage error."""
     from polyaccel.asr.ray_job import ActorsFailed, RowsLost  # (no Ray needed to import it)
     from polyaccel.asr.results_file import ResultsWriter, path_key
+    from polyaccel.core.runtime import ReplicaStartError
 
     c = _Counts()
     writer = bar = None
@@ -469,12 +477,22 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[st
         if writer is None:
             raise UsageError(str(e)) from None
         c.stopped = str(e)
+    except ReplicaStartError as e:  # the model loaded but a replica of it does not start
+        if writer is None:
+            raise UsageError(_not_started(e)) from None
+        c.stopped = _not_started(e)
     finally:
         if bar is not None:
             bar.close()
         if writer is not None:
             writer.close()
     return c
+
+
+def _not_started(e: Exception) -> str:
+    """What a replica that failed to start (``ReplicaStartError``) says, in one line."""
+    cause = e.__cause__ or e
+    return f"the model does not start: {type(cause).__name__}: {cause}"
 
 
 def _usage_error(e: Exception) -> UsageError:
@@ -735,11 +753,15 @@ def _gather(specs: Sequence[str]) -> list[Any]:
     return items
 
 
+_NOT_REGULAR = "is not a regular file (a device, pipe or socket); give a file"
+
+
 def _read_refs(path: str, read_refs: Any) -> dict[str, str]:
     if not path:
         raise UsageError("--refs is an empty name (an unset shell variable?)")
     if not Path(path).is_file():
-        what = "is a folder, not a reference file (JSONL or TSV)" if Path(path).is_dir() else "not found"
+        what = ("is a folder, not a reference file (JSONL or TSV)" if Path(path).is_dir()
+                else _NOT_REGULAR if os.path.exists(path) else "not found")
         raise UsageError(f"--refs {path}: {what}")
     try:
         return read_refs(path)
@@ -831,6 +853,8 @@ def _read_hyps(path: str) -> list[dict[str, Any]]:
     from polyaccel.asr.results_file import NotResultsFile, scan_results
 
     if not Path(path).is_file():
+        if os.path.exists(path):
+            raise UsageError(f"--hyps {path}: {'is a folder' if Path(path).is_dir() else _NOT_REGULAR}")
         raise UsageError(f"results file not found: {path}")
     try:
         return scan_results(path).records

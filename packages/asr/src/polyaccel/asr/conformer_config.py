@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import types
 from typing import Any
 
 
@@ -116,9 +117,55 @@ class ConformerAEDConfig:
     def load(cls, directory: str | os.PathLike[str]) -> ConformerAEDConfig:
         from polyaccel.asr.config_limits import check_sizes, read_json_object
 
-        config = cls.from_dict(read_json_object(os.path.join(directory, "config.json")))
-        check_sizes(config, directory)  # before any module of these sizes is made
-        return config
+        names = {f.name for f in dataclasses.fields(cls)}
+        given = {k: v for k, v in read_json_object(os.path.join(directory, "config.json")).items() if k in names}
+        values = {**cls().to_dict(), **given}
+        check_values(values, directory)  # the checks of __post_init__ would raise TypeError, ZeroDivisionError
+        check_sizes(types.SimpleNamespace(**values), directory)  # before any module of these sizes is made
+        return cls.from_dict(values)
+
+
+_KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+          "tuple[int, ...]": "a non-empty list of integers"}
+MAX_BUCKET = {"batch_buckets": 1 << 16, "frame_buckets": 1 << 17}
+"""Largest batch and feature-frame bucket a config may ask for (graphs and buffers are sized by them)."""
+
+
+def check_values(values: dict[str, Any], source: str | os.PathLike) -> None:
+    """Raise ``ValueError`` naming ``source``'s config.json when a field of ``values`` (every
+    field of :class:`ConformerAEDConfig`) is not of its type (a string for a size, ``null`` for
+    a token id, a list for a bucket), a special token id is outside [0, vocab_size), a bucket
+    is outside [1, :data:`MAX_BUCKET`], ``layer_norm_eps`` is not in (0, 1) or
+    ``decoder_activation`` is not one core's ops know."""
+    from polyaccel.core.ops import _ACTIVATIONS
+
+    where = f"{source}/config.json"
+
+    def bad(name: str, want: str) -> ValueError:
+        text = repr(values[name])
+        return ValueError(f"{where}: {name}={text if len(text) <= 60 else text[:57] + '...'} is not {want} "
+                          "(a corrupt or hand-edited config?)")
+
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    for f in dataclasses.fields(ConformerAEDConfig):
+        v = values[f.name]
+        ok = {"int": is_int(v), "float": is_int(v) or isinstance(v, float) and math.isfinite(v),
+              "str": isinstance(v, str), "bool": isinstance(v, bool),
+              "tuple[int, ...]": isinstance(v, (list, tuple)) and bool(v) and all(is_int(x) for x in v)}[f.type]
+        if not ok:
+            raise bad(f.name, _KINDS[f.type])
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if not 0 <= values[name] < values["vocab_size"]:
+            raise bad(name, f"a token id in [0, vocab_size={values['vocab_size']})")
+    for name, top in MAX_BUCKET.items():
+        if not all(1 <= b <= top for b in values[name]):
+            raise bad(name, f"a list of sizes in [1, {top}]")
+    if not 0 < values["layer_norm_eps"] < 1:
+        raise bad("layer_norm_eps", "a number in (0, 1)")
+    if values["decoder_activation"] not in _ACTIVATIONS:
+        raise bad("decoder_activation", f"one of {', '.join(_ACTIVATIONS)}")
 
 
 def subsampled_length(n: int, layers: int) -> int:

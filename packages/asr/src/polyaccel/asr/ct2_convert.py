@@ -457,7 +457,11 @@ def source_files(src: str | os.PathLike | Sequence[str | os.PathLike], *,
 
 
 def _check_new_dir(out: Path) -> None:
-    """Refuse an ``out`` that exists and is not an empty folder: converting never replaces files."""
+    """Refuse an ``out`` that exists and is not an empty folder (a symbolic link even to one:
+    the new folder would be renamed over the link): converting never replaces files."""
+    if out.is_symlink():
+        raise FileExistsError(f"{out} is a symbolic link; converting writes a new folder and replaces nothing "
+                              "(give the folder it leads to)")
     if out.is_dir() and not any(out.iterdir()):
         return
     if os.path.lexists(out):

@@ -9,7 +9,8 @@ existing file is never replaced unless ``--overwrite``, and never when it is one
 transcribed inputs (audio named ``talk.txt``), the results file, or a file that does not hold
 text (audio or other binary data: a relative input path read from another directory finds no
 input, but the audio is still not text); a new one is created exclusively
-(``O_EXCL``), a replaced one written next to it and renamed over it.
+(``O_EXCL``), a replaced one written next to it and renamed over it. The temporary a kill
+left beside a file (``a.srt.<12 hex>.tmp``) is removed by the rerun that has that file.
 
 A file that already holds exactly what would be written counts as done (a rerun succeeds); a
 ``-d`` folder the run created is removed again if nothing was written into it.
@@ -31,7 +32,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from polyaccel.core.files import create_file, replace_file
+from polyaccel.core.files import NAME_MAX, create_file, fit_name, replace_file
 
 FORMATS = ("srt", "vtt", "txt")
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_NOTHING_DONE = 0, 1, 2, 3
@@ -125,6 +126,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         if not os.path.isfile(args.results):
+            if os.path.exists(args.results):
+                raise ExportUsageError(f"{args.results} is not a regular file (a folder, device or pipe); "
+                                       "export reads the results file `transcribe` wrote")
             raise ExportUsageError(f"no such results file: {args.results}")
         try:
             records = scan_results(args.results).records
@@ -134,6 +138,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise ExportUsageError(f"cannot read {args.results}: {e.strerror or e}") from None
         created = _missing_dirs(args.dir)
         out_dir = _out_dir(args.dir)
+        leftovers = _killed_writes(out_dir)
     except ExportUsageError as e:
         _say(f"polyaccel-asr export: error: {e}")
         return EXIT_USAGE
@@ -173,6 +178,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         except FileExistsError:
             if _holds_exactly(target, body.encode("utf-8")):  # a rerun: this very file is there
                 same += 1
+                _remove(leftovers.pop(os.path.basename(target), ()))
                 continue
             problems += 1
             _say(f"  skipped {shown}: {_show(target)} exists with other content (--overwrite replaces it)")
@@ -182,8 +188,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             _say(f"  failed {shown}: cannot write {_show(target)}: {e.strerror or e}")
             continue
         written += 1
+        _remove(leftovers.pop(os.path.basename(target), ()))
         if not args.quiet and os.path.basename(target) != _name(path, args.format):
-            _say(f"  {shown} -> {_show(target)} (name taken by another input)")
+            why = "name cut to fit" if len(_name(path, args.format)) > NAME_MAX else "name taken by another input"
+            _say(f"  {shown} -> {_show(target)} ({why})")
     if not written:
         for d in reversed(created):  # no empty folders left by a run that wrote nothing
             with contextlib.suppress(OSError):
@@ -228,14 +236,25 @@ def _target(out_dir: bytes, path: str, fmt: str, taken: set[str]) -> bytes:
     """The file for ``path`` in ``out_dir``: its :func:`_name`, or ``stem-2.fmt``, ... when another
     input took that name in any letter case (``A.srt`` and ``a.srt`` are one file on macOS and
     Windows file systems)."""
-    name = _name(path, fmt)
-    stem = name[: -len(fmt) - 1]
-    k = 1
+    ext = b"." + fmt.encode()
+    stem = _name(path, fmt)[: -len(ext)]
+    name, k = _fit(stem, NAME_MAX - len(ext)) + ext, 1
     while _fold(name) in taken:
         k += 1
-        name = stem + b"-%d." % k + fmt.encode()
+        name = _fit(stem, NAME_MAX - len(ext) - len(b"-%d" % k)) + b"-%d" % k + ext
     taken.add(_fold(name))
     return os.path.join(out_dir, name)
+
+
+def _fit(stem: bytes, room: int) -> bytes:
+    """``stem`` cut to ``room`` bytes (whole characters when it is UTF-8): an input named with
+    the 255 bytes a file name may have, ``x.au``, has no room for ``.srt``."""
+    if len(stem) <= room:
+        return stem
+    try:
+        return os.fsencode(fit_name(stem.decode("utf-8"), room))
+    except UnicodeDecodeError:
+        return stem[:room]
 
 
 def _fold(name: bytes) -> str:
@@ -266,6 +285,39 @@ def _missing_dirs(d: str) -> list[str]:
         missing.append(path)
         path = os.path.dirname(path)
     return missing[::-1]
+
+
+_TEMP = re.compile(rb"(.+\.(?:srt|vtt|txt))\.[0-9a-f]{12}\.tmp")
+
+
+def _killed_writes(out_dir: bytes) -> dict[bytes, list[bytes]]:
+    """The temporary files an export killed mid-write left in ``out_dir`` (``a.srt.<12 hex>.tmp``:
+    regular files of ours, older than this run), by the name they were for. Each is removed
+    once this run has that file (so only a name this run writes, never anything else)."""
+    import time
+
+    found: dict[bytes, list[bytes]] = {}
+    now, uid = time.time(), os.getuid()
+    try:
+        names = os.listdir(out_dir)
+    except OSError:
+        return found
+    for name in names:
+        m = _TEMP.fullmatch(name)
+        if not m:
+            continue
+        path = os.path.join(out_dir, name)
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == uid and st.st_mtime < now - 1:
+                found.setdefault(m[1], []).append(path)
+    return found
+
+
+def _remove(paths: Sequence[bytes]) -> None:
+    for p in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(p)
 
 
 def _open_existing(path: bytes) -> int:

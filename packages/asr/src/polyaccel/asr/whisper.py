@@ -38,6 +38,7 @@ from polyaccel.core import ops
 from polyaccel.core.graphs import GraphSpec, ShapeBuckets
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+_NO_TIMESTAMPS_ID = 50362  # <|notimestamps|> of the English-only checkpoints
 
 
 # ---- config ----------------------------------------------------------------------------
@@ -66,7 +67,7 @@ class WhisperConfig:
     # decoding
     decoder_start_token_id: int = 50257
     eos_token_id: int = 50256
-    no_timestamps_token_id: int | None = 50362
+    no_timestamps_token_id: int | None = _NO_TIMESTAMPS_ID
     max_initial_timestamp_index: int | None = None
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
@@ -106,18 +107,68 @@ class WhisperConfig:
                   "begin_suppress_tokens", "is_multilingual", "lang_to_id", "task_to_id"):
             if gen.get(k) is not None:
                 kw[k] = gen[k]
-        if isinstance(kw.get("eos_token_id"), list):
+        if isinstance(kw.get("eos_token_id"), list) and kw["eos_token_id"]:
             kw["eos_token_id"] = kw["eos_token_id"][0]
-        kw["suppress_tokens"] = tuple(kw.get("suppress_tokens") or ())
-        kw["begin_suppress_tokens"] = tuple(kw.get("begin_suppress_tokens") or ())
+        for k in ("suppress_tokens", "begin_suppress_tokens"):
+            kw[k] = tuple(kw[k]) if isinstance(kw.get(k), list) else kw.get(k) or ()
         kw.setdefault("is_multilingual", cfg.get("vocab_size", 51864) >= 51865)
+        vocab = kw.get("vocab_size", 51864)
+        if "no_timestamps_token_id" not in kw and isinstance(vocab, int) and vocab <= _NO_TIMESTAMPS_ID:
+            kw["no_timestamps_token_id"] = None  # not named, and the default is beyond this vocabulary
         config = cls(**kw)
         check_sizes(config, path)  # before any module or buffer of these sizes is made
+        check_decoding(config, path)
         if config.n_frames != 2 * config.max_source_positions:
             raise ValueError(f"{path}/config.json: a {config.chunk_seconds} s window at {config.sample_rate} Hz, "
                              f"hop {config.hop_length}, is {config.n_frames} frames; the encoder takes "
                              f"{2 * config.max_source_positions} (2 x max_source_positions)")
         return config
+
+
+def check_decoding(config: WhisperConfig, path: str | os.PathLike) -> None:
+    """Raise ``ValueError`` naming the files when a decoding field of ``config`` is not what
+    decoding indexes with: token ids (start, eos, ``<|notimestamps|>``, suppressed tokens,
+    ``lang_to_id``/``task_to_id``) that are not integers in [0, vocab_size), a
+    ``max_initial_timestamp_index`` that is not an integer >= 0, a ``layer_norm_eps`` that is
+    not a finite number > 0, an ``is_multilingual`` that is not true or false. Without this a
+    corrupt or hand-edited config failed every file at recognition, or decoded garbage (an
+    eos id beyond the vocabulary never ends a text)."""
+    where = f"{path}/config.json or generation_config.json"
+    vocab = config.vocab_size
+
+    def bad(name: str, value: Any, want: str) -> ValueError:
+        return ValueError(f"{where}: {name}={_short(value)} is not {want} (a corrupt or hand-edited config?)")
+
+    def is_id(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < vocab
+
+    token_id = f"a token id in [0, {vocab})"
+    for name in ("decoder_start_token_id", "eos_token_id"):
+        if not is_id(getattr(config, name)):
+            raise bad(name, getattr(config, name), token_id)
+    if config.no_timestamps_token_id is not None and not is_id(config.no_timestamps_token_id):
+        raise bad("no_timestamps_token_id", config.no_timestamps_token_id, token_id)
+    for name in ("suppress_tokens", "begin_suppress_tokens"):
+        ids = getattr(config, name)
+        if not isinstance(ids, tuple) or not all(is_id(i) for i in ids):
+            raise bad(name, ids, f"a list of token ids in [0, {vocab})")
+    mi = config.max_initial_timestamp_index
+    if mi is not None and (isinstance(mi, bool) or not isinstance(mi, int) or mi < 0):
+        raise bad("max_initial_timestamp_index", mi, "an integer >= 0")
+    eps = config.layer_norm_eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise bad("layer_norm_eps", eps, "a number in (0, 1)")
+    if not isinstance(config.is_multilingual, bool):
+        raise bad("is_multilingual", config.is_multilingual, "true or false")
+    for name in ("lang_to_id", "task_to_id"):
+        table = getattr(config, name)
+        if not isinstance(table, dict) or not all(isinstance(k, str) and is_id(v) for k, v in table.items()):
+            raise bad(name, table, f"an object of token ids in [0, {vocab})")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---- log-mel front end --------------------------------------------------------------------
@@ -453,6 +504,7 @@ class WhisperASR(ASRModel):
         config = WhisperConfig.from_pretrained(path)
         with torch.device("meta"):
             model = cls(config, path / "tokenizer.json", language=language, task=task)
+        model.prompt_ids()  # a language or task the checkpoint lacks: refused here, not when a replica starts
         state: dict[str, torch.Tensor] = {}
         files = loaded_weight_files(path)
         if not files:
