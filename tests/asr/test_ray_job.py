@@ -177,7 +177,10 @@ def _two_clips() -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_ray_job_on_a_local_cluster_matches_in_process(asr_cli, one_thread: None, tmp_path: Path) -> None:
+def test_ray_job_on_a_local_cluster_matches_in_process(asr_cli, one_thread: None, tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Also: ``--num-actors`` above what the 2-CPU cluster can place starts the actors that fit
+    (a fixed pool of 3 waited for ever) and says so."""
     ray = pytest.importorskip("ray")
     clips = _two_clips()
     inputs = [clips[0], str(tmp_path / "missing.wav"), clips[1]]
@@ -188,9 +191,11 @@ def test_ray_job_on_a_local_cluster_matches_in_process(asr_cli, one_thread: None
     try:
         # Half done already: the Ray job must resume like the local path.
         remote.write_text(json.dumps(asr_cli.results(local)[0]) + "\n")
-        assert cli.main(["transcribe", *inputs, "-o", str(remote), "--ray", "--backend", "cpu", "-q"]) == 1
+        assert cli.main(["transcribe", *inputs, "-o", str(remote), "--ray", "--backend", "cpu", "-q",
+                         "--num-actors", "3"]) == 1
     finally:
         ray.shutdown()
+    assert "--num-actors 3: the cluster has room for 2 now" in caplog.text
     want = [(r["path"], r["text"], r["error"], r["duration_s"]) for r in asr_cli.results(local)]
     got = [(r["path"], r["text"], r["error"], r["duration_s"]) for r in asr_cli.results(remote)]
     assert got[0] == want[0]

@@ -347,7 +347,8 @@ def test_a_users_lock_file_next_to_the_output_is_never_ours(asr_cli, loads: list
 
 
 @pytest.mark.parametrize("argv", [["transcribe", "{wav}", "-o", "{out}", "--replicas", "100000"],
-                                  ["bench", "{wav}", "--repeat", "1000000000"]])
+                                  ["bench", "{wav}", "--repeat", "1000000000"],
+                                  ["transcribe", "{wav}", "-o", "{out}", "--batch-size", "99999999999999999999"]])
 def test_absurd_replica_and_repeat_counts_are_usage_errors(asr_cli, loads: list[str], tmp_path: Path,
                                                            argv: list[str], capsys: pytest.CaptureFixture) -> None:
     """``--replicas 100000`` ran out of threads into a traceback that hid the cause ("cannot join

@@ -73,6 +73,7 @@ what was written is kept, rerun to resume;
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_NOTHING_DONE = 0, 1, 2, 3
 MAX_REPLICAS = 256  # model copies in this process, a thread each: more is a typo, not a setting
 MAX_REPEAT = 10_000  # bench --repeat: a list of that many copies of the inputs
+MAX_BATCH_SIZE = 65_536  # items per replica batch: up to 4 batches of files are read ahead into memory
 
 
 class UsageError(Exception):
@@ -157,9 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--replicas", type=integer(1, MAX_REPLICAS), default=None,
                         help="model replicas (default: the backend's: one on the CPU, two per GPU; "
                              f"at most {MAX_REPLICAS})")
-        sp.add_argument("--batch-size", type=integer(1), default=None,
+        sp.add_argument("--batch-size", type=integer(1, MAX_BATCH_SIZE), default=None,
                         help=batch_size_help or "items per replica batch (default: the backend's: 8 on the CPU, "
-                                                "64 on a GPU)")
+                                                f"64 on a GPU; at most {MAX_BATCH_SIZE})")
         sp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="model dtype (default: the backend's)")
         sp.add_argument("--batch-invariant", action="store_true",

@@ -22,6 +22,8 @@ import numpy as np
 
 from polyaccel.asr.manifest import InputItem
 
+_log = logging.getLogger(__name__)
+
 RAY_INSTALL_HINT = "pip install 'polyaccel-asr[ray]' (or: pip install 'ray[default,data]')"
 
 
@@ -120,15 +122,20 @@ def cluster_backend(ray: Any, requested: str) -> tuple[str, dict[str, Any]]:
     return be.name, {"num_cpus": 1, "resources": {key: units}}
 
 
-def _default_actors(ray: Any, resources: dict[str, Any]) -> int:
+def _actor_room(ray: Any, resources: dict[str, Any]) -> int:
+    """How many actors asking for ``resources`` the cluster can place now (at least 1)."""
     have = ray.cluster_resources()
     if "num_gpus" in resources:
         return max(1, int(have.get("GPU", 1) // resources["num_gpus"]))
     if "resources" in resources:
         (key, units), = resources["resources"].items()
         return max(1, int(have.get(key, units) // units))
-    # CPU: one actor per 4 CPUs leaves room for Ray Data's own tasks and torch's threads.
-    return max(1, int(have.get("CPU", 1)) // 4)
+    return max(1, int(have.get("CPU", 1) // resources.get("num_cpus", 1)))
+
+
+def _on_cpus(resources: dict[str, Any]) -> bool:
+    """CPU actors: by default one per 4 CPUs, leaving room for Ray Data's own tasks and torch's threads."""
+    return "num_gpus" not in resources and "resources" not in resources
 
 
 class RowsLost(RuntimeError):
@@ -238,7 +245,11 @@ def transcribe_with_ray(items: Sequence[InputItem], opts: RayJobOptions) -> Iter
     saved = ctx.execution_options.preserve_order, ctx.enable_progress_bars
     try:
         backend, resources = cluster_backend(ray, opts.backend)
-        actors = opts.num_actors or _default_actors(ray, resources)
+        room = _actor_room(ray, resources)
+        actors = opts.num_actors or max(1, room // 4 if _on_cpus(resources) else room)
+        if actors > room:
+            _log.warning("--num-actors %d: the cluster has room for %d now; the job starts with those "
+                         "and grows if the cluster does", actors, room)
         per_call = opts.rows_per_call or max(1, 4 * (opts.batch_size or 8) * (opts.replicas or 1))
         logging.getLogger("ray.data").setLevel(logging.WARNING)  # per-dataset INFO lines are noise here
         ctx.execution_options.preserve_order = True  # results in input order, on the driver
@@ -250,7 +261,8 @@ def transcribe_with_ray(items: Sequence[InputItem], opts: RayJobOptions) -> Iter
         ds = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_call)))
         ds = ds.map_batches(TranscribeActor, fn_constructor_kwargs={"opts": opts, "backend": backend},
                             batch_size=per_call, batch_format="numpy",
-                            compute=ray.data.ActorPoolStrategy(size=actors), **resources)
+                            compute=ray.data.ActorPoolStrategy(min_size=max(1, min(actors, room)),
+                                                               max_size=actors), **resources)
         try:
             yield from records_of(ds.iter_batches(batch_size=None, batch_format="numpy"), items)
         except ray.exceptions.RayActorError as e:
