@@ -122,3 +122,13 @@ def test_load_adapter_refuses_an_adapter_file_that_lacks_or_adds_tensors(lora_ch
             lora.load_adapter(tiny(), str(src))
     model = lora.load_adapter(tiny(), str(lora_checkpoint))
     assert any("lora_B" in n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("sets", [["lora.experts=false", "lora.dropout=0.1"], ["lora.target_modules=[]"]],
+                         ids=["attention only", "experts only"])
+def test_lora_sections_whose_saved_config_leaves_a_list_empty_resume(tmp_path, sets):
+    """PEFT writes an unset list field as [] (``target_parameters`` with no expert or router
+    adapters) where the run's config has None: the same adapters, not a mismatch."""
+    assert _finetune(tmp_path, "train.max_steps=1", *sets) == 0
+    assert _finetune(tmp_path, "train.max_steps=2", *sets) == 0
+    assert ckpt.find_resume(tmp_path / "ck", "auto") == ckpt.step_dir(tmp_path / "ck", 2)

@@ -397,6 +397,8 @@ def adapter_config_mismatch(path: str | Path, settings: LoraSettings) -> str | N
 
 
 def _normalized(value: Any) -> Any:
+    if isinstance(value, set | list | tuple | dict) and not value:
+        return None  # PEFT saves an unset list field as [] or null
     if isinstance(value, set | list | tuple):
         return sorted(map(str, value))
     if isinstance(value, bool) or value is None:
