@@ -7,16 +7,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-from polyaccel.core.argtypes import integer, number
-from polyaccel.core.clitools import (
-    broken_pipe,
-    dumps,
-    exit_process,
-    interrupt_status,
-    second_ctrl_c_ends_at_once,
-    sigterm_as_interrupt,
-)
-
 _EPILOG = """examples:
   polyaccel-moe presets
   polyaccel-moe finetune packages/moe/examples/tiny_synthetic_cpu.yaml
@@ -59,6 +49,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _finetune(args: argparse.Namespace) -> int:
+    from polyaccel.core.clitools import dumps
     from polyaccel.moe.train_config import ConfigError, load_config
 
     ray_only = [flag for flag, value in (("--workers", args.workers), ("--address", args.address),
@@ -101,6 +92,7 @@ def _finetune(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from polyaccel.core.clitools import dumps
     from polyaccel.moe.train import NonFiniteError, benchmark
     from polyaccel.moe.train_config import load_config
 
@@ -137,6 +129,8 @@ def _presets(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``polyaccel-moe`` argument parser."""
+    from polyaccel.core.argtypes import integer, number
+
     p = argparse.ArgumentParser(prog="polyaccel-moe", description="Fine-tune and benchmark Mixture-of-Experts models.",
                                 epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -174,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (see ``_EPILOG``)."""
+    from polyaccel.core.clitools import (
+        broken_pipe,
+        interrupt_status,
+        second_ctrl_c_ends_at_once,
+        sigterm_as_interrupt,
+    )
     from polyaccel.moe.train_config import ConfigError
 
     args = build_parser().parse_args(argv)
@@ -220,7 +220,13 @@ def _interrupted(args: argparse.Namespace, word: str = "interrupted") -> str:
 
 def run() -> None:
     """The ``polyaccel-moe`` command: :func:`main`'s status as the exit code (see
-    :func:`polyaccel.core.clitools.exit_process` for the ranks of a multi-process run)."""
+    :func:`polyaccel.core.clitools.exit_process` for the ranks of a multi-process run). A
+    Ctrl-C while torch loads (seconds, before :func:`main` can catch it) is one line, 130."""
+    try:
+        from polyaccel.core.clitools import exit_process
+    except KeyboardInterrupt:
+        print("polyaccel-moe: interrupted while starting; nothing was run or saved", file=sys.stderr)
+        raise SystemExit(130) from None
     exit_process(main())
 
 

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import re
 import types
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -324,15 +326,86 @@ def apply_lora(model: nn.Module, settings: LoraSettings, *, seq_len: int | None 
 
 def load_adapter(model: nn.Module, path: str, *, trainable: bool = True, settings: LoraSettings | None = None,
                  seq_len: int | None = None, micro_batch: int = 1) -> nn.Module:
-    """Load a PEFT adapter directory (ours or plain PEFT's) onto ``model``; returns the ``PeftModel``."""
+    """Load a PEFT adapter directory (ours or plain PEFT's) onto ``model``; returns the ``PeftModel``.
+    ``ValueError`` when the file lacks some of the model's adapter tensors or holds others
+    (:func:`check_adapter_keys`)."""
     peft = require_peft()
     if settings is not None:
         settings = resolve_recompute_for(model, settings, seq_len, micro_batch)
     model = peft.PeftModel.from_pretrained(model, path, is_trainable=trainable)
+    check_adapter_keys(model, path)
     compute_linear_lora_in_input_dtype(model)
     if settings is not None and settings.recompute == "selective":
         enable_selective_recompute(model)
     return model
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+#: ``adapter_config.json`` fields that change what the adapters are or compute
+_ADAPTER_FIELDS = ("peft_type", "r", "lora_alpha", "lora_dropout", "target_modules", "target_parameters",
+                   "use_rslora", "use_dora", "bias", "fan_in_fan_out", "modules_to_save", "layers_to_transform",
+                   "layers_pattern", "rank_pattern", "alpha_pattern", "exclude_modules")
+
+
+def _saved_keys(path: str | Path) -> list[str]:
+    """The tensor names in the PEFT adapter folder ``path`` (the safetensors header only, else
+    PEFT's own ``weights_only`` load of ``adapter_model.bin``)."""
+    file = Path(path) / ADAPTER_WEIGHTS
+    if file.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    from peft.utils import load_peft_weights
+
+    return list(load_peft_weights(str(path), device="cpu"))
+
+
+def check_adapter_keys(model: nn.Module, path: str | Path) -> None:
+    """Raise ``ValueError`` unless the adapter file in ``path`` holds exactly the adapter
+    tensors of ``model`` (a ``PeftModel``): PEFT leaves adapters the file lacks at their fresh
+    initialisation and drops tensors the model has no place for, each with at most a warning."""
+    peft = require_peft()
+    expected = set(peft.get_peft_model_state_dict(model))
+    saved = set(_saved_keys(path))
+    missing, unexpected = sorted(expected - saved), sorted(saved - expected)
+    if missing or unexpected:
+        what = [f"{len(missing)} of this model's adapter tensors are missing (first: {missing[0]})"] if missing else []
+        what += [f"{len(unexpected)} are for modules this model lacks (first: {unexpected[0]})"] if unexpected else []
+        raise ValueError(f"the adapters in {path} are not this model's: {'; '.join(what)}")
+
+
+def adapter_config_mismatch(path: str | Path, settings: LoraSettings) -> str | None:
+    """How ``path``'s ``adapter_config.json`` differs from the adapters ``settings`` describe
+    (the first differing field, both values), or None when it matches."""
+    file = Path(path) / ADAPTER_CONFIG
+    try:
+        saved = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        return f"{file} is unreadable ({type(e).__name__}: {e})"
+    if not isinstance(saved, dict):
+        return f"{file} is not a JSON object"
+    want = settings.peft_config().to_dict()
+    for key in _ADAPTER_FIELDS:
+        have = saved.get(key, want.get(key))
+        if _normalized(have) != _normalized(want.get(key)):
+            shown = want.get(key)
+            shown = sorted(shown) if isinstance(shown, set | list | tuple) else getattr(shown, "value", shown)
+            return f"{file} has {key}={have!r}, this run's lora section gives {shown!r}"
+    return None
+
+
+def _normalized(value: Any) -> Any:
+    if isinstance(value, set | list | tuple | dict) and not value:
+        return None  # PEFT saves an unset list field as [] or null
+    if isinstance(value, set | list | tuple):
+        return sorted(map(str, value))
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int | float):
+        return float(value)
+    return str(getattr(value, "value", value))
 
 
 def _plain_linear_lora(module: nn.Module) -> bool:
@@ -458,6 +531,8 @@ def finetune_setup(model: nn.Module, section: Any, train: Any, resume_from: Any,
                        "checkpoints save RNG state on the host")
         train = dataclasses.replace(train, cuda_graph=False)
     backend = getattr(model, "backend_config", None)
+    if resume_from is not None:
+        _check_resumed_adapter(Path(resume_from), settings)
     try:
         if resume_from is not None:
             model = load_adapter(model, str(resume_from), trainable=True, settings=settings, **shape)
@@ -482,6 +557,20 @@ def finetune_setup(model: nn.Module, section: Any, train: Any, resume_from: Any,
                           "lm_head.weight, not the adapters); remove lm_head, or set model.backend.loss=standard",
                           key="lora.target_modules")
     return model, dataclasses.replace(train, wgrad_window=1)
+
+
+def _check_resumed_adapter(path: Path, settings: LoraSettings) -> None:
+    """A LoRA checkpoint's adapter files are safetensors and the adapters of this run's ``lora``
+    section; a :class:`~polyaccel.moe.checkpoint.CheckpointError` otherwise."""
+    from polyaccel.moe.checkpoint import CheckpointError
+
+    why = None if (path / ADAPTER_WEIGHTS).is_file() else (
+        f"{path / ADAPTER_WEIGHTS} is missing (weights are read from safetensors only, never from a pickled "
+        "adapter_model.bin)")
+    why = why or adapter_config_mismatch(path, settings)
+    if why is not None:
+        raise CheckpointError(f"checkpoint.resume: the LoRA adapters in {path} cannot be loaded ({why}); resume from "
+                              "another checkpoint, or use a new checkpoint.dir")
 
 
 # ---------------------------------------------------------------------------------------------
