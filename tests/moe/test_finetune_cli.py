@@ -228,6 +228,9 @@ def test_finetune_in_process_writes_a_transformers_checkpoint(capsys, tmp_path):
     assert plain.config.num_hidden_layers == 2
     ids = torch.randint(0, 128, (1, 16))
     assert torch.isfinite(plain(input_ids=ids, labels=ids).loss)
+    # The weights are as readable as the config (safetensors writes 0600 on its own).
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
 
 
 def test_bench_reports_throughput(capsys):

@@ -1717,6 +1717,19 @@ size and modification time of each weight file (hashing gigabytes would cost a s
 a rename keeps both): what a later save there checks for the user's edits (:func:`_edited`)."""
 
 
+def _weights_readable_as_config(folder: Path) -> None:
+    """Give the weight files in ``folder`` the permission bits of its config (0666 less the
+    umask): safetensors writes them 0600, so a model whose config others can read had weights
+    only its owner could."""
+    marker = next((folder / n for n in _MODEL_MARKERS if (folder / n).is_file()), None)
+    if marker is None:
+        return
+    mode = stat.S_IMODE(marker.stat().st_mode)
+    for p in folder.iterdir():
+        if _WEIGHT_FILE.match(p.name) and p.is_file() and not p.is_symlink():
+            p.chmod(mode)
+
+
 def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: Path | None = None, *,
                   tokenizer_optional: bool = False, foreign: str | None = None) -> None:
     """Write the final model into ``out`` (default ``cfg.output_dir``): first whole into a
@@ -1759,6 +1772,7 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
                                "without it", tok_dir, ckpt.describe(e))
             else:
                 tokenizer.save_pretrained(staging)
+        _weights_readable_as_config(staging)
         for name in _KEPT_NAMES:
             if os.path.lexists(out / name) and os.path.lexists(staging / name):
                 (staging / name).unlink()
