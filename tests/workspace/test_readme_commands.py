@@ -26,7 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 STAND_IN = ROOT / "packages/moe/examples/tiny_synthetic_cpu.yaml"  # for placeholder configs (cfg.yaml)
-EXTERNAL = {"cp", "ray start"}  # other programs' commands, shown as they are documented by them
+EXTERNAL = {"cp", "ray start", "ray stop"}  # other programs' commands, shown as they are documented by them
 
 
 def fenced(text: str, lang: str | None) -> list[str]:
