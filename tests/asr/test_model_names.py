@@ -124,6 +124,18 @@ def test_unknown_name_says_what_to_install(hf_cache: Path, cache: Path, offline:
     assert isinstance(err.value, ValueError)  # the CLI turns it into exit status 2
 
 
+def test_a_model_path_that_is_no_folder_says_so(tmp_path: Path, cache: Path, offline: None) -> None:
+    """``--model /tmp/nomodel`` said "is not installed here" with the list of known names; a
+    path is no name to install: it says there is no such folder (or that it is a file)."""
+    with pytest.raises(ModelNotInstalled, match=r"nomodel: no such model folder$"):
+        resolve(str(tmp_path / "nomodel"), cache=cache)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ModelNotInstalled, match=r"file: not a folder$"):
+        resolve(str(tmp_path / "file"), cache=cache)
+    with pytest.raises(ModelNotInstalled, match=r"^\./nomodel: no such model folder$"):
+        resolve("./nomodel", cache=cache)
+
+
 def test_missing_weight_package_names_its_pip_line(monkeypatch: pytest.MonkeyPatch, cache: Path,
                                                    offline: None) -> None:
     real_find_spec = weights.importlib.util.find_spec

@@ -330,7 +330,7 @@ def test_a_model_missing_here_is_refused_before_a_cluster_starts(tmp_path: Path,
                      "-q"]) == 2
     err = capfd.readouterr().err
     assert err.startswith("polyaccel-asr transcribe: error: ") and err.count("\n") == 1, err
-    assert "is not installed here" in err
+    assert "nomodel: no such model folder" in err
     assert not started and not out.exists()
 
 

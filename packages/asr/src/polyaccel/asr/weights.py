@@ -278,6 +278,8 @@ def resolve(path_or_name: str | os.PathLike, *, cache: str | os.PathLike | None 
     if path.is_dir():
         raise ValueError(f"{path}: neither a Hugging Face model (config.json + *.safetensors) nor a "
                          f"CTranslate2 model (model.bin)")
+    if key.startswith(("/", "./", "../", "~")):  # a path, never a name or a repo id
+        raise ModelNotInstalled(f"{key}: " + ("not a folder" if os.path.lexists(path) else "no such model folder"))
     found = _hf_cached(key)
     if found is not None:
         repo, snapshot = found
