@@ -315,3 +315,15 @@ def test_wer_values() -> None:
     assert wer([""], [""]) == 0.0
     with pytest.raises(ValueError):
         wer(["a"], [])
+
+
+def test_a_manifest_giving_one_file_two_texts_is_refused(tmp_path: Path) -> None:
+    """The second line's text was dropped without a word, so WER scored against whichever came
+    first; the same text twice, or a line without text, is fine."""
+    m = tmp_path / "m.jsonl"
+    m.write_text('{"path": "a.wav", "text": "one"}\n{"path": "./a.wav", "text": "one"}\n{"path": "a.wav"}\n')
+    assert [it.ref for it in read_manifest(m)] == ["one", "one", None]
+    m.write_text('{"path": "a.wav", "text": "one"}\n{"path": "b.wav", "text": "two"}\n'
+                 '{"path": "./a.wav", "text": "won"}\n')
+    with pytest.raises(ValueError, match=r"m\.jsonl:3: '\./a\.wav' has another 'text' on line 1"):
+        read_manifest(m)

@@ -88,9 +88,11 @@ def _files_under(folder: Path) -> Iterator[Path]:
 
 
 def read_manifest(path: str | os.PathLike) -> list[InputItem]:
-    """Read a NeMo-style JSONL manifest: ``{"audio_filepath" | "path": str, "text"?: str}``."""
+    """Read a NeMo-style JSONL manifest: ``{"audio_filepath" | "path": str, "text"?: str}``.
+    One file given two different texts is a ``ValueError`` (which is the reference?)."""
     path = Path(path)
     items = []
+    texts: dict[str, tuple[str, int]] = {}
     for lineno, line in enumerate(_text_lines(path), 1):
         if not line.strip():
             continue
@@ -111,6 +113,12 @@ def read_manifest(path: str | os.PathLike) -> list[InputItem]:
         audio_path = Path(audio)
         if not audio_path.is_absolute():
             audio_path = path.parent / audio_path
+        if text is not None:
+            key = path_key(str(audio_path))
+            first = texts.setdefault(key, (text, lineno))
+            if first[0] != text:
+                raise ValueError(f"{path}:{lineno}: {audio!r} has another 'text' on line {first[1]}: "
+                                 f"which one is the reference?")
         items.append(InputItem(str(audio_path), text))
     return items
 
