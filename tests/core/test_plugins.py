@@ -95,8 +95,19 @@ def test_extra_plugins_env_registers_modules(monkeypatch):
 def test_broken_plugin_import_is_loud(monkeypatch):
     monkeypatch.setenv(plugins.DISABLE_AUTOLOAD_ENV, "1")
     monkeypatch.setenv(plugins.EXTRA_PLUGINS_ENV, "polyaccel.does_not_exist")
-    with pytest.raises(ModuleNotFoundError):
+    with pytest.raises(plugins.PluginImportError, match="POLYACCEL_PLUGINS names 'polyaccel.does_not_exist'"):
         backends()
+
+
+def test_a_typo_in_polyaccel_plugins_is_one_line_from_the_cli(monkeypatch, capsys):
+    """The library raises (above); the ``polyaccel`` command said it with a 27-line traceback."""
+    monkeypatch.setattr(plugins, "_pm", None)
+    monkeypatch.setenv(plugins.DISABLE_AUTOLOAD_ENV, "1")
+    monkeypatch.setenv(plugins.EXTRA_PLUGINS_ENV, "nope.mod")
+    assert cli_main(["backends"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("polyaccel: error: POLYACCEL_PLUGINS names 'nope.mod', which cannot be imported: "
+                   "ModuleNotFoundError: No module named 'nope'\n"), err
 
 
 def test_cli_backends_json(capsys):

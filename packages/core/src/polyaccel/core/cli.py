@@ -7,6 +7,7 @@ import platform
 import sys
 
 from polyaccel.core.clitools import broken_pipe, dumps
+from polyaccel.core.plugins import PluginImportError
 
 
 def _backends(args: argparse.Namespace) -> int:
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except BrokenPipeError as e:  # `polyaccel kernels | head`: the reader left; no traceback
         return broken_pipe(e, "polyaccel")
+    except PluginImportError as e:  # a typo in POLYACCEL_PLUGINS: one line, not a traceback
+        print(f"polyaccel: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import importlib
 import logging
 import os
 import threading
+import types
 from collections.abc import Iterable
 
 import pluggy
@@ -61,12 +62,25 @@ def plugin_manager() -> pluggy.PluginManager:
             pm.register(cpu, name="cpu")
             if not os.environ.get(DISABLE_AUTOLOAD_ENV):
                 _load_entry_points(pm)
-            for modname in filter(None, os.environ.get(EXTRA_PLUGINS_ENV, "").split(",")):
-                if pm.get_plugin(modname.strip()) is None and not pm.is_registered(
-                        importlib.import_module(modname.strip())):
-                    pm.register(importlib.import_module(modname.strip()), name=modname.strip())
+            for modname in filter(None, (m.strip() for m in os.environ.get(EXTRA_PLUGINS_ENV, "").split(","))):
+                module = _import_named_plugin(modname)
+                if pm.get_plugin(modname) is None and not pm.is_registered(module):
+                    pm.register(module, name=modname)
             _pm = pm
         return _pm
+
+
+class PluginImportError(ImportError):
+    """A module named in :data:`EXTRA_PLUGINS_ENV` cannot be imported (a typo, a missing
+    dependency): the message names the variable, the module and the cause."""
+
+
+def _import_named_plugin(modname: str) -> types.ModuleType:
+    try:
+        return importlib.import_module(modname)
+    except ImportError as e:
+        raise PluginImportError(f"{EXTRA_PLUGINS_ENV} names {modname!r}, which cannot be imported: "
+                                f"{type(e).__name__}: {e}", name=e.name) from e
 
 
 def _load_entry_points(pm: pluggy.PluginManager) -> None:
