@@ -322,6 +322,13 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
+def _why(e: Exception) -> str:
+    """``FILE: reason`` for an OSError (not ``[Errno 2] ...``); other errors as they are."""
+    if isinstance(e, OSError) and e.strerror and e.filename is not None:
+        return f"{e.filename}: {e.strerror}"
+    return str(e)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Print one JSON line per row, then the assumptions, the table and the MFU sensitivity."""
     parser = build_parser()
@@ -353,10 +360,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rows = [measured_row(r, prices) for r in best_batches(read_records(args.measured))]
     except KeyError as e:
-        print(f"error: {e.args[0]}", file=sys.stderr)
+        print(f"cost_model.py: error: {e.args[0]}", file=sys.stderr)
         return 2
     except (OSError, UnicodeDecodeError) as e:
-        print(f"error: --measured: {e}", file=sys.stderr)
+        print(f"cost_model.py: error: --measured: {_why(e)}", file=sys.stderr)
         return 2
     rows += [modelled_row(s, chip, prices, mfu=args.mfu, hbm_eff=args.hbm_eff) for s in shapes]
 
@@ -367,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with open(args.out, "w", encoding="utf-8") as f:
                 f.write("\n".join(lines) + "\n")
         except OSError as e:
-            print(f"error: --out: {e}", file=sys.stderr)
+            print(f"cost_model.py: error: --out: {_why(e)}", file=sys.stderr)
             return 2
     print("\nAssumptions:")
     for a in assumptions(chip, prices, shapes, mfu=args.mfu, hbm_eff=args.hbm_eff,

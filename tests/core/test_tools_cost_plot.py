@@ -163,6 +163,8 @@ def test_unreadable_inputs_and_outputs_are_errors_not_tracebacks(tmp_path, capsy
     (tmp_path / "file").write_text("")
     assert plot_bench.main([str(good), "--x", "batch", "--y", "rtfx", "-o", str(tmp_path / "file" / "p.png")]) == 2
     assert "Traceback" not in capsys.readouterr().err
+    assert cost_model.main(["--measured", missing]) == 2  # the file and the reason, not "[Errno 2] ..."
+    assert capsys.readouterr().err == f"cost_model.py: error: --measured: {missing}: No such file or directory\n"
 
 
 def test_an_output_that_is_an_input_is_refused_and_kept(tmp_path, capsys, cost_model, plot_bench):
