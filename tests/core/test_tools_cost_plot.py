@@ -187,3 +187,20 @@ def test_an_output_that_is_an_input_is_refused_and_kept(tmp_path, capsys, cost_m
     assert plot_bench.main([str(bench), "--x", "batch", "--y", "rtfx", "-o", str(tmp_path / "p.jsonl")]) == 2
     err = capsys.readouterr().err
     assert "is an input file" in err and "not supported" in err and "Traceback" not in err
+
+
+def test_bench_pool_times_both_apis_at_each_batch_size(capsys):
+    """tools/bench_pool.py (the pool overhead docs/runtime.md quotes) runs and reports a row per
+    API and batch size, every item accounted for."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_pool", Path(__file__).parents[2] / "tools" / "bench_pool.py")
+    bench_pool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_pool)
+    assert bench_pool.main(["--items", "200", "--repeat", "1", "--batch-sizes", "1,4", "--replicas", "1"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["api"], r["batch_size"]) for r in rows] == [("map", 1), ("map", 4), ("submit", 1), ("submit", 4)]
+    assert all(r["items"] == 200 and r["us_per_item"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        bench_pool.main(["--batch-sizes", "1,x"])
