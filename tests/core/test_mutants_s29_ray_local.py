@@ -88,8 +88,8 @@ def test_ports_ray_does_not_serve_are_not_checked() -> None:
                                           "metrics agent": 40003}
 
 
-def test_init_local_starts_no_dashboard_unless_asked(fresh_token: Path, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def _init_local_with_a_fake_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Run ``init_local(1)`` against a fake Ray; return the keyword arguments of its ``ray.init`` calls."""
     calls: list[dict] = []
     monkeypatch.setattr(ray_local, "import_ray", lambda *a: type("R", (), {"init": staticmethod(
         lambda **k: calls.append(k))}))
@@ -98,6 +98,12 @@ def test_init_local_starts_no_dashboard_unless_asked(fresh_token: Path, tmp_path
     monkeypatch.setattr(ray_local, "_owned_temp_dirs", [])
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     ray_local.init_local(1)
+    return calls
+
+
+def test_init_local_starts_no_dashboard_unless_asked(fresh_token: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _init_local_with_a_fake_ray(tmp_path, monkeypatch)
     assert calls[0]["include_dashboard"] is False
 
 
@@ -251,12 +257,5 @@ def test_loopback_reaches_a_process_that_imported_ray_before(monkeypatch: pytest
 
 def test_init_local_remembers_its_private_folder_for_removal_at_exit(fresh_token: Path, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[dict] = []
-    monkeypatch.setattr(ray_local, "import_ray", lambda *a: type("R", (), {"init": staticmethod(
-        lambda **k: calls.append(k))}))
-    monkeypatch.setattr(ray_local, "_node_ports", lambda ray: {})
-    monkeypatch.setattr(ray_local, "_apply", lambda env: None)
-    monkeypatch.setattr(ray_local, "_owned_temp_dirs", [])
-    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
-    ray_local.init_local(1)
+    calls = _init_local_with_a_fake_ray(tmp_path, monkeypatch)
     assert ray_local._owned_temp_dirs == [str(Path(calls[0]["_temp_dir"]).parent)]
