@@ -278,6 +278,10 @@ def run_one(shape: str, entry: str, a) -> dict:
         fast = a.loop_fast
         if fast is not None and fast["cuda_graph"]:  # "auto" resolves at the first micro-batch
             fast["wgrad_window"] = a.loop_step.wgrad_window
+        if not entry.startswith("hf"):
+            from polyaccel.moe import attention_choice
+
+            fast = {**(fast or {}), "attention": "+".join(sorted(set(attention_choice.chosen().values()))) or "sdpa"}
         step_s = statistics.median(times)
         peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
         if peak is not None and a.peak_warmup is not None:

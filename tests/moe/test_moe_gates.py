@@ -189,7 +189,7 @@ def test_backend_config_is_keyword_only_with_slots():
     cfg = BackendConfig(gate="balanced", gate_noise=0.2)
     with pytest.raises(AttributeError):
         cfg.typo = 1  # type: ignore[attr-defined]
-    assert cfg.experts == "grouped_mm" and cfg.loss == "fused" and cfg.attn == "sdpa"
+    assert cfg.experts == "grouped_mm" and cfg.loss == "fused" and cfg.attn == "auto"
 
 
 def test_unknown_polyaccel_backend_is_an_error():

@@ -173,7 +173,7 @@ def _has(module: str) -> bool:
 
 @pytest.mark.parametrize("sets, message, present", [
     (["train.device=cuda"], "train.device is 'cuda' but CUDA is not available here", torch.cuda.is_available()),
-    (["model.backend.linear=te"], "model.backend: BackendConfig(attn='sdpa', linear='te') needs NVIDIA "
+    (["model.backend.linear=te"], "model.backend: BackendConfig(attn='auto', linear='te') needs NVIDIA "
                                   "TransformerEngine", _has("transformer_engine")),
     (["model.backend.backend=cuda"], "model.backend.backend: backend 'cuda' is not available here",
      torch.cuda.is_available()),

@@ -11,6 +11,7 @@
 | ``linear_cross_entropy`` / ``linear_cross_entropy_grads`` | chunked LM head + CE with in-forward gradients (:mod:`.cross_entropy`) |
 | ``add_scaled_`` | one Triton pass, the scale read from device memory (:mod:`.add_scaled`) |
 | ``attention`` | ``F.scaled_dot_product_attention`` (flash / cuDNN / mem-efficient) (:mod:`.attention`) |
+| ``causal_attention`` | FlashAttention-4's CuTe kernels on Hopper/Blackwell, registered only where ``flash-attn-4`` is installed (:mod:`.flash_attention`) |
 | ``decode_attention`` | Triton, one query token, a fixed key split: the same bits at every batch size (:mod:`.decode_attention`) |
 | ``cached_decode_attention`` | Triton, one kernel: each (row, head) reads its self-attention cache up to its position, read on the device (:mod:`.fused_decode`) |
 | ``ln_linear`` / ``linear_residual`` | Triton GEMM for up to 16 rows: LayerNorm in the prologue; bias, exact GELU, residual add in the epilogue; cuBLAS (core's reference) above 16 rows (:mod:`.fused_decode`) |
@@ -37,6 +38,7 @@ from polyaccel.cuda.conv_subsample import conv2d_subsample
 from polyaccel.cuda.cross_entropy import linear_cross_entropy, linear_cross_entropy_grads
 from polyaccel.cuda.decode_attention import decode_attention
 from polyaccel.cuda.depthwise_conv import depthwise_conv1d
+from polyaccel.cuda.flash_attention import causal_attention, fa4_installed
 from polyaccel.cuda.fp8_rows import rows_to_fp8
 from polyaccel.cuda.fused_decode import (
     cached_decode_attention,
@@ -81,6 +83,8 @@ def register_all(registry) -> None:
         registry.register("conv2d_subsample", "cuda", conv2d_subsample, impl="cudnn-nhwc+triton", backend=BACKEND)
     registry.register("moe_permute", "cuda", moe_permute, impl="device-sort", backend=BACKEND)
     registry.register("attention", "cuda", attention, impl="sdpa", backend=BACKEND)
+    if fa4_installed():
+        registry.register("causal_attention", "cuda", causal_attention, impl="flash-attn-4", backend=BACKEND)
     if hasattr(torch, "_grouped_mm"):
         registry.register("grouped_mm", "cuda", grouped_mm, impl="torch._grouped_mm", backend=BACKEND)
 

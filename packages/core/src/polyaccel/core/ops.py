@@ -112,6 +112,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 @registry.define
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Causal self-attention in the [batch, sequence, heads, dim] layout models project into.
+
+    q [B, S, NH, D], k [B, S, NKV, D], v [B, S, NKV, Dv] (NKV divides NH) -> [B, S, NH, Dv]:
+    query i sees keys 0..i; no mask, no cache. Differentiable. This reference is
+    ``F.scaled_dot_product_attention`` on transposed views; a backend may register a flash
+    kernel that takes the layout as it is (FlashAttention-4 on CUDA where installed).
+    """
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=True, scale=scale, enable_gqa=k.shape[2] != q.shape[2])
+    return out.transpose(1, 2)
+
+
+@registry.define
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -230,7 +230,7 @@ def _finish(model: Any, backend: BackendConfig, device_mesh: Any, parallel: Any)
 
 def _prepare_fallback_kwargs(kwargs: dict[str, Any], backend: BackendConfig) -> None:
     """Map the BackendConfig choices Transformers understands onto its loading kwargs."""
-    if "attn_implementation" not in kwargs and backend.attn in ("sdpa", "flash", "cudnn"):
+    if "attn_implementation" not in kwargs and backend.attn in ("auto", "sdpa", "flash", "cudnn", "fa4"):
         kwargs["attn_implementation"] = "sdpa"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
-ATTN = ("sdpa", "flash", "cudnn", "te")
+ATTN = ("auto", "sdpa", "flash", "cudnn", "fa4", "te")
 LINEAR = ("torch", "te")
 RMS_NORM = ("torch", "fused")
 EXPERTS = ("eager", "grouped_mm")
@@ -25,9 +25,14 @@ class BackendConfig:
     """Kernel and layer choices for a polyaccel MoE model (all default to the fast path).
 
     Attributes:
-        attn: ``"sdpa"`` (PyTorch picks), ``"flash"`` / ``"cudnn"`` (force that SDPA backend on
-            CUDA; ignored on other devices), ``"te"`` (TransformerEngine attention; needs
-            ``transformer_engine``).
+        attn: ``"auto"`` (the default: where the hardware backend has its own causal-attention
+            kernel, FlashAttention-4 on CUDA when ``polyaccel-backend-cuda[fa4]`` is installed,
+            the faster of it and SDPA for each attention shape, timed once per process at the
+            first forward of that shape (:mod:`polyaccel.moe.attention_choice`); otherwise, and
+            with a padding mask, a KV cache or a sliding window, ``"sdpa"``), ``"sdpa"`` (PyTorch
+            picks), ``"flash"`` / ``"cudnn"`` (force that SDPA backend on CUDA; ignored on other
+            devices), ``"fa4"`` (FlashAttention-4 wherever plain causal attention applies; needs
+            ``flash-attn-4``), ``"te"`` (TransformerEngine attention; needs ``transformer_engine``).
         linear: ``"torch"`` (``nn.Linear``) or ``"te"`` (TransformerEngine ``Linear`` for the
             attention projections; needs ``transformer_engine``).
         rms_norm: ``"torch"`` (eager, bit-compatible with Transformers) or ``"fused"`` (the
@@ -62,7 +67,7 @@ class BackendConfig:
             selecting it registers its kernels for the core ops the model calls.
     """
 
-    attn: str = "sdpa"
+    attn: str = "auto"
     linear: str = "torch"
     rms_norm: str = "torch"
     experts: str = "grouped_mm"
@@ -96,6 +101,8 @@ class BackendConfig:
             raise ValueError(f"BackendConfig.backend={self.backend!r} must be a backend name such as 'auto'")
         if self.dispatcher == "deepep":
             require_deep_ep()
+        if self.attn == "fa4":
+            require_flash_attn_4()
         if "te" in (self.attn, self.linear):
             require_transformer_engine(f"BackendConfig(attn={self.attn!r}, linear={self.linear!r})")
 
@@ -114,9 +121,22 @@ def require_deep_ep() -> None:
                           "install UCCL-EP (same deep_ep.Buffer API); or use dispatcher='nccl_a2a'")
 
 
+def require_flash_attn_4() -> None:
+    """Raise ``ImportError`` naming what to install when FlashAttention-4 is missing."""
+    try:
+        found = importlib.util.find_spec("flash_attn") is not None and \
+            importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ImportError("BackendConfig(attn='fa4') needs FlashAttention-4 (module 'flash_attn.cute'), which is "
+                          "not installed: pip install 'polyaccel-backend-cuda[fa4]' (Hopper or Blackwell GPUs); "
+                          "or use attn='auto'")
+
+
 def require_transformer_engine(what: str) -> None:
     """Raise ``ImportError`` naming what to install when TransformerEngine is missing."""
     if importlib.util.find_spec("transformer_engine") is None:
         raise ImportError(f"{what} needs NVIDIA TransformerEngine, which is not installed: "
                           "pip install 'transformer-engine[pytorch]' (CUDA only), or use "
-                          "attn='sdpa' / linear='torch'")
+                          "attn='auto' / linear='torch'")

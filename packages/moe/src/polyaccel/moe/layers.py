@@ -108,13 +108,14 @@ def head_dim(config: Any) -> int:
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [B, NH, S, D] and k [B, NKV, S, D] by cos/sin [B, S, D] (math in fp32).
+                 interleaved: bool = False, heads_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [B, NH, S, D] and k [B, NKV, S, D] by cos/sin [B, S, D] (math in fp32);
+    with ``heads_first=False``, q [B, S, NH, D] and k [B, S, NKV, D].
 
     ``interleaved``: the checkpoint pairs dims (0, 1), (2, 3), ... (DeepSeek) instead of
     (i, i + D/2); they are de-interleaved first, the same permutation for q and k.
     """
-    cos, sin = cos[:, None], sin[:, None]
+    cos, sin = (cos[:, None], sin[:, None]) if heads_first else (cos[:, :, None], sin[:, :, None])
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -139,7 +140,7 @@ class AttentionContext:
         ready 4-D mask (bool, True = attend, or additive float) broadcastable to [B, NH, S, Sk].
     past_key_values: a Transformers ``Cache`` or None.
     sliding_window: keys further back than this many positions are not attended (None: off).
-    impl: the ``BackendConfig.attn`` choice.
+    impl: the ``BackendConfig.attn`` choice (``"auto"`` resolved by the model's forward).
     """
 
     attention_mask: torch.Tensor | None = None
@@ -156,6 +157,11 @@ def self_attention(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch
     layer in the cache; ``module.scaling`` is the softmax scale.
     """
     B, S = q.shape[:2]
+    if ctx.impl == "fa4" and plain_causal(ctx, S) and getattr(module, "te_attention", None) is None:
+        # The backend's flash kernel takes [B, S, H, D] as projected: rotate in that layout too,
+        # so that compiled layers hand it the layout it was traced with (no copies).
+        q, k = apply_rotary(q, k, *rope, heads_first=False)
+        return ops.causal_attention(q, k, v, module.scaling).reshape(B, S, -1)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q, k = apply_rotary(q, k, *rope)
     past = 0
@@ -169,6 +175,13 @@ def self_attention(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch
     return causal_sdpa(q, k, v, ctx, past, module.scaling).transpose(1, 2).reshape(B, S, -1)
 
 
+def plain_causal(ctx: AttentionContext, seq: int) -> bool:
+    """Whether ``seq`` new tokens attend causally to themselves alone: no padding mask, no
+    cache, no sliding window shorter than the sequence."""
+    return (ctx.attention_mask is None and ctx.past_key_values is None and seq > 1
+            and (ctx.sliding_window is None or ctx.sliding_window >= seq))
+
+
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext, past: int,
                 scale: float) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with the context's causal/padding/window mask.
@@ -178,6 +191,9 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Attentio
     """
     B, _, S, _ = q.shape
     mask, dead = mask_and_dead_rows(ctx, B, S, k.shape[-2], past, q.device)
+    if ctx.impl == "fa4" and mask is None and dead is None and k.shape[-2] == S and S > 1:
+        # The backend's flash kernel (FlashAttention-4 on CUDA) takes [B, S, H, D] as projected.
+        return ops.causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
     gqa = q.shape[1] != k.shape[1]
     # On CUDA only flash (no masks) and math kernels take GQA; repeat K/V for cuDNN and for
     # masked calls, where the memory-efficient kernel beats math.
@@ -222,15 +238,17 @@ def _keep_mask(ctx: AttentionContext, batch: int, q_len: int, kv_len: int, past:
     m = ctx.attention_mask
     if m is not None and m.dim() == 4:
         return m
-    if m is None and ctx.sliding_window is None and kv_len == q_len:
+    # A window at least as long as every position so far hides no key.
+    window = ctx.sliding_window if ctx.sliding_window is not None and ctx.sliding_window < past + q_len else None
+    if m is None and window is None and kv_len == q_len:
         return None
-    if m is None and ctx.sliding_window is None and q_len == 1:
+    if m is None and window is None and q_len == 1:
         return None  # one new token attends to every cached key
     q_pos = torch.arange(q_len, device=device) + past
     k_pos = torch.arange(kv_len, device=device) + (past + q_len - kv_len)
     keep = k_pos[None, :] <= q_pos[:, None]
-    if ctx.sliding_window is not None:
-        keep = keep & (k_pos[None, :] > q_pos[:, None] - ctx.sliding_window)
+    if window is not None:
+        keep = keep & (k_pos[None, :] > q_pos[:, None] - window)
     keep = keep[None, None].expand(batch, 1, q_len, kv_len)
     if m is not None:
         keep = keep & m[:, None, None, -kv_len:].bool()
@@ -239,7 +257,7 @@ def _keep_mask(ctx: AttentionContext, batch: int, q_len: int, kv_len: int, past:
 
 def sdpa_backend(impl: str, device: torch.device):
     """Context that forces the SDPA backend named by ``BackendConfig.attn`` (CUDA only)."""
-    if device.type != "cuda" or impl in ("sdpa", "te"):
+    if device.type != "cuda" or impl in ("auto", "sdpa", "te", "fa4"):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -977,8 +977,13 @@ def _param_dtype(t: TrainConfig) -> torch.dtype:
 
 def _fast_path_summary(model: nn.Module, optimizer: torch.optim.Optimizer, t: TrainConfig) -> dict[str, Any]:
     """Which parts of the fast path this run took (see :mod:`polyaccel.moe.fast_path`)."""
+    from polyaccel.moe import attention_choice
+
+    attention = (sorted(set(attention_choice.chosen().values()))
+                 or sorted({str(m.attn_impl) for m in model.modules() if hasattr(m, "attn_impl")}))
     return {"compiled_layers": any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
-            "optimizer": type(optimizer).__name__, "cuda_graph": bool(t.cuda_graph), "wgrad_window": t.wgrad_window}
+            "optimizer": type(optimizer).__name__, "cuda_graph": bool(t.cuda_graph), "wgrad_window": t.wgrad_window,
+            "attention": "+".join(attention)}
 
 
 def _graphed_micro_step(model: nn.Module, t: TrainConfig, autocast: Any, world_size: int) -> Any:

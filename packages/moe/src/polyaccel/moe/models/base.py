@@ -31,6 +31,7 @@ from polyaccel.moe.layers import (
     SigmoidGroupRouter,
     TopKRouter,
     causal_lm_loss,
+    head_dim,
     init_std,
     load_balancing_loss,
     rope_type,
@@ -118,13 +119,35 @@ class MoeModel(MoePreTrainedModel):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False
-        self.attn_impl = "sdpa"
+        self.attn_impl = "auto"
         self.fuse_embedding_grad = False  # BackendConfig(grad_accumulation="fused"): polyaccel.moe.fused_embedding
         self.post_init()
 
     @property
     def sliding_window(self) -> int | None:
         return getattr(self.config, "sliding_window", None)
+
+    def attention_geometry(self) -> tuple[int, int, int, int]:
+        """(query heads, key/value heads, query/key head dim, value head dim) of the layers'
+        attention, for ``attn="auto"``'s per-shape choice."""
+        c = self.config
+        d = head_dim(c)
+        return c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads, d, d
+
+    def _attention_impl(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, past_key_values: Any) -> str:
+        """``self.attn_impl`` with ``"auto"`` resolved for this forward: the per-shape faster of
+        the backend's flash kernel and SDPA (:mod:`polyaccel.moe.attention_choice`) where plain
+        causal attention applies (no padding mask, no cache, no window), else SDPA."""
+        if self.attn_impl != "auto":
+            return self.attn_impl
+        window = self.sliding_window
+        if (attention_mask is not None or past_key_values is not None or hidden.dim() != 3 or hidden.shape[1] < 2
+                or (window is not None and window < hidden.shape[1])):
+            return "sdpa"
+        from polyaccel.moe import attention_choice
+
+        return attention_choice.choose(hidden.shape[0], hidden.shape[1], *self.attention_geometry(),
+                                       hidden.dtype, hidden.device)
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values: Any = None,
@@ -153,7 +176,8 @@ class MoeModel(MoePreTrainedModel):
                 and not torch.compiler.is_compiling() and not _capturing()
                 and bool(attention_mask.all())):
             attention_mask = None  # no padding: plain causal attention (one host sync per forward)
-        ctx = AttentionContext(attention_mask, past_key_values, self.sliding_window, self.attn_impl)
+        ctx = AttentionContext(attention_mask, past_key_values, self.sliding_window,
+                               self._attention_impl(inputs_embeds, attention_mask, past_key_values))
         rope = self.rotary_emb(position_ids)
 
         hidden = inputs_embeds

@@ -131,6 +131,12 @@ class DeepseekV3Model(MoeModel):
     def sliding_window(self) -> None:
         return None
 
+    def attention_geometry(self) -> tuple[int, int, int, int]:
+        """Latent attention expands to plain multi-head attention: heads of nope + rope dims for
+        queries and keys, ``v_head_dim`` for values."""
+        c = self.config
+        return c.num_attention_heads, c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+
 
 class DeepseekV3ForCausalLM(MoeForCausalLM):
     """DeepSeek-V3 causal LM, a drop-in for ``transformers.DeepseekV3ForCausalLM``.
