@@ -2,16 +2,19 @@
 
 Implementations (each where it runs):
 
-- ``sdpa-cudnn``: ``F.scaled_dot_product_attention`` forced to cuDNN, K/V repeated for GQA
-  (what ``BackendConfig(attn="cudnn")`` runs);
-- ``sdpa-flash``: the same forced to PyTorch's flash kernel, ``enable_gqa=True``;
-- ``fa4-direct``: ``flash_attn.cute.interface.flash_attn_func`` called as is;
-- ``fa4``: FlashAttention-4's CuTe kernels (``flash_attn.cute``, package ``flash-attn-4``) through
-  polyaccel's ``flash_attention`` op, on [B, S, H, D] with GQA in the kernel.
+- ``sdpa``: ``F.scaled_dot_product_attention`` with ``enable_gqa``, PyTorch picking the kernel
+  (what ``BackendConfig(attn="sdpa")`` runs, and ``attn="auto"``'s alternative);
+- ``sdpa-cudnn``: forced to cuDNN, K/V repeated for GQA (what ``attn="cudnn"`` runs);
+- ``sdpa-flash``: forced to PyTorch's flash kernel, ``enable_gqa=True``;
+- ``fa4``: core's ``causal_attention`` op as the cuda backend registers it (FlashAttention-4's
+  CuTe kernels, package ``flash-attn-4``, on [B, S, H, D] with GQA in the kernel);
+- ``fa4-direct``: ``flash_attn.cute.interface.flash_attn_func`` called as is.
 
 Each variant is first checked against fp32 math attention on the same random inputs (output
-and the three input gradients, relative error), then timed with CUDA events (median of
-``--iters`` after ``--warmup``). One JSON line per (shape, variant)::
+and the three input gradients, relative error), then timed: device time per call, the device
+held back by a sleep until the host has queued every timed call, so the host's own time per
+call (large for kernels launched from Python, gone once a step is replayed as a CUDA graph) is
+not counted; median of 5 runs of ``--iters`` calls. One JSON line per (shape, variant)::
 
     python tools/bench_attention.py --shapes qwen3,mixtral,olmoe --seq 4096
 """
@@ -47,10 +50,15 @@ def reference(q, k, v, scale):  # noqa: ANN001, ANN201
 
 def variant(name: str):  # noqa: ANN201
     """``fn(q, k, v, scale) -> out`` on [B, S, H, D] tensors, or None where it cannot run."""
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if name == "sdpa":
+        def fn(q, k, v, scale):  # noqa: ANN001, ANN202
+            q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))
+            return F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale,
+                                                  enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+        return fn
     if name == "sdpa-cudnn":
         def fn(q, k, v, scale):  # noqa: ANN001, ANN202
             rep = q.shape[2] // k.shape[2]
@@ -79,39 +87,27 @@ def variant(name: str):  # noqa: ANN201
             return out[0] if isinstance(out, tuple) else out
         return fn
     if name == "fa4":
-        try:
-            from polyaccel.core import ops
-            from polyaccel.core.plugins import load_backends
+        from polyaccel.core import ops, select_backend
+        from polyaccel.core.kernels import registry
 
-            load_backends()
-            if not ops.flash_attention_available(torch.device("cuda")):
-                return None
-        except (ImportError, AttributeError):
+        select_backend("cuda")
+        if "cuda" not in registry.implementations("causal_attention"):
+            print("fa4: the cuda backend registered no causal_attention (flash-attn-4 not installed)", file=sys.stderr)
             return None
 
         def fn(q, k, v, scale):  # noqa: ANN001, ANN202
-            return ops.flash_attention(q, k, v, scale=scale, causal=True)
+            return ops.causal_attention(q, k, v, scale)
         return fn
     raise SystemExit(f"unknown variant {name!r}")
 
 
 def time_ms(fn, warmup: int, iters: int, repeats: int = 5) -> float:  # noqa: ANN001
-    """Milliseconds per call: ``iters`` calls back to back between two CUDA events (the host
-    stays ahead of the device), median of ``repeats`` such runs."""
-    import torch
+    """Device milliseconds per call of ``fn`` (see the module docstring), median of ``repeats``."""
+    from polyaccel.moe.attention_choice import device_time_ms
 
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / iters)
-    return statistics.median(times)
+    return statistics.median(device_time_ms(fn, iters) for _ in range(repeats))
 
 
 def run(shape: str, seq: int, name: str, a) -> dict:  # noqa: ANN001
@@ -151,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="qwen3,mixtral,olmoe", help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--seq", default="4096", help="comma-separated sequence lengths")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--variants", default="sdpa-cudnn,sdpa-flash,fa4")
+    p.add_argument("--variants", default="sdpa,sdpa-cudnn,fa4")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--tol", type=float, default=2e-2, help="largest relative error against fp32 math")

@@ -62,6 +62,16 @@ def test_the_faster_kernel_wins_and_the_choice_is_kept_per_shape(monkeypatch, fl
     assert attention_choice.choose(1, 16, 4, 2, 8, 8, torch.float32, CPU) == "fa4"
     assert len(flash_on_cpu) == timed  # remembered: not timed again
     assert attention_choice.chosen() == {(1, 16, 4, 2, 8, 8, torch.float32, CPU): "fa4"}
+    assert attention_choice.choose(1, 13, 4, 2, 8, 8, torch.float32, CPU) == "fa4"  # same power-of-two bucket
+    assert len(flash_on_cpu) == timed
+    attention_choice.choose(1, 17, 4, 2, 8, 8, torch.float32, CPU)  # the next bucket: timed
+    assert len(flash_on_cpu) > timed
+
+
+def test_timed_under_inference_mode_too(monkeypatch, flash_on_cpu):
+    monkeypatch.setattr(attention_choice, "sdpa_attention", slow(attention_choice.sdpa_attention, 0.01))
+    with torch.inference_mode():
+        assert attention_choice.choose(1, 16, 4, 2, 8, 8, torch.float32, CPU) == "fa4"
 
 
 def test_a_slower_flash_kernel_is_not_chosen(monkeypatch, flash_on_cpu):

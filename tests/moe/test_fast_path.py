@@ -84,7 +84,7 @@ def test_cpu_defaults_report_what_ran(tmp_path):
     assert cfg.train.cuda_graph == "auto" and cfg.train.wgrad_window == "auto"
     result = finetune(cfg)
     assert result.fast_path == {"compiled_layers": False, "optimizer": "FlatAdamW", "cuda_graph": False,
-                                "wgrad_window": 1}
+                                "wgrad_window": 1, "attention": "sdpa"}
     assert result.summary()["fast_path"] == result.fast_path
 
 

@@ -60,7 +60,7 @@ def _doctor(args: argparse.Namespace) -> int:
     print(f"python     {platform.python_version()} ({sys.executable})")
     print(f"torch      {torch.__version__} (cuda build: {torch.version.cuda or 'no'})")
     for dist in ("polyaccel-core", "polyaccel-backend-cuda", "polyaccel-backend-neuron",
-                 "polyaccel-asr", "polyaccel-moe", "transformers", "ray", "pluggy"):
+                 "polyaccel-asr", "polyaccel-moe", "transformers", "ray", "pluggy", "flash-attn-4"):
         try:
             print(f"{dist:<26} {md.version(dist)}")
         except md.PackageNotFoundError:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -35,22 +37,12 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return ops.causal_attention.reference(q, k, v, scale)
 
 
-def _time_ms(fn, q, k, v, dout, calls: int) -> float:  # noqa: ANN001
-    """Milliseconds of device time per forward + backward of ``fn``, after two untimed calls.
+def device_time_ms(run: Callable[[], Any], calls: int) -> float:
+    """Milliseconds of CUDA device time per call of ``run()``, ``calls`` calls back to back.
 
-    On CUDA the device first sleeps long enough for the host to queue every timed call, so
-    the host's own time per call (large for kernels launched from Python, and gone once the
-    step is replayed as a CUDA graph) is not counted."""
-    def run() -> None:
-        torch.autograd.grad(fn(q, k, v, None), (q, k, v), dout)
-
-    for _ in range(2):
-        run()
-    if not q.is_cuda:
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            run()
-        return (time.perf_counter() - t0) * 1e3 / calls
+    The device first sleeps long enough for the host to queue every call, so the host's own
+    time per call (large for kernels launched from Python, gone once a step is replayed as a
+    CUDA graph) is not counted."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     run()
@@ -66,12 +58,30 @@ def _time_ms(fn, q, k, v, dout, calls: int) -> float:  # noqa: ANN001
     return start.elapsed_time(end) / calls
 
 
+def _time_ms(fn, q, k, v, dout, calls: int) -> float:  # noqa: ANN001
+    """Milliseconds per forward + backward of ``fn``, after two untimed calls: device time on
+    CUDA (:func:`device_time_ms`), wall-clock time elsewhere."""
+    def run() -> None:
+        torch.autograd.grad(fn(q, k, v, None), (q, k, v), dout)
+
+    for _ in range(2):
+        run()
+    if q.is_cuda:
+        return device_time_ms(run, calls)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        run()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
 @torch.compiler.disable
 def choose(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, v_dim: int, dtype: torch.dtype,
            device: torch.device) -> str:
     """``"fa4"`` or ``"sdpa"``: the faster for causal attention of this shape, timed on the first
-    call per shape (never inside a CUDA graph capture: then ``"sdpa"``, not remembered)."""
-    key = (batch, seq, heads, kv_heads, head_dim, v_dim, dtype, device)
+    call per shape (never inside a CUDA graph capture: then ``"sdpa"``, not remembered).
+    Sequence lengths share a choice per power-of-two bucket (timed at the first length seen
+    in it), so data of varying lengths is not timed again at every new length."""
+    key = (batch, 1 << max(seq - 1, 0).bit_length(), heads, kv_heads, head_dim, v_dim, dtype, device)
     if key in _CHOSEN:
         return _CHOSEN[key]
     if not flash_registered(device):
@@ -79,7 +89,7 @@ def choose(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, v_dim
         return "sdpa"
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return "sdpa"
-    _CHOSEN[key] = choice = _measure(key)
+    _CHOSEN[key] = choice = _measure((batch, seq, *key[2:]))
     return choice
 
 
@@ -87,7 +97,7 @@ def _measure(key: tuple) -> str:
     batch, seq, heads, kv_heads, head_dim, v_dim, dtype, device = key
     gen = torch.Generator(device=device).manual_seed(0)
     shape = f"batch {batch}, seq {seq}, {heads}/{kv_heads} heads of {head_dim}/{v_dim}"
-    with torch.enable_grad(), torch.device(device):
+    with torch.inference_mode(False), torch.enable_grad(), torch.device(device):  # also under inference_mode
         q = torch.randn(batch, seq, heads, head_dim, dtype=dtype, generator=gen).requires_grad_()
         k = torch.randn(batch, seq, kv_heads, head_dim, dtype=dtype, generator=gen).requires_grad_()
         v = torch.randn(batch, seq, kv_heads, v_dim, dtype=dtype, generator=gen).requires_grad_()
