@@ -55,7 +55,7 @@ def test_nothing_registered_means_sdpa_without_timing(monkeypatch):
 
 
 def test_the_faster_kernel_wins_and_the_choice_is_kept_per_shape(monkeypatch, flash_on_cpu):
-    monkeypatch.setattr(attention_choice, "sdpa_attention", slow(attention_choice.sdpa_attention, 0.01))
+    monkeypatch.setattr(attention_choice, "sdpa_attention", slow(attention_choice.sdpa_attention, 0.05))
     assert attention_choice.choose(1, 16, 4, 2, 8, 8, torch.float32, CPU) == "fa4"
     timed = len(flash_on_cpu)
     assert timed >= 2
@@ -69,13 +69,13 @@ def test_the_faster_kernel_wins_and_the_choice_is_kept_per_shape(monkeypatch, fl
 
 
 def test_timed_under_inference_mode_too(monkeypatch, flash_on_cpu):
-    monkeypatch.setattr(attention_choice, "sdpa_attention", slow(attention_choice.sdpa_attention, 0.01))
+    monkeypatch.setattr(attention_choice, "sdpa_attention", slow(attention_choice.sdpa_attention, 0.05))
     with torch.inference_mode():
         assert attention_choice.choose(1, 16, 4, 2, 8, 8, torch.float32, CPU) == "fa4"
 
 
 def test_a_slower_flash_kernel_is_not_chosen(monkeypatch, flash_on_cpu):
-    registry.register("causal_attention", "cpu", slow(ops.causal_attention.reference, 0.01), impl="slow",
+    registry.register("causal_attention", "cpu", slow(ops.causal_attention.reference, 0.05), impl="slow",
                       backend="test")
     assert attention_choice.choose(1, 16, 4, 2, 8, 8, torch.float32, CPU) == "sdpa"
 
@@ -99,15 +99,21 @@ def _model(attn: str, model_type: str = "qwen3_moe"):  # noqa: ANN202
     return model.apply_backend(BackendConfig(backend="cpu", attn=attn, compile=False))
 
 
+def flash_measures_faster(monkeypatch) -> None:
+    """Timing that always finds the flash kernel faster (the model tests are about the wiring,
+    not about which kernel a loaded machine times as faster)."""
+    monkeypatch.setattr(attention_choice, "_time_ms", lambda fn, *a: 1.0 if fn is ops.causal_attention else 2.0)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
 def test_auto_runs_the_chosen_kernel_in_every_layer_with_the_same_loss(monkeypatch, flash_on_cpu, model_type):
-    monkeypatch.setattr(attention_choice, "sdpa_attention", slow(attention_choice.sdpa_attention, 0.01))
+    flash_measures_faster(monkeypatch)
     auto = _model("auto", model_type)
     ids = torch.randint(0, auto.config.vocab_size, (2, 12))
     loss = auto(input_ids=ids, labels=ids).loss
     loss.backward()
     layers = auto.config.num_hidden_layers
-    assert len(flash_on_cpu) >= layers + 2 * attention_choice.TIMED_CALLS  # timed, then one call per layer
+    assert len(flash_on_cpu) == layers  # one call per layer
     calls_after_first = len(flash_on_cpu)
     auto(input_ids=ids, labels=ids).loss.backward()
     assert len(flash_on_cpu) - calls_after_first == layers  # one call per layer, nothing re-timed
@@ -116,7 +122,7 @@ def test_auto_runs_the_chosen_kernel_in_every_layer_with_the_same_loss(monkeypat
 
 
 def test_padding_masks_and_caches_keep_sdpa(monkeypatch, flash_on_cpu):
-    monkeypatch.setattr(attention_choice, "sdpa_attention", slow(attention_choice.sdpa_attention, 0.01))
+    flash_measures_faster(monkeypatch)
     model = _model("auto")
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
