@@ -84,7 +84,8 @@ def fa4_causal_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal attention backward: (dq, dk, dv) shaped as q, k, v."""
     dq, dk, dv = _interface()._flash_attn_bwd(q, k, v, out, _last_dim_contiguous(dout), lse,
-                                               softmax_scale=scale, causal=True)
+                                               softmax_scale=scale, causal=True,
+                                               deterministic=torch.are_deterministic_algorithms_enabled())
     return dq, dk, dv
 
 
