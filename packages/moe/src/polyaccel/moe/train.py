@@ -24,13 +24,15 @@ import math
 import os
 import re
 import shutil
+import signal
 import stat
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1741,9 +1743,9 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     staging folder inside it (a kill leaves the folder as it was), then each file moved in
     with ``os.replace``, the config that makes the folder load as a model last, after the
     earlier save's config is removed and its weight files that this save lacks are deleted
-    (a kill between the moves leaves a folder that does not load, never new weights beside old
-    ones under the old config or old weights under the new one; a rerun may write there
-    again); other files are left alone, and so is a file of a name in :data:`_KEPT_NAMES` (the
+    (Ctrl-C, SIGTERM and SIGHUP wait for the last move, :func:`_signals_held`; a SIGKILL between
+    the moves leaves a folder that does not load, never new weights beside old ones under the
+    old config or old weights under the new one; a rerun may write there again); other files are left alone, and so is a file of a name in :data:`_KEPT_NAMES` (the
     save's own is then dropped, never written over it). A file it writes over that was edited
     since the earlier save (:func:`_edited`) is first renamed ``<name>.bak-<time>`` (a
     warning); the hashes of what it wrote go to :data:`_RECORD`, moved in last. A failed
@@ -1801,6 +1803,14 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
             what = f"the files of the names it writes (its listing failed: {ckpt.describe(e)})"
         logger.warning("polyaccel.moe: %s; this run's final model replaces it: %s. Use another output_dir to keep "
                        "both", foreign, what)
+    with _signals_held():  # milliseconds: a Ctrl-C or SIGTERM here would leave no config.json
+        _move_in(out, staging, written, edited)
+
+
+def _move_in(out: Path, staging: Path, written: list[str], edited: list[str]) -> None:
+    """The moves of :func:`_write_output`: the ``edited`` files of ``out`` renamed aside, the
+    earlier config removed, the staged weights moved in, the earlier weights this save lacks
+    deleted, then the other staged files, the config and the record."""
     if edited:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         moved = [f"{n} -> {_move_aside(out, n, stamp)}" for n in edited]
@@ -1821,6 +1831,47 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
     for name in [n for n in written if n not in markers and n not in weights] + markers + [_RECORD]:
         os.replace(staging / name, out / name)
     staging.rmdir()
+
+
+_HELD_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """While the block runs (in the main thread), Ctrl-C, SIGTERM and SIGHUP wait: each one that
+    arrives goes to the handler set before (the CLI's: its line, 130/143/129) once the block
+    ends, so a caught signal never cuts the block midway; a second one of a kind goes to it at
+    once (the way out of a block that hangs). Off the main thread (Python runs handlers only
+    there), and for a signal ignored or handled outside Python: nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {n: h for n in _HELD_SIGNALS if (h := signal.getsignal(n)) is not None and h != signal.SIG_IGN}
+    arrived: list[int] = []
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        released = True
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    def hold(signum: int, frame: Any) -> None:
+        if signum in arrived:
+            release()
+            signal.raise_signal(signum)
+        else:
+            arrived.append(signum)
+
+    try:
+        for signum in previous:
+            signal.signal(signum, hold)
+        yield
+    finally:
+        if not released:
+            release()
+            for signum in arrived:
+                signal.raise_signal(signum)
 
 
 def _edited(out: Path, digests: dict[str, str], cut: dict | None = None) -> list[str]:
