@@ -175,35 +175,6 @@ def _two_clips() -> list[str]:
     return clips
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_ray_job_on_a_local_cluster_matches_in_process(asr_cli, one_thread: None, tmp_path: Path,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
-    """Also: ``--num-actors`` above what the 2-CPU cluster can place starts the actors that fit
-    (a fixed pool of 3 waited for ever) and says so."""
-    ray = pytest.importorskip("ray")
-    clips = _two_clips()
-    inputs = [clips[0], str(tmp_path / "missing.wav"), clips[1]]
-    local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
-    assert cli.main(["transcribe", *inputs, "-o", str(local), "--backend", "cpu", "-q"]) == 1  # missing.wav
-
-    init_local(2, log_to_driver=False)
-    try:
-        # Half done already: the Ray job must resume like the local path.
-        remote.write_text(json.dumps(asr_cli.results(local)[0]) + "\n")
-        assert cli.main(["transcribe", *inputs, "-o", str(remote), "--ray", "--backend", "cpu", "-q",
-                         "--num-actors", "3"]) == 1
-    finally:
-        ray.shutdown()
-    assert "--num-actors 3: the cluster has room for 2 now" in caplog.text
-    want = [(r["path"], r["text"], r["error"], r["duration_s"]) for r in asr_cli.results(local)]
-    got = [(r["path"], r["text"], r["error"], r["duration_s"]) for r in asr_cli.results(remote)]
-    assert got[0] == want[0]
-    assert got[1:] == want[1:], "same texts and errors in the same order"
-    assert all("actor" in r for r in asr_cli.results(remote)[1:])
-
-
-
 def test_address_local_starts_a_private_cluster_and_stops_it(asr_cli, one_thread: None, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch,
                                                              capfd: pytest.CaptureFixture) -> None:
@@ -359,9 +330,47 @@ def test_actors_that_cannot_load_the_model_are_a_usage_error_in_one_line(tmp_pat
     assert not out.exists()
 
 
+# ---- on one in-process cluster (kept last: while it is up, a job joins it instead of starting one)
+
+
+@pytest.fixture(scope="module")
+def local_cluster():
+    """A private 2-CPU cluster in this process (``init_local``), shared by the tests below:
+    starting and stopping one costs about 10 s on 2 cores. A job finds it initialised and
+    joins it. Whether a job stops a cluster it starts itself is
+    ``test_address_local_starts_a_private_cluster_and_stops_it``'s (it runs before this one is up)."""
+    ray = pytest.importorskip("ray")
+    init_local(2, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ray_job_on_a_local_cluster_matches_in_process(asr_cli, one_thread: None, local_cluster, tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Also: ``--num-actors`` above what the 2-CPU cluster can place starts the actors that fit
+    (a fixed pool of 3 waited for ever) and says so."""
+    clips = _two_clips()
+    inputs = [clips[0], str(tmp_path / "missing.wav"), clips[1]]
+    local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    assert cli.main(["transcribe", *inputs, "-o", str(local), "--backend", "cpu", "-q"]) == 1  # missing.wav
+
+    # Half done already: the Ray job must resume like the local path.
+    remote.write_text(json.dumps(asr_cli.results(local)[0]) + "\n")
+    assert cli.main(["transcribe", *inputs, "-o", str(remote), "--ray", "--backend", "cpu", "-q",
+                     "--num-actors", "3"]) == 1
+    assert "--num-actors 3: the cluster has room for 2 now" in caplog.text
+    want = [(r["path"], r["text"], r["error"], r["duration_s"]) for r in asr_cli.results(local)]
+    got = [(r["path"], r["text"], r["error"], r["duration_s"]) for r in asr_cli.results(remote)]
+    assert got[0] == want[0]
+    assert got[1:] == want[1:], "same texts and errors in the same order"
+    assert all("actor" in r for r in asr_cli.results(remote)[1:])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_model_that_does_not_load_on_the_actors_ends_the_job_in_one_line(tmp_path: Path,
+def test_a_model_that_does_not_load_on_the_actors_ends_the_job_in_one_line(local_cluster, tmp_path: Path,
                                                                            capfd: pytest.CaptureFixture) -> None:
     """On a real local cluster: weights that resolve but cannot be read kill every actor in its
     constructor; the driver gets Ray's ActorDiedError, which was a traceback (exit 1)."""
