@@ -147,3 +147,4 @@ def test_fa4_names_what_to_install_when_missing(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("flash_attn") else real(name, *a))
     with pytest.raises(ImportError, match=r"pip install 'polyaccel-backend-cuda\[fa4\]'"):
         BackendConfig(attn="fa4")
+

@@ -238,6 +238,10 @@ class MoeForCausalLM(MoePreTrainedModel, GenerationMixin):
         from polyaccel.core import select_backend
 
         hardware = select_backend(backend.backend).name
+        if backend.backend == "auto" and hardware == "cpu" and torch.cuda.is_available():
+            logger.warning("polyaccel.moe: this machine has a CUDA GPU but polyaccel's cuda backend is not installed "
+                           "or not loadable (pip install polyaccel-backend-cuda; `polyaccel doctor` says which): "
+                           "a model on the GPU runs core's reference kernels there, slower and with more memory")
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.impl = backend.rms_norm
