@@ -34,6 +34,7 @@ from polyaccel.moe.layers import (
     head_dim,
     init_std,
     load_balancing_loss,
+    plain_causal,
     rope_type,
 )
 
@@ -134,15 +135,13 @@ class MoeModel(MoePreTrainedModel):
         d = head_dim(c)
         return c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads, d, d
 
-    def _attention_impl(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, past_key_values: Any) -> str:
-        """``self.attn_impl`` with ``"auto"`` resolved for this forward: the per-shape faster of
-        the backend's flash kernel and SDPA (:mod:`polyaccel.moe.attention_choice`) where plain
-        causal attention applies (no padding mask, no cache, no window), else SDPA."""
-        if self.attn_impl != "auto":
-            return self.attn_impl
-        window = self.sliding_window
-        if (attention_mask is not None or past_key_values is not None or hidden.dim() != 3 or hidden.shape[1] < 2
-                or (window is not None and window < hidden.shape[1])):
+    def _attention_impl(self, hidden: torch.Tensor, ctx: AttentionContext) -> str:
+        """``ctx.impl`` with ``"auto"`` resolved for this forward: the per-shape faster of the
+        backend's flash kernel and SDPA (:mod:`polyaccel.moe.attention_choice`) where plain
+        causal attention applies (:func:`~polyaccel.moe.layers.plain_causal`), else SDPA."""
+        if ctx.impl != "auto":
+            return ctx.impl
+        if hidden.dim() != 3 or not plain_causal(ctx, hidden.shape[1]):
             return "sdpa"
         from polyaccel.moe import attention_choice
 
@@ -176,8 +175,8 @@ class MoeModel(MoePreTrainedModel):
                 and not torch.compiler.is_compiling() and not _capturing()
                 and bool(attention_mask.all())):
             attention_mask = None  # no padding: plain causal attention (one host sync per forward)
-        ctx = AttentionContext(attention_mask, past_key_values, self.sliding_window,
-                               self._attention_impl(inputs_embeds, attention_mask, past_key_values))
+        ctx = AttentionContext(attention_mask, past_key_values, self.sliding_window, self.attn_impl)
+        ctx.impl = self._attention_impl(inputs_embeds, ctx)
         rope = self.rotary_emb(position_ids)
 
         hidden = inputs_embeds
