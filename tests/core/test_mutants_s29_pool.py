@@ -11,23 +11,10 @@ import pytest
 from polyaccel.core.runtime import ReplicaPool, ReplicaStartError
 from polyaccel.core.runtime.toy import ToyItem, ToyReplica
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("no_thread_leaks")]
 
 _NAME = "polyaccel-s29"
-
-
-def _pool_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(_NAME)]
-
-
-@pytest.fixture(autouse=True)
-def no_thread_leaks():
-    before = set(_pool_threads())
-    yield
-    deadline = time.monotonic() + 5
-    while set(_pool_threads()) - before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert set(_pool_threads()) - before == set()
+THREAD_GRACE_S = 5.0
 
 
 @pytest.mark.parametrize("arg", ["num_replicas", "queue_capacity", "batch_size", "max_attempts"])

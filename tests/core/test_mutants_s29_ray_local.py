@@ -11,16 +11,6 @@ import pytest
 
 from polyaccel.core import ray_local
 
-AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
-
-
-@pytest.fixture
-def fresh_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
-    for k in AUTH_VARS:
-        monkeypatch.delenv(k, raising=False)
-    return tmp_path / "cfg/polyaccel/ray_auth_token"
-
 
 @pytest.mark.parametrize("loose", [0o640, 0o604, 0o620, 0o602])
 def test_a_token_file_only_the_group_or_only_others_may_read_or_write_is_made_private(

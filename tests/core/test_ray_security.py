@@ -36,15 +36,6 @@ from polyaccel.core.ray_local import LOOPBACK, LOOPBACK_ENV, ensure_token, local
 AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
 
 
-@pytest.fixture
-def fresh_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A token file of this test's own, and none of the caller's Ray auth settings."""
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
-    for k in AUTH_VARS:
-        monkeypatch.delenv(k, raising=False)
-    return tmp_path / "cfg/polyaccel/ray_auth_token"
-
-
 def listening(root: psutil.Process) -> list[tuple[str, str, int]]:
     """(process name, ip, port) of every listening TCP socket of ``root`` and its descendants."""
     out = []

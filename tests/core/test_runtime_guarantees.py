@@ -16,21 +16,13 @@ import pytest
 from polyaccel.core.runtime import CancelledError, ReplicaDied, ReplicaPool
 from polyaccel.core.runtime.toy import ToyItem, ToyReplica
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("no_thread_leaks")]
 
 _NAME = "polyaccel-guarantee"
 
 
 def _pool_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(_NAME)]
-
-
-@pytest.fixture(autouse=True)
-def no_thread_leaks():
-    """Every test also checks that its pools left no worker thread behind."""
-    before = set(_pool_threads())
-    yield
-    assert set(_pool_threads()) - before == set()
 
 
 def _wait_until(condition, timeout: float = 5.0) -> None:
