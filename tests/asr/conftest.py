@@ -67,6 +67,18 @@ class AsrCli:
         return cli.main(["transcribe", *argv, "-q"])
 
     @staticmethod
+    def run_with_model(tmp_path: Path, model: Path, capsys: pytest.CaptureFixture) -> tuple[int, str, Path]:
+        """``transcribe`` of a short WAV with ``--model model`` on the CPU backend, in this
+        process: (exit status, what it wrote to stderr, the ``-o`` path)."""
+        from polyaccel.asr import cli
+
+        out = tmp_path / "out.jsonl"
+        capsys.readouterr()
+        rc = cli.main(["transcribe", str(AsrCli.wav(tmp_path / "a.wav")), "-o", str(out), "-q", "--backend", "cpu",
+                       "--model", str(model)])
+        return rc, capsys.readouterr().err, out
+
+    @staticmethod
     def results(path: Path) -> list[dict]:
         """Every line of a JSONL results file, parsed."""
         return [json.loads(x) for x in path.read_text().splitlines()]

@@ -14,7 +14,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from polyaccel.asr import cli
 from polyaccel.asr.conformer_config import ConformerAEDConfig, tiny
 
 BAD = {
@@ -47,11 +46,7 @@ def test_the_presets_still_load(tmp_path: Path) -> None:
 def test_the_cli_says_it_in_one_line(tmp_path: Path, asr_cli, capsys, field: str) -> None:
     folder = _folder(tmp_path, field)
     save_file({"x": torch.zeros(1)}, str(folder / "model.safetensors"))  # never read: the config is refused first
-    out = tmp_path / "out.jsonl"
-    capsys.readouterr()
-    rc = cli.main(["transcribe", str(asr_cli.wav(tmp_path / "a.wav")), "-o", str(out), "-q", "--backend", "cpu",
-                   "--model", str(folder)])
-    err = capsys.readouterr().err
+    rc, err, out = asr_cli.run_with_model(tmp_path, folder, capsys)
     assert rc == 2, err
     assert len(err.strip().splitlines()) == 1 and f"{field}=" in err, err
     assert not out.exists()

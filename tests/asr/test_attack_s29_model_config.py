@@ -86,11 +86,7 @@ def test_the_cli_refuses_it_in_one_line_and_writes_nothing(tmp_path: Path, asr_c
     folder = _with_weights(_folder(tmp_path, {}, {}))  # weights that fit, then the bad field
     gen = {"eos_token_id": []} if case == "eos_token_id" else {"is_multilingual": True}  # no <|en|>
     (folder / "generation_config.json").write_text(json.dumps(gen))
-    out = tmp_path / "out.jsonl"
-    capsys.readouterr()
-    rc = cli.main(["transcribe", str(asr_cli.wav(tmp_path / "a.wav")), "-o", str(out), "-q", "--backend", "cpu",
-                   "--model", str(folder)])
-    err = capsys.readouterr().err
+    rc, err, out = asr_cli.run_with_model(tmp_path, folder, capsys)
     assert rc == 2, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert ("eos_token_id=[]" if case == "eos_token_id" else "language 'en'") in err
