@@ -2,13 +2,41 @@
 
 import importlib.util
 import socket
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+@pytest.fixture
+def ctrl_c_while_torch_loads():
+    """``run(launcher, argv, cwd)``: a fresh Python that imports ``launcher`` (``"module:function"``),
+    sets ``sys.argv = argv`` and calls it, with a Ctrl-C raised where torch is first imported;
+    the finished ``subprocess.CompletedProcess``."""
+
+    def run(launcher: str, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+        module, function = launcher.split(":")
+        script = textwrap.dedent(f"""
+            import sys
+
+            class CtrlC:
+                def find_spec(self, name, path=None, target=None):
+                    if name == "torch":
+                        raise KeyboardInterrupt
+
+            sys.meta_path.insert(0, CtrlC())
+            from {module} import {function}
+            sys.argv = {argv!r}
+            {function}()
+        """)
+        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+    return run
 
 
 @pytest.fixture

@@ -6,26 +6,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
-
-_CTRL_C_WHILE_TORCH_LOADS = textwrap.dedent("""
-    import sys
-
-    class CtrlC:
-        def find_spec(self, name, path=None, target=None):
-            if name == "torch":
-                raise KeyboardInterrupt
-
-    sys.meta_path.insert(0, CtrlC())
-    from polyaccel.asr.launch import run
-    sys.argv = ["polyaccel-asr", "transcribe", "a.wav", "-o", "out.jsonl"]
-    run()
-""")
 
 
-def test_ctrl_c_while_torch_loads_is_one_line_and_exit_130(tmp_path):
-    done = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_TORCH_LOADS], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
+def test_ctrl_c_while_torch_loads_is_one_line_and_exit_130(tmp_path, ctrl_c_while_torch_loads):
+    done = ctrl_c_while_torch_loads("polyaccel.asr.launch:run",
+                                    ["polyaccel-asr", "transcribe", "a.wav", "-o", "out.jsonl"], tmp_path)
     assert done.returncode == 130, done.stderr
     assert done.stderr == "polyaccel-asr: interrupted while starting; nothing was run or written\n"
     assert not (tmp_path / "out.jsonl").exists()
