@@ -10,7 +10,9 @@ so ``rows // groups`` falls to 128. For each expert GEMM and each routing (``bal
 expert the average; ``mild``: 0.7-1.3x it, as a trained router; ``learned``: 40% of the
 experts get none and the rest are skewed, as a random-init router gives) it checks that both
 tiles give the same bits, then times the forward (``x @ W[g]``) and the input gradient
-(``dy @ W[g].T``) with each.
+(``dy @ W[g].T``) with each. ``--triton`` also checks and times polyaccel's Triton grouped GEMM
+(:mod:`polyaccel.cuda.grouped_gemm`, tiles from each expert's first row), autotuned
+(``triton``) and at each of its tiles (``triton-M-P-R-warps-stages-perSM``).
 
   python tools/bench_grouped_tiles.py                                  # every case
   python tools/bench_grouped_tiles.py --device cpu --scale 64 --reps 1  # dry run (no timing meaning)
@@ -107,9 +109,35 @@ def run_case(name: str, experts: int, rows: int, k: int, n: int, a: argparse.Nam
             for tile, args in (("large", (lhs, b, offsets)), ("small", (lhs, view, spread_offsets))):
                 ms = timed_ms(lambda args=args: torch._grouped_mm(args[0], args[1], offs=args[2]), a.device, a.reps)
                 row[f"{what}_{tile}_tflops"] = round(flop / ms / 1e9, 1)
+            if a.triton:
+                time_triton(row, what, lhs, b.transpose(-2, -1), offsets, torch._grouped_mm(lhs, b, offs=offsets),
+                            flop, a)
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
+
+
+def time_triton(row: dict, what: str, lhs: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+                cutlass: torch.Tensor, flop: int, a: argparse.Namespace) -> None:
+    """Check polyaccel's Triton grouped GEMM (``lhs @ w[g].T``) against CUTLASS's output and
+    time it autotuned and at each of its tiles, into ``row``."""
+    from polyaccel.cuda import grouped_gemm
+
+    if not grouped_gemm.takes_triton(lhs, w):
+        row[f"{what}_triton"] = "not taken"
+        return
+    variants = {"triton": None} if a.device == "cuda" else {}
+    variants.update({"triton-" + "-".join(map(str, c)): c for c in grouped_gemm.CONFIGS})
+    for name, config in variants.items():
+        try:
+            got = grouped_gemm.grouped_mm(lhs, w, offsets, config=config)
+        except Exception as e:  # noqa: BLE001  (a tile that does not compile here: say so, go on)
+            row[f"{what}_{name}"] = f"{type(e).__name__}: {str(e)[:80]}"
+            continue
+        err = ((got.float() - cutlass.float()).norm() / cutlass.float().norm().clamp_min(1e-30)).item()
+        row[f"{what}_{name}_rel_err"] = float(f"{err:.2e}")
+        ms = timed_ms(lambda config=config: grouped_gemm.grouped_mm(lhs, w, offsets, config=config), a.device, a.reps)
+        row[f"{what}_{name}_tflops"] = round(flop / ms / 1e9, 1)
 
 
 def main() -> None:
@@ -118,6 +146,7 @@ def main() -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--scale", type=int, default=1, help="divide K and N by this (dry runs; the rows stay)")
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--triton", action="store_true", help="also check and time polyaccel's Triton grouped GEMM")
     a = p.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device (use --device cpu --scale 64 for a dry run)")

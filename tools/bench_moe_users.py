@@ -282,6 +282,11 @@ def run_one(shape: str, entry: str, a) -> dict:
             from polyaccel.moe import attention_choice
 
             fast = {**(fast or {}), "attention": "+".join(sorted(set(attention_choice.chosen().values()))) or "sdpa"}
+            if a.device == "cuda":  # which expert GEMM each shape took (polyaccel.cuda.grouped_gemm.choose)
+                from polyaccel.cuda import grouped_gemm
+
+                fast["grouped_mm"] = {"x".join(map(str, k[:3])) + ("" if k[3] else "T"): v
+                                      for k, v in sorted(grouped_gemm.CHOICES.items())} or "cutlass"
         step_s = statistics.median(times)
         peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
         if peak is not None and a.peak_warmup is not None:

@@ -23,6 +23,7 @@ from polyaccel.cuda import (  # noqa: E402
     adamw,
     add_scaled,
     decode_attention,
+    grouped_gemm,
     grouped_lowrank,
     grouped_wgrad,
     moe_permute,
@@ -106,6 +107,35 @@ def check_grouped_wgrad(tma: bool, launch: str | None = None):
     print(f"grouped_mm_wgrad fp16, {kind} kernel (new, accumulate, accumulate "
           f"grad first, overwrite): rel err {', '.join(f'{e:.2e}' for e in errs)}")
     assert max(errs) < 2e-3 and not fresh[empty].any() and not over[empty].any(), errs
+
+
+def check_grouped_gemm():
+    """The expert GEMM's Triton kernel, forward layout (``w`` [G, P, R]) and input-gradient
+    layout (a transposed view), at small tiles of each launch kind (persistent with several
+    tiles per program, one tile per program; copy-engine and pointer stores; both tile orders):
+    empty experts, experts that end inside a tile, rows past the last expert (zeros), offsets
+    past the rows, P not a multiple of the tile."""
+    G, P, R = 5, 72, 64
+    counts = torch.randint(0, 50, (G,))
+    counts[1] = 0
+    offsets = counts.cumsum(0).to(torch.int32)
+    T = int(counts.sum()) + 7
+    x = torch.randn(T, R).half()
+    w_fwd = torch.randn(G, P, R).half()
+    w_dgrad = torch.randn(G, R, P).half().transpose(1, 2)
+    past = offsets.clone()
+    past[-1] = T + 40  # clipped to T
+    for config in ((32, 32, 32, 4, 1, 1, True, False), (32, 64, 32, 4, 1, 0, False, False),
+                   (16, 32, 16, 4, 1, 2, True, True), (32, 32, 64, 4, 1, 1, False, True)):
+        for name, w, offs in (("forward", w_fwd, offsets), ("input grad", w_dgrad, offsets),
+                              ("offsets past the rows", w_fwd, past)):
+            assert grouped_gemm.takes_triton(x, w)
+            got = grouped_gemm.grouped_mm(x, w, offs, config=config)
+            ref = ops.grouped_mm.reference(x.double(), w.double(), offs.clamp(max=T))
+            err = rel_err(got, ref)
+            tail = got[int(offs[-1].clamp(max=T)):]
+            print(f"grouped_mm (Triton) {name} {config}: rel err {err:.2e}")
+            assert err < 2e-3 and not tail.any(), (name, config, err)
 
 
 def check_grouped_wgrad_banded():
@@ -394,6 +424,7 @@ def main() -> None:
     for launch in ("copy-engine", "persistent", "banded", "one-per-program"):
         check_grouped_wgrad(tma=True, launch=launch)
     check_grouped_wgrad_banded()
+    check_grouped_gemm()
     check_grouped_wgrad_offsets_past_rows()
     check_grouped_wgrad_window()
     check_grouped_lowrank()

@@ -4,7 +4,7 @@
 |---|---|
 | ``rms_norm`` | Triton forward/backward, fp32 statistics (:mod:`.triton_rmsnorm`) |
 | ``swiglu`` | Triton forward/backward (:mod:`.swiglu`) |
-| ``grouped_mm`` | ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper), bf16 |
+| ``grouped_mm`` | ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper), bf16; or, timed against it per shape where no autograd graph is recorded, a persistent Triton kernel whose tiles start at each expert's first row (:mod:`.grouped_gemm`) |
 | ``grouped_lowrank_add_`` | Triton: a LoRA adapter's rank-r product added into the grouped GEMM output in one pass (:mod:`.grouped_lowrank`) |
 | ``grouped_mm_wgrad`` | Triton K-grouped GEMM over one or several micro-batches, accumulating into ``.grad`` (:mod:`.grouped_wgrad`) |
 | ``moe_permute`` / ``moe_unpermute`` | device sort + Triton gather-combine that skips dropped copies, no host sync (:mod:`.moe_permute`) |
@@ -104,6 +104,16 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
         return core_op.reference(x, w, offsets)
     if offsets.dtype != torch.int32:
         offsets = offsets.to(torch.int32)
+    if not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) and not torch.compiler.is_compiling():
+        # (no autograd graph to record: the expert layers' own backward calls this with grad off)
+        from polyaccel.cuda import grouped_gemm
+
+        if grouped_gemm.choose(x, w, offsets, lambda: _cutlass_grouped_mm(x, w, offsets)) == "triton":
+            return grouped_gemm.grouped_mm(x, w, offsets)
+    return _cutlass_grouped_mm(x, w, offsets)
+
+
+def _cutlass_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     n = w.shape[-2]
     x, w = _gemm_operands(x, w)
     y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
