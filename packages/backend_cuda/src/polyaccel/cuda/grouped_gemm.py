@@ -22,11 +22,11 @@ else returns None and the caller takes CUTLASS.
 
 from __future__ import annotations
 
-import torch
-
 import logging
 import os
 from collections.abc import Callable
+
+import torch
 
 from polyaccel.cuda._triton import cdiv, triton_kernels, use_triton
 
