@@ -121,16 +121,18 @@ def check_grouped_gemm():
     offsets = counts.cumsum(0).to(torch.int32)
     T = int(counts.sum()) + 7
     x = torch.randn(T, R).half()
+    x_nan = x.clone()
+    x_nan[int(counts.sum()):] = float("nan")  # rows past the last expert: never read into a result
     w_fwd = torch.randn(G, P, R).half()
     w_dgrad = torch.randn(G, R, P).half().transpose(1, 2)
     past = offsets.clone()
     past[-1] = T + 40  # clipped to T
-    for config in ((32, 32, 32, 4, 1, 1, True, False), (32, 64, 32, 4, 1, 0, False, False),
-                   (16, 32, 16, 4, 1, 2, True, True), (32, 32, 64, 4, 1, 1, False, True)):
-        for name, w, offs in (("forward", w_fwd, offsets), ("input grad", w_dgrad, offsets),
-                              ("offsets past the rows", w_fwd, past)):
-            assert grouped_gemm.takes_triton(x, w)
-            got = grouped_gemm.grouped_mm(x, w, offs, config=config)
+    for config in ((32, 32, 32, 4, 1, 1, True, False, False), (32, 64, 32, 4, 1, 0, False, False, True),
+                   (16, 32, 16, 4, 1, 2, True, True, True), (32, 32, 64, 4, 1, 1, False, True, False)):
+        for name, w, offs, rows in (("forward", w_fwd, offsets, x_nan), ("input grad", w_dgrad, offsets, x_nan),
+                                    ("offsets past the rows", w_fwd, past, x)):
+            assert grouped_gemm.takes_triton(rows, w)
+            got = grouped_gemm.grouped_mm(rows, w, offs, config=config)
             ref = ops.grouped_mm.reference(x.double(), w.double(), offs.clamp(max=T))
             err = rel_err(got, ref)
             tail = got[int(offs[-1].clamp(max=T)):]

@@ -1,23 +1,24 @@
-"""Expert GEMMs with tiles that start at each expert's first row: ``x[rows of g] @ w[g].T``.
+"""Expert GEMMs as one persistent Triton kernel: ``x[rows of g] @ w[g].T`` for every expert g.
 
-CUTLASS's grouped GEMM (``torch._grouped_mm``) tiles each expert's rows in 128-row tiles,
-so an expert wastes the rest of its last tile, ~64 rows on average; at a few hundred rows per
-expert (fine-grained experts: Qwen3-MoE, OLMoE, DeepSeek-V3) and uneven routing that is a
-fifth to a third of the work (``tools/bench_grouped_tiles.py``). This persistent Triton
-kernel reads each expert's rows with Hopper's tensor-memory copies and can take 64-row tiles,
-so it wastes less; its autotuner (keyed on the shape and the rows' order of magnitude) picks
-the tile per shape. Its tiles walk each expert's own rows from a persistent program per SM,
-and under uneven routing it ran 0-16% faster than CUTLASS on Qwen3's and OLMoE's expert shapes
-on an H200; with every expert given the same rows CUTLASS was 4-15% faster
-(docs/benchmarks.md, session 31). Both sum in fp32 over the same chunks: on those shapes
-their outputs were the same bits.
+The expert forward and input-gradient GEMMs are grouped GEMMs over a few hundred rows per
+expert (fine-grained experts: Qwen3-MoE, OLMoE, DeepSeek-V3), and routing makes the experts
+uneven: some get none, others several times the average. CUTLASS's grouped GEMM
+(``torch._grouped_mm``) loses a fifth to a third of its rate there (``tools/bench_grouped_tiles.py``).
+Here one program per SM walks 128 x 256 output tiles numbered expert by expert from each
+expert's first row, reads rows and weights with Hopper's tensor-memory copies, and lets Triton
+pipeline the loads across tiles (the next tile's first chunks load while one finishes, which
+matters at a short reduction such as Qwen3's 768-wide down projection). Its autotuner (keyed on
+the shape and the rows' order of magnitude) picks among :data:`CONFIGS`.
 
-:func:`choose` picks between the two per shape (``POLYACCEL_GROUPED_MM``: ``auto``, the
-default, times both on the first call's rows; ``triton`` or ``cutlass`` forces one).
+On an H200 (docs/benchmarks.md, session 31), uneven routing, it ran at 0.99-1.27x CUTLASS's
+rate on Qwen3's and OLMoE's expert shapes; with every expert given the same rows, 0.80-1.17x.
+Both sum in fp32 over the same chunks, and on those shapes their outputs were the same bits.
+:func:`choose` picks between the two per shape (``POLYACCEL_GROUPED_MM``: ``auto``, the default,
+times both on the first call's rows; ``triton`` or ``cutlass`` forces one).
 
-Only for bf16 (fp16 too, which the interpreter's tests take), Hopper or newer, 16-byte aligned rows and a weight stored contiguous either
-way round (the forward's ``w`` or the input gradient's ``w.transpose(1, 2)``); anything
-else returns None and the caller takes CUTLASS.
+Only for bf16 (and fp16, which the interpreter's tests use), Hopper or newer, 16-byte aligned
+rows and a weight stored contiguous either way round (the forward's ``w``, the input
+gradient's ``w.transpose(1, 2)``): :func:`takes_triton`; anything else takes CUTLASS.
 """
 
 from __future__ import annotations
@@ -32,17 +33,22 @@ from polyaccel.cuda._triton import cdiv, triton_kernels, use_triton
 
 log = logging.getLogger(__name__)
 
-CONFIGS = [  # (BLOCK_M, BLOCK_P, BLOCK_R, num_warps, num_stages, PER_SM, TMA_OUT, M_INNER)
-    (128, 256, 64, 8, 3, 1, True, False),
-    (128, 256, 64, 8, 3, 1, False, False),
-    (128, 256, 64, 8, 3, 1, True, True),
-    (128, 128, 64, 8, 4, 1, True, False),
-    (128, 256, 64, 8, 3, 0, True, False),
-    (64, 256, 64, 4, 3, 1, True, False),
+CONFIGS = [  # (BLOCK_M, BLOCK_P, BLOCK_R, num_warps, num_stages, PER_SM, TMA_OUT, M_INNER, FLATTEN)
+    # Pipelined across tiles, stores through pointers (no shared memory kept for the store, so a
+    # fourth stage fits): the fastest on most of Qwen3's and OLMoE's expert GEMMs (session 31).
+    (128, 256, 64, 8, 4, 1, False, False, True),
+    (128, 256, 64, 8, 4, 1, False, True, True),
+    (128, 256, 32, 8, 7, 1, False, False, True),
+    (128, 256, 64, 8, 3, 1, False, False, True),
+    (128, 256, 64, 8, 3, 1, True, False, True),
+    # One tile's pipeline at a time, stores through the copy engine: the best on some uneven
+    # input-gradient GEMMs.
+    (128, 256, 64, 8, 3, 1, True, False, False),
+    (128, 256, 64, 8, 3, 1, True, True, False),
 ]
 """Tiles (rows, columns, reduction chunk), warps, pipeline stages, programs per SM (0: one
-tile per program), stores through the copy engine, and the tile order within an expert
-(M_INNER: down the rows first) the autotuner tries."""
+tile per program), stores through the copy engine, the tile order within an expert (M_INNER:
+down the rows first) and loads pipelined across tiles (FLATTEN) the autotuner tries."""
 
 
 @triton_kernels
@@ -58,7 +64,7 @@ def _kernel():
 
 def _meta(c: tuple) -> dict:
     return dict(zip(("BLOCK_M", "BLOCK_P", "BLOCK_R"), c[:3], strict=True)) | dict(
-        zip(("PER_SM", "TMA_OUT", "M_INNER"), c[5:], strict=True))
+        zip(("PER_SM", "TMA_OUT", "M_INNER", "FLATTEN"), c[5:], strict=True))
 
 
 def _prune(configs, named_args, **kwargs):  # noqa: ANN001, ANN201
