@@ -94,18 +94,20 @@ def check_grouped_wgrad(tma: bool, launch: str | None = None):
         acc = torch.randn(G, 136, 72).half()
         expected = acc.double() + ref
         acc_first = acc.clone()
-        grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=acc)
+        acc_sq, over_sq = torch.full((), -1.0), torch.full((1,), -1.0)
+        grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=acc, sumsq=acc_sq)
         try:
             grouped_wgrad.GRAD_FIRST = True
             grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=acc_first)
         finally:
             grouped_wgrad.GRAD_FIRST = False
         over = torch.randn(G, 136, 72).half()
-        grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=over, accumulate=False)
-    errs = rel_err(fresh, ref), rel_err(acc, expected), rel_err(acc_first, expected), rel_err(over, ref)
+        grouped_wgrad.grouped_mm_wgrad(dy, x, offsets, out=over, accumulate=False, sumsq=over_sq)
+    errs = (rel_err(fresh, ref), rel_err(acc, expected), rel_err(acc_first, expected), rel_err(over, ref),
+            rel_err(acc_sq, acc.double().square().sum()), rel_err(over_sq, over.double().square().sum()))
     kind = "pointer" if not tma else f"tensor-memory ({launch})"
     print(f"grouped_mm_wgrad fp16, {kind} kernel (new, accumulate, accumulate "
-          f"grad first, overwrite): rel err {', '.join(f'{e:.2e}' for e in errs)}")
+          f"grad first, overwrite, and the sums of squares of the last two): rel err {', '.join(f'{e:.2e}' for e in errs)}")
     assert max(errs) < 2e-3 and not fresh[empty].any() and not over[empty].any(), errs
 
 
@@ -198,10 +200,11 @@ def check_grouped_wgrad_window():
         expected = acc.double() + ref
         grouped_wgrad.grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=acc)
         over = torch.randn(5, 72, 40).half()
-        grouped_wgrad.grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=over, accumulate=False)
-        errs = rel_err(acc, expected), rel_err(over, ref)
-        print(f"grouped_mm_wgrad fp16 over {n} micro-batches (accumulate, overwrite): rel err "
-              f"{errs[0]:.2e}, {errs[1]:.2e}")
+        over_sq = torch.full((), -1.0)  # with 6 sources: the second launch's tiles, of the final sum
+        grouped_wgrad.grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=over, accumulate=False, sumsq=over_sq)
+        errs = rel_err(acc, expected), rel_err(over, ref), rel_err(over_sq, over.double().square().sum())
+        print(f"grouped_mm_wgrad fp16 over {n} micro-batches (accumulate, overwrite, its sum of squares): rel err "
+              f"{errs[0]:.2e}, {errs[1]:.2e}, {errs[2]:.2e}")
         assert max(errs) < 2e-3 and not over[1].any(), errs
 
 

@@ -104,3 +104,27 @@ def test_a_bad_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     x, w = torch.empty(4, 16), torch.empty(2, 16, 16)
     with pytest.raises(ValueError, match="POLYACCEL_GROUPED_MM='fastest'"):
         grouped_gemm.choose(x, w, torch.tensor([2, 4], dtype=torch.int32), lambda: x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sources", [1, 4, 6])
+def test_weight_gradient_sum_of_squares(sources: int) -> None:
+    """``grouped_mm_wgrad(..., sumsq=)`` on the GPU (the tensor-memory kernel for one large
+    source, the pointer kernel for windows of several, two launches for six): the sum of
+    squares of what it stored, written over and added into."""
+    from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    rows = 8192 if sources == 1 else 1024
+    xs, dys, offs = [], [], []
+    for s in range(sources):
+        x, w, offsets = _routed(16, rows, 256, 384, seed=10 + s)
+        xs.append(x)
+        dys.append(torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16))
+        offs.append(offsets)
+    for accumulate in (False, True):
+        out = torch.randn(16, 256, 384, device="cuda", dtype=torch.bfloat16)
+        sq = torch.full((), -1.0, device="cuda")
+        grouped_mm_wgrad(dys, xs, offs, out=out, accumulate=accumulate, sumsq=sq)
+        torch.testing.assert_close(sq, out.float().square().sum(), rtol=1e-4, atol=0)

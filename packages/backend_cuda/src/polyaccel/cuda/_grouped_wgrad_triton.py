@@ -21,17 +21,29 @@ def tile_start(OUT, g, rn, rk, N, K, FROM_OUT: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def tile_finish(acc, OUT, off, mask, ADD_OUT: tl.constexpr):
-    # Store the tile, adding the current values first with ADD_OUT.
+def tile_finish(acc, OUT, off, mask, ADD_OUT: tl.constexpr, SUMSQ, slot, SQUARES: tl.constexpr):
+    # Store the tile, adding the current values first with ADD_OUT; with SQUARES also the sum
+    # of squares of the values as stored, into SUMSQ[slot].
     if ADD_OUT:
         acc += tl.load(OUT + off, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + off, acc.to(OUT.dtype.element_ty), mask=mask)
+    stored = acc.to(OUT.dtype.element_ty)
+    tl.store(OUT + off, stored, mask=mask)
+    tile_squares(stored, SUMSQ, slot, SQUARES)
+
+
+@triton.jit
+def tile_squares(stored, SUMSQ, slot, SQUARES: tl.constexpr):
+    # The sum of squares of a stored tile (masked lanes hold zeros) into SUMSQ[slot]: one slot
+    # per tile, summed afterwards in a fixed order, so the total is the same bits every run.
+    if SQUARES:
+        q = stored.to(tl.float32)
+        tl.store(SUMSQ + slot, tl.sum(tl.sum(q * q, 1), 0))
 
 
 @triton.jit
 def grouped_wgrad(DY0, DY1, DY2, DY3, X0, X1, X2, X3, OFFS0, OFFS1, OFFS2, OFFS3, T0, T1, T2, T3, OUT, N, K,
-                  ROWS, stride_dy, stride_x, SOURCES: tl.constexpr, ACCUMULATE: tl.constexpr,
-                  GRAD_FIRST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+                  ROWS, stride_dy, stride_x, SUMSQ, SOURCES: tl.constexpr, ACCUMULATE: tl.constexpr,
+                  GRAD_FIRST: tl.constexpr, SQUARES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
     tile = tl.program_id(0)
     g = tl.program_id(1)
     tiles_k = tl.cdiv(K, BLOCK_K)
@@ -70,12 +82,12 @@ def grouped_wgrad(DY0, DY1, DY2, DY3, X0, X1, X2, X3, OFFS0, OFFS1, OFFS2, OFFS3
         b = tl.load(X + rt[:, None] * stride_x + rk[None, :],
                     mask=in_rows[:, None] & (rk[None, :] < K), other=0.0)  # [BLOCK_T, BLOCK_K]
         acc = tl.dot(a, b, acc)
-    tile_finish(acc, OUT, off, mask, ACCUMULATE and not GRAD_FIRST)
+    tile_finish(acc, OUT, off, mask, ACCUMULATE and not GRAD_FIRST, SUMSQ, g * tl.num_programs(0) + tile, SQUARES)
 
 
 @triton.jit
-def grouped_wgrad_tma(DY, X, OFFS, T, OUT, G, N, K, ROWS, stride_dy, stride_x, ACCUMULATE: tl.constexpr,
-                      GRAD_FIRST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def grouped_wgrad_tma(DY, X, OFFS, T, OUT, G, N, K, ROWS, stride_dy, stride_x, SUMSQ, ACCUMULATE: tl.constexpr,
+                      GRAD_FIRST: tl.constexpr, SQUARES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_T: tl.constexpr, PER_SM: tl.constexpr, TMA_OUT: tl.constexpr,
                       BAND_N: tl.constexpr):
     # Output tiles expert-major, each program taking every num_programs-th (one each unless the
@@ -122,6 +134,8 @@ def grouped_wgrad_tma(DY, X, OFFS, T, OUT, G, N, K, ROWS, stride_dy, stride_x, A
         if TMA_OUT:
             if ACCUMULATE and not GRAD_FIRST:
                 acc += out.load([g, n0, k0]).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
-            out.store([g, n0, k0], acc.to(OUT.dtype.element_ty).reshape(1, BLOCK_N, BLOCK_K))
+            stored = acc.to(OUT.dtype.element_ty)
+            out.store([g, n0, k0], stored.reshape(1, BLOCK_N, BLOCK_K))
+            tile_squares(stored, SUMSQ, tile, SQUARES)  # (the copy engine zero-filled past the edges)
         else:
-            tile_finish(acc, OUT, off, mask, ACCUMULATE and not GRAD_FIRST)
+            tile_finish(acc, OUT, off, mask, ACCUMULATE and not GRAD_FIRST, SUMSQ, tile, SQUARES)

@@ -139,6 +139,7 @@ def _autotuned(kernel, configs: list[tuple], key: list[str], **kwargs):  # noqa:
         configs=[triton.Config(meta(c), num_warps=c[3], num_stages=c[4]) for c in configs],
         key=key,
         restore_value=["OUT"],  # trial runs add into OUT: put it back after each
+        reset_to_zero=["SUMSQ"],  # and may write more per-tile sums than the chosen tile does
         **kwargs,
     )(kernel)
 
@@ -209,23 +210,38 @@ def _tma_capable(cuda_index: int | None) -> bool:
 
 def grouped_mm_wgrad(dy: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor | Sequence[torch.Tensor],
                      offsets: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor | None = None,
-                     accumulate: bool = True) -> torch.Tensor:
+                     accumulate: bool = True, sumsq: torch.Tensor | None = None) -> torch.Tensor:
     """Core ``grouped_mm_wgrad`` on CUDA (bf16/fp16 inputs, contiguous ``out``); other
-    inputs take core's reference."""
+    inputs take core's reference. ``sumsq``: each tile's epilogue also sums the squares of
+    what it stores, one slot per tile, and those are summed in a fixed order."""
     dys, xs, offs = (list(t) if isinstance(t, (list, tuple)) else [t] for t in (dy, x, offsets))
     if (not use_triton(dys[0]) or dys[0].dtype not in (torch.bfloat16, torch.float16)
             or any(t.dtype != dys[0].dtype for t in dys + xs)
             or (out is not None and not out.is_contiguous())):
         from polyaccel.core.ops import grouped_mm_wgrad as core_op
 
-        return core_op.reference(dy, x, offsets, out, accumulate)
+        return core_op.reference(dy, x, offsets, out, accumulate, sumsq)
     accumulate = accumulate and out is not None
     if out is None:
         out = dys[0].new_empty(offs[0].numel(), dys[0].shape[1], xs[0].shape[1])
     for i in range(0, len(dys), MAX_SOURCES):
         part = slice(i, i + MAX_SOURCES)
-        _launch(dys[part], xs[part], offs[part], out, accumulate=accumulate or i > 0)
+        last = i + MAX_SOURCES >= len(dys)
+        _launch(dys[part], xs[part], offs[part], out, accumulate=accumulate or i > 0,
+                sumsq=sumsq if last else None)
     return out
+
+
+def _tile_sums(sumsq: torch.Tensor | None, out: torch.Tensor, configs: list[tuple]) -> torch.Tensor:
+    """A zeroed fp32 slot per output tile for the smallest tile among ``configs`` (the
+    autotuner's choice is not known before the launch); a 1-element dummy without ``sumsq``."""
+    if sumsq is None:
+        return torch.zeros(1, device=out.device, dtype=torch.float32)
+    if sumsq.dtype != torch.float32 or sumsq.numel() != 1 or sumsq.device != out.device:
+        raise ValueError(f"grouped_mm_wgrad: sumsq must be one fp32 element on {out.device}")
+    G, N, K = out.shape
+    tiles = max(cdiv(N, c[0]) * cdiv(K, c[1]) for c in configs)
+    return torch.zeros(G * tiles, device=out.device, dtype=torch.float32)
 
 
 def _rows_key(rows: int) -> int:
@@ -235,7 +251,7 @@ def _rows_key(rows: int) -> int:
 
 
 def _launch(dys: list[torch.Tensor], xs: list[torch.Tensor], offs: list[torch.Tensor], out: torch.Tensor, *,
-            accumulate: bool) -> None:
+            accumulate: bool, sumsq: torch.Tensor | None = None) -> None:
     G, N, K = out.shape
     dys, xs = [t.contiguous() for t in dys], [t.contiguous() for t in xs]  # (no-ops for the usual layout)
     if len({t.stride(0) for t in xs}) > 1:
@@ -246,7 +262,7 @@ def _launch(dys: list[torch.Tensor], xs: list[torch.Tensor], offs: list[torch.Te
             raise ValueError(f"grouped_mm_wgrad: offsets of {o.numel()} groups for an output of {G}")
     n = len(dys)
     if n == 1 and _takes_tma(dys[0], xs[0], G):
-        _launch_tma(dys[0], xs[0], offs[0], out, accumulate=accumulate)
+        _launch_tma(dys[0], xs[0], offs[0], out, accumulate=accumulate, sumsq=sumsq)
         return
     pad = lambda ts: ts + [ts[0]] * (MAX_SOURCES - len(ts))  # noqa: E731  (unused slots: never read)
     plain, tuned = _kernel()
@@ -255,18 +271,22 @@ def _launch(dys: list[torch.Tensor], xs: list[torch.Tensor], offs: list[torch.Te
         return cdiv(N, meta["BLOCK_N"]) * cdiv(K, meta["BLOCK_K"]), G
 
     rows = [min(d.shape[0], x.shape[0]) for d, x in zip(dys, xs, strict=True)]
+    skinny = min(N, K) <= SKINNY
+    sums = _tile_sums(sumsq, out, [c for c in CONFIGS if _skinny_tile(c[0], c[1]) == skinny] or CONFIGS)
     args = (*pad(dys), *pad(xs), *pad(offs), *pad(rows), out, N, K,
-            _rows_key(sum(t.shape[0] for t in dys)), dys[0].stride(0), xs[0].stride(0))
-    flags = dict(SOURCES=n, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST)
+            _rows_key(sum(t.shape[0] for t in dys)), dys[0].stride(0), xs[0].stride(0), sums)
+    flags = dict(SOURCES=n, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST, SQUARES=sumsq is not None)
     if dys[0].is_cuda:
         tuned[grid](*args, **flags)
     else:  # Triton's CPU interpreter (tests): no timing, the first tile shape
         bn, bk, bt, _, _ = CONFIGS[0]
         plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, **flags, BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt)
+    if sumsq is not None:
+        torch.sum(sums, dim=0, keepdim=False, out=sumsq.view(()))
 
 
 def _launch_tma(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, *, accumulate: bool,
-                config: tuple | None = None) -> None:
+                config: tuple | None = None, sumsq: torch.Tensor | None = None) -> None:
     """One micro-batch through the tensor-memory kernel: autotuned, or at ``config`` (a
     :data:`TMA_CONFIGS` entry; the Triton interpreter takes the first one that applies)."""
     G, N, K = out.shape
@@ -278,19 +298,29 @@ def _launch_tma(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, out: torc
         tiles = G * cdiv(N, meta["BLOCK_N"]) * cdiv(K, meta["BLOCK_K"])
         return (min(tiles, sms * meta["PER_SM"]) if meta["PER_SM"] else tiles,)
 
+    sums = _tile_sums(sumsq, out, TMA_CONFIGS)
     args = (dy, x, offs, min(dy.shape[0], x.shape[0]), out, G, N, K, _rows_key(dy.shape[0]), dy.stride(0),
-            x.stride(0))
+            x.stride(0), sums)
+    flags = dict(ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST, SQUARES=sumsq is not None)
     if dy.is_cuda and config is None:
-        tuned[grid](*args, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST)
-        return
+        tuned[grid](*args, **flags)
+    else:
+        _launch_tma_at(plain, grid, args, flags, out, config, dy.is_cuda)
+    if sumsq is not None:
+        torch.sum(sums, dim=0, keepdim=False, out=sumsq.view(()))
+
+
+def _launch_tma_at(plain, grid, args: tuple, flags: dict, out: torch.Tensor, config: tuple | None,  # noqa: ANN001
+                   on_cuda: bool) -> None:
+    """The tensor-memory kernel at ``config`` (the interpreter: the first one that applies)."""
     if config is None:  # Triton's CPU interpreter (tests): no timing
         config = next(c for c in TMA_CONFIGS if _out_aligned(out) or not c[6])
     bn, bk, bt, warps, stages, per_sm, tma_out, band_n = config
     if tma_out and not _out_aligned(out):
         raise ValueError("grouped_mm_wgrad: TMA_OUT needs a 16-byte aligned output")
     meta = dict(BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt, PER_SM=per_sm, TMA_OUT=tma_out, BAND_N=band_n)
-    extra = dict(num_warps=warps, num_stages=stages) if dy.is_cuda else {}
-    plain[grid(meta)](*args, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST, **meta, **extra)
+    extra = dict(num_warps=warps, num_stages=stages) if on_cuda else {}
+    plain[grid(meta)](*args, **flags, **meta, **extra)
 
 
 @functools.cache

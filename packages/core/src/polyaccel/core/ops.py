@@ -344,7 +344,7 @@ def grouped_lowrank_add_(out: torch.Tensor, u: torch.Tensor, factor: torch.Tenso
 @registry.define
 def grouped_mm_wgrad(dy: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor | Sequence[torch.Tensor],
                      offsets: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor | None = None,
-                     accumulate: bool = True) -> torch.Tensor:
+                     accumulate: bool = True, sumsq: torch.Tensor | None = None) -> torch.Tensor:
     """Weight gradient of :func:`grouped_mm`: ``dy_g.T @ x_g`` per group, [G, N, K].
 
     dy [T, N], x [T, K] (rows sorted by group), offsets int32 [G] cumulative row ends. With
@@ -355,10 +355,16 @@ def grouped_mm_wgrad(dy: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor 
     ``dy``, ``x`` and ``offsets`` may also be equally long lists, one entry per micro-batch:
     the result is the sum over them, formed in fp32 and rounded once (one pass over ``out``
     for several micro-batches). Products are formed in fp32.
+
+    ``sumsq`` (one fp32 element): set to the sum of squares of the result as stored, so that
+    a gradient norm needs no second pass over it (the sum's order is up to the backend, fixed
+    for a given shape).
     """
     dys, xs, offs = (list(t) if isinstance(t, (list, tuple)) else [t] for t in (dy, x, offsets))
     if not len(dys) == len(xs) == len(offs) >= 1:
         raise ValueError(f"grouped_mm_wgrad: {len(dys)} dy, {len(xs)} x and {len(offs)} offsets")
+    if sumsq is not None and (sumsq.dtype != torch.float32 or sumsq.numel() != 1):
+        raise ValueError("grouped_mm_wgrad: sumsq must be one fp32 element")
     G, N, K = offs[0].numel(), dys[0].shape[1], xs[0].shape[1]
     res = out if out is not None else dys[0].new_zeros(G, N, K)
     acc_dtype = torch.promote_types(res.dtype, torch.float32)
@@ -372,6 +378,8 @@ def grouped_mm_wgrad(dy: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor 
     if out is not None and accumulate:
         total += res
     res.copy_(total)
+    if sumsq is not None:
+        sumsq.copy_(res.to(acc_dtype).square().sum().reshape(sumsq.shape))
     return res
 
 

@@ -53,6 +53,7 @@ from polyaccel.moe.grouped_linear import (
     kept_wgrad,
     kept_wgrad_tensors,
     restore_kept_wgrad,
+    track_grad_sumsq,
     wgrad_window,
 )
 
@@ -126,6 +127,8 @@ class GraphedMicroStep:
         self._pool: Any = None
         self._warned = False
         self._experts = expert_weights(model)
+        self._sumsq = track_grad_sumsq(self._experts)
+        self._completed = False  # the last call was the last micro-batch of a step
         self._promised = False  # overwritten_params was read: calls must say where steps start
 
     def __call__(self, micro_batch: tuple[int, int] | None = None, **batch: torch.Tensor) -> torch.Tensor:
@@ -142,7 +145,25 @@ class GraphedMicroStep:
                              "micro_batch=(i, n) to every call or build it with grad_accum=n")
         if micro_batch is not None and micro_batch[0] == 0:
             self._zero_unfusable_experts()
+        self._completed = False
         kind_key = self._kind_key(micro_batch)
+        loss = self._run(kind_key, batch)
+        self._completed = micro_batch is not None and micro_batch[0] == micro_batch[1] - 1
+        return loss
+
+    def expert_grad_sumsq(self) -> dict[torch.Tensor, torch.Tensor] | None:
+        """After the last micro-batch of a step: each expert weight's gradient's sum of squares
+        (weight -> 0-dim fp32 device tensor), formed where the weight-gradient kernel stored
+        that gradient, so a clipping norm need not read the expert gradients again
+        (``FlatAdamW.grad_norm(known_sumsq=...)``). None mid-step, or when some expert weight's
+        gradient came from autograd instead (not :func:`~polyaccel.moe.grouped_linear.fusable`).
+        Valid until those gradients change (the optimizer's step or zeroing)."""
+        if not self._completed or not all(fusable(p) for p in self._experts):
+            return None
+        return dict(self._sumsq)
+
+    def _run(self, kind_key: tuple[int, bool, bool], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One call of kind ``kind_key``: eager, captured or replayed."""
         kind = self.kinds.setdefault(kind_key, _Captured())
         kind.calls += 1
         # A graph reads what the graph of the kind before it kept; after anything else
@@ -207,6 +228,8 @@ class GraphedMicroStep:
         for p in targets:  # a weight that got no gradient this step: zero, not stale
             if p not in written and p.grad is not None:
                 p.grad.zero_()
+                if p in self._sumsq:
+                    self._sumsq[p].zero_()
         if not defer:
             flush_wgrad()
         return loss.detach()

@@ -126,15 +126,35 @@ def flush_wgrad() -> None:
         _write_wgrad(w, kept, overwrite=False)
 
 
+_SUMSQ: dict[torch.Tensor, torch.Tensor] = {}
+"""Weight -> one fp32 element that each write of its gradient here sets to the gradient's sum
+of squares (:func:`track_grad_sumsq`)."""
+
+
+def track_grad_sumsq(weights: Iterable[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+    """From now on, every write of these weights' gradients by this module also records the
+    gradient's sum of squares, formed in the weight-gradient kernel's epilogue: a gradient norm
+    then needs no pass over them. Returns the records (weight -> 0-dim fp32 tensor, at fixed
+    addresses, so a captured CUDA graph writes them too). A record is the gradient's only
+    while nothing else has changed that gradient since this module last wrote it."""
+    for w in weights:
+        if w not in _SUMSQ:
+            _SUMSQ[w] = torch.zeros((), dtype=torch.float32, device=w.device)
+    return {w: _SUMSQ[w] for w in weights}
+
+
 def _write_wgrad(w: torch.Tensor, sources: list[_Source], overwrite: bool) -> None:
     dys, offs = [s[0] for s in sources], [s[2] for s in sources]
     # Inputs kept small are gathered again here, one weight at a time (a gather in the GEMM's
     # loads measured 0.55 ms slower per window of four than these copies, 0.05 ms each).
     xs = [x if rows is None else x.index_select(0, rows) for _, x, _, rows in sources]
+    sumsq = _SUMSQ.get(w)
     if w.grad is None:
         w.grad = ops.grouped_mm_wgrad(dys, xs, offs).to(w.dtype)
+        if sumsq is not None:
+            sumsq.copy_(w.grad.float().square().sum())
     else:
-        ops.grouped_mm_wgrad(dys, xs, offs, out=w.grad, accumulate=not overwrite)
+        ops.grouped_mm_wgrad(dys, xs, offs, out=w.grad, accumulate=not overwrite, sumsq=sumsq)
 
 
 class _GroupedLinear(torch.autograd.Function):

@@ -201,11 +201,16 @@ class FlatAdamW(torch.optim.Optimizer):
                     s += 1
         flat.zeroed_version = flat.grad._version
 
-    def grad_norm(self) -> torch.Tensor | None:
+    def grad_norm(self, known_sumsq: dict[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """The L2 norm of every param's gradient as a 0-dim fp32 device tensor, read in one pass
         over each flat grad buffer (the gaps between views stay zero) rather than tensor by
         tensor. None when some ``p.grad`` is not its flat view (set to ``None`` or replaced
-        since the backward): then nothing in the buffers says what the gradient is."""
+        since the backward): then nothing in the buffers says what the gradient is.
+
+        ``known_sumsq`` (param -> its gradient's sum of squares, e.g.
+        :meth:`GraphedMicroStep.expert_grad_sumsq`): where it covers every param whose
+        gradient the caller writes over (``grads_overwritten``, the end of each buffer), only
+        the rest of the buffer is read and those sums are added instead."""
         flats = [flat for group in self._flats for flat in group]
         if not flats or len({flat.grad.device for flat in flats}) > 1:  # (buffers on several devices: torch's)
             return None
@@ -214,7 +219,12 @@ class FlatAdamW(torch.optim.Optimizer):
             if any(p.grad is not g for p, g in zip(flat.params, flat.grads, strict=True)):
                 return None
             dtype = torch.promote_types(flat.grad.dtype, torch.float32)  # fp64 grads keep fp64
-            squares.append(torch.linalg.vector_norm(flat.grad, dtype=dtype).square().float())
+            tail = [p for p, start in zip(flat.params, flat.offsets, strict=True) if start >= flat.zero_end]
+            if tail and known_sumsq is not None and all(p in known_sumsq for p in tail):
+                squares.append(torch.linalg.vector_norm(flat.grad[:flat.zero_end], dtype=dtype).square().float())
+                squares.extend(known_sumsq[p].reshape(()).float() for p in tail)
+            else:
+                squares.append(torch.linalg.vector_norm(flat.grad, dtype=dtype).square().float())
         return torch.stack(squares).sum().sqrt()
 
     def zero_every_grad(self) -> None:
@@ -281,18 +291,19 @@ class FlatAdamW(torch.optim.Optimizer):
                                          "exp_avg": m.view(p.shape), "exp_avg_sq": v.view(p.shape)}
 
 
-def grad_norm(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+def grad_norm(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+              known_sumsq: dict[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """L2 norm of all gradients of a single-process ``model`` as a device tensor (no host sync):
-    :meth:`FlatAdamW.grad_norm`'s one pass per buffer when ``optimizer`` is a FlatAdamW that
-    holds every param of ``model`` with a gradient and no other, else
-    ``torch.nn.utils.get_total_norm``."""
+    :meth:`FlatAdamW.grad_norm`'s one pass per buffer (less the gradients whose sums of squares
+    ``known_sumsq`` gives) when ``optimizer`` is a FlatAdamW that holds every param of
+    ``model`` with a gradient and no other, else ``torch.nn.utils.get_total_norm``."""
     ordered = list(model.parameters())
     params = set(ordered)
     grads = {p: p.grad for p in ordered if p.grad is not None}
     if isinstance(optimizer, FlatAdamW) and grads:
         held = {p for group in optimizer.param_groups for p in group["params"]}
         if grads.keys() <= held <= params:  # the buffers hold exactly the model's gradients
-            norm = optimizer.grad_norm()
+            norm = optimizer.grad_norm(known_sumsq)
             if norm is not None:
                 return norm
     return torch.nn.utils.get_total_norm(list(grads.values())) if grads else torch.zeros(())

@@ -875,7 +875,8 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
                 # Clipping folded into the optimizer's pass (FlatAdamW), no host sync before it.
                 if grad_sync is not None:
                     grad_sync.all_reduce()
-                grad_norm = grad_sync.grad_norm() if grad_sync is not None else model_grad_norm(model, optimizer)
+                known = micro_step.expert_grad_sumsq() if micro_step is not None else None
+                grad_norm = grad_sync.grad_norm() if grad_sync is not None else model_grad_norm(model, optimizer, known)
                 grad_scale = clip_coefficient(grad_norm, t.grad_clip)
             lr = scheduler.get_last_lr()[0]
             if sharded:

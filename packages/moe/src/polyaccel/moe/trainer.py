@@ -9,7 +9,8 @@ logged once where it does not:
   buffer per group, with Trainer's weight-decay groups and hyperparameters (leaving the expert
   gradients that the graphed micro-step writes over unzeroed when that micro-step will run);
 - gradient clipping: the norm is measured on the device and the clipping factor is applied
-  inside FlatAdamW's pass (no host sync, no extra pass over the gradients);
+  inside FlatAdamW's pass (no host sync, no extra pass over the gradients); the expert
+  gradients' share of the norm comes from the weight-gradient kernel that wrote them;
 - the micro-step: on one CUDA device with a polyaccel model, each micro-batch's forward and
   backward replay as one CUDA graph (:class:`~polyaccel.moe.graphed_step.GraphedMicroStep`)
   with the expert weight-gradient window :mod:`polyaccel.moe.fast_path` picks;
@@ -94,7 +95,8 @@ class FastPathMixin:
         # fp16's loss scaler: Trainer's own path unscales the gradients before measuring them.
         if opt is None or self.accelerator.num_processes > 1 or getattr(self.accelerator, "scaler", None) is not None:
             return super()._clip_grad_norm(model)
-        norm = grad_norm(model, opt)
+        known = self._micro_step.expert_grad_sumsq() if self._micro_step is not None else None
+        norm = grad_norm(model, opt, known)
         opt.scale_next_step(clip_coefficient(norm, self.args.max_grad_norm))
         return norm
 
