@@ -10,7 +10,7 @@ pipeline the loads across tiles (the next tile's first chunks load while one fin
 matters at a short reduction such as Qwen3's 768-wide down projection). Its autotuner (keyed on
 the shape and the rows' order of magnitude) picks among :data:`CONFIGS`.
 
-On an H200 (docs/benchmarks.md, session 31), uneven routing, it ran at 0.99-1.27x CUTLASS's
+On an H200 (docs/benchmarks.md, session 31), uneven routing, it ran at 0.99-1.26x CUTLASS's
 rate on Qwen3's and OLMoE's expert shapes; with every expert given the same rows, 0.80-1.17x.
 Both sum in fp32 over the same chunks, and on those shapes their outputs were the same bits.
 :func:`choose` picks between the two per shape (``POLYACCEL_GROUPED_MM``: ``auto``, the default,
