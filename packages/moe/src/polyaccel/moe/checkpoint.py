@@ -48,6 +48,7 @@ TRAINER_STATE = "trainer_state.pt"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PARTIAL_DIR = re.compile(r"^step_\d+\.tmp$")  # a save in progress, or cut off
+_STEP_NAME = re.compile(r"^step_(\d+)(?:\.tmp)?$")  # either of the two
 _CHUNK = 8 << 20
 
 
@@ -98,6 +99,16 @@ def not_checkpoints(root: str | Path | None) -> list[Path]:
     """``step_N`` directories under ``root`` that hold files but no run's state (neither a
     manifest nor a trainer state): not ours to replace, oldest first."""
     return [p for p in _step_dirs(root) if not _holds_state(p) and any(p.iterdir())]
+
+
+def not_folders(root: str | Path | None) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the entries under ``root`` named like a checkpoint or a save in
+    progress (``step_N``, ``step_N.tmp``) that are not folders (a file, a FIFO, a link to no
+    folder): a save of step N can neither replace nor use them."""
+    if root is None or not Path(root).is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in Path(root).iterdir() if (m := _STEP_NAME.match(p.name)) and not p.is_dir()]
+    return sorted(found)
 
 
 def _holds_state(step_dir: Path) -> bool:
@@ -231,7 +242,7 @@ def find_resume(root: str | Path | None, resume: str) -> Path | None:
 def _choose(root: str | Path | None, resume: str) -> str | None:
     if resume != "auto":
         return str(_explicit(Path(resume)))
-    candidates = _step_dirs(root)
+    candidates = written_checkpoints(root)  # a step_N of other files (or none) is no checkpoint: not resumed
     reasons = []
     for path in reversed(candidates):
         why = verify_checkpoint(path)
@@ -389,7 +400,7 @@ def _save(root: str | Path, final: Path, tmp: Path, step: int, model: nn.Module,
     error = None  # a failed write; the ranks agree on it at each _settle (no rank left waiting)
     if rank == 0:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _clear(tmp)
             tmp.mkdir(parents=True)
         except Exception as e:
             error = e
@@ -412,7 +423,7 @@ def _save(root: str | Path, final: Path, tmp: Path, step: int, model: nn.Module,
     if rank == 0:
         try:
             write_manifest(tmp, step)
-            shutil.rmtree(final, ignore_errors=True)
+            _clear(final)
             tmp.rename(final)
         except Exception as e:
             error = e
@@ -423,6 +434,15 @@ def _save(root: str | Path, final: Path, tmp: Path, step: int, model: nn.Module,
                 _prune(root, final, keep_last)
     _settle(error)
     return final
+
+
+def _clear(path: Path) -> None:
+    """Remove what a save is about to put at ``path``: an earlier folder of that step, or a link
+    (only the link goes, never what it points to; ``rmtree`` refused it, and the save failed)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _sync_dir(final: Path) -> None:

@@ -1332,10 +1332,17 @@ def _check_later_checkpoints(cfg: FinetuneConfig, resume_from: Path | None) -> N
 
 
 def _check_foreign_step_dirs(cfg: FinetuneConfig, resume_from: Path | None) -> None:
-    """Refuse a ``checkpoint.dir`` holding a ``step_N`` folder of other files (no manifest, no
-    trainer state) of a step the run will save (past the one it starts from, up to
-    ``train.max_steps``): saving step N would replace it."""
+    """Refuse a ``checkpoint.dir`` holding, for a step the run will save (past the one it starts
+    from, up to ``train.max_steps``), a ``step_N`` folder of other files (no manifest, no
+    trainer state: saving step N would replace it) or a ``step_N`` / ``step_N.tmp`` that is no
+    folder (a file: saving step N would fail, after training)."""
     start = (ckpt.checkpoint_step(resume_from) or 0) if resume_from is not None else 0
+    in_the_way = [p for step, p in ckpt.not_folders(cfg.checkpoint.dir) if start < step <= cfg.train.max_steps]
+    if in_the_way:
+        names = ", ".join(p.name for p in in_the_way[:4]) + (", ..." if len(in_the_way) > 4 else "")
+        raise ConfigError(f"checkpoint.dir {cfg.checkpoint.dir} holds files named like this run's checkpoints "
+                          f"({names}: not folders); the checkpoint of that step could not be written after training "
+                          "up to it. Move them away, or choose a new checkpoint.dir", key="checkpoint.dir")
     found = [p for p in ckpt.not_checkpoints(cfg.checkpoint.dir)
              if start < (ckpt.checkpoint_step(p) or 0) <= cfg.train.max_steps]
     if found:
