@@ -86,7 +86,7 @@ def _step_dirs(root: str | Path | None) -> list[Path]:
 def complete_checkpoints(root: str | Path | None) -> list[Path]:
     """Checkpoints under ``root`` whose save finished (they have a manifest), oldest first.
     Their bytes are checked only by :func:`verify_checkpoint`."""
-    return [p for p in _step_dirs(root) if (p / MANIFEST).is_file()]
+    return [p for p in _step_dirs(root) if _is_file(p / MANIFEST)]
 
 
 def written_checkpoints(root: str | Path | None) -> list[Path]:
@@ -112,7 +112,18 @@ def not_folders(root: str | Path | None) -> list[tuple[int, Path]]:
 
 
 def _holds_state(step_dir: Path) -> bool:
-    return (step_dir / MANIFEST).is_file() or (step_dir / TRAINER_STATE).is_file()
+    try:
+        return (step_dir / MANIFEST).is_file() or (step_dir / TRAINER_STATE).is_file()
+    except OSError:  # a folder this user may not enter may be one: verify_checkpoint says why it is not usable
+        return True
+
+
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False where it cannot be told (a folder this user may not enter)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def latest_checkpoint(root: str | Path | None) -> Path | None:
@@ -182,7 +193,13 @@ def write_manifest(directory: str | Path, step: int) -> Path:
 def verify_checkpoint(path: str | Path) -> str | None:
     """Why the checkpoint at ``path`` cannot be trusted (naming the file), or None if every
     file the manifest lists is present with its recorded size and sha256."""
-    path = Path(path)
+    try:
+        return _verify(Path(path))
+    except OSError as e:  # a file or folder this user may not read, an I/O error
+        return f"{e.filename or path} cannot be read ({e.strerror or e})"
+
+
+def _verify(path: Path) -> str | None:
     manifest = path / MANIFEST
     if not manifest.is_file():
         return f"{manifest} is missing (the save did not finish, or it predates checksums)"
@@ -241,7 +258,11 @@ def find_resume(root: str | Path | None, resume: str) -> Path | None:
 
 def _choose(root: str | Path | None, resume: str) -> str | None:
     if resume != "auto":
-        return str(_explicit(Path(resume)))
+        try:
+            return str(_explicit(Path(resume)))
+        except OSError as e:  # a folder this user may not enter
+            raise CheckpointError(f"checkpoint.resume: {e.filename or resume} cannot be read "
+                                  f"({e.strerror or e})") from None
     candidates = written_checkpoints(root)  # a step_N of other files (or none) is no checkpoint: not resumed
     reasons = []
     for path in reversed(candidates):

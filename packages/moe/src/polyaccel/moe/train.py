@@ -155,7 +155,11 @@ def resolve_model_config(cfg: ModelConfig):
     bad_config = (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, StrictDataclassError)
     fields = dict(cfg.config)
     if cfg.path is not None:
-        if not Path(cfg.path, "config.json").is_file():
+        try:
+            found = Path(cfg.path, "config.json").is_file()
+        except OSError as e:  # a folder this user may not enter
+            raise ConfigError(f"model.path: cannot read {cfg.path} ({e.strerror or e})", key="model.path") from None
+        if not found:
             raise ConfigError(f"model.path {cfg.path} is not a Hugging Face checkpoint (no config.json)")
         if (why := index_escape(cfg.path)) is not None:
             raise ConfigError(f"model.path: {why}")
