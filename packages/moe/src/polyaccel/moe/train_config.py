@@ -23,6 +23,7 @@ writes next to it.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import types
 import typing
@@ -628,11 +629,25 @@ def _apply_override(target: dict[str, Any], item: str) -> None:
         raise ConfigError(_yaml_error(f"--set {item}", e, position=False)) from None
     node = target
     parts = key.strip().split(".")
+    if isinstance(value, int | float | datetime.date) and not isinstance(value, bool) and _takes_text(parts):
+        value = raw.strip()  # a folder named 20241204 or 2024-12-04: the text typed, not YAML's number or date
     for p in parts[:-1]:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {item}: {p} was set to a value, not a section, by an earlier --set")
     node[parts[-1]] = value
+
+
+def _takes_text(parts: Sequence[str]) -> bool:
+    """Whether the config key ``parts`` (``["data", "field"]``) holds free text (a path, a name)."""
+    tp: Any = FinetuneConfig
+    for p in parts:
+        options = [t for t in typing.get_args(tp) if t is not type(None)] or [tp]  # X | None -> X
+        if len(options) != 1 or not dataclasses.is_dataclass(options[0]):
+            return False
+        tp = typing.get_type_hints(options[0]).get(p)
+    return tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType)
+                         and set(typing.get_args(tp)) == {str, type(None)})
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
