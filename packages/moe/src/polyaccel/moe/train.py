@@ -702,6 +702,7 @@ def check_config(cfg: FinetuneConfig, *, world_size: int, device: torch.device |
     model_config = resolve_model_config(cfg.model)
     validate(cfg, model_config)
     backend_config(cfg.model)  # fail on a bad backend section before loading anything
+    _check_attention(cfg.model, model_config)
     fsdp = world_size > 1 and cfg.parallel.dense == "fsdp"
     if t.optimizer == "flat_adamw" and fsdp:
         raise ConfigError("train.optimizer=flat_adamw does not run under FSDP2 (it shards the parameters as "
@@ -721,6 +722,23 @@ def check_config(cfg: FinetuneConfig, *, world_size: int, device: torch.device |
         # A full model's shape is checked once its weights load (the differing tensors named).
         check_resume_settings(cfg, model_config, resume_from, shape=cfg.lora is not None)
     return model_config, resume_from
+
+
+def _check_attention(cfg: ModelConfig, model_config: Any) -> None:
+    """Refuse an ``attn_implementation`` that Transformers refuses when it builds the model (an
+    unknown name, or a kernel whose package is missing: ``flash_attention_2`` without
+    ``flash-attn``) before anything loads, by building it on the meta device; it was a traceback
+    once the data had been read. Our models ignore the key (a warning: ``model.backend.attn``)."""
+    if not cfg.attn_implementation or cfg.implementation != "transformers":
+        return
+    cls, _ = auto_model_class(cfg.implementation)
+    try:
+        with torch.device("meta"):
+            cls.from_config(copy.deepcopy(model_config), attn_implementation=cfg.attn_implementation)
+    except (ValueError, ImportError) as e:
+        text = " ".join(str(e).split())
+        raise ConfigError(f"model.attn_implementation={cfg.attn_implementation!r}: {text[:300]}"
+                          f"{' ...' if len(text) > 300 else ''}", key="model.attn_implementation") from None
 
 
 def parallel_plan(cfg: FinetuneConfig, world_size: int, model_config: Any) -> ParallelPlan:
