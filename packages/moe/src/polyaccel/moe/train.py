@@ -59,7 +59,14 @@ from polyaccel.moe.flops import mfu, peak_flops, train_flops_per_token
 from polyaccel.moe.optim import clip_coefficient, step_scaled
 from polyaccel.moe.optim import grad_norm as model_grad_norm  # (train's own grad_norm: a float)
 from polyaccel.moe.resume_settings import apply_train_settings, check_resume_settings, model_shape
-from polyaccel.moe.train_config import ConfigError, FinetuneConfig, ModelConfig, TrainConfig, did_you_mean
+from polyaccel.moe.train_config import (
+    ConfigError,
+    FinetuneConfig,
+    ModelConfig,
+    TrainConfig,
+    did_you_mean,
+    yaml_numbers,
+)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 logger = logging.getLogger("polyaccel.moe")
@@ -153,7 +160,7 @@ def resolve_model_config(cfg: ModelConfig):
     from transformers import AutoConfig
 
     bad_config = (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, StrictDataclassError)
-    fields = dict(cfg.config)
+    fields = yaml_numbers(dict(cfg.config))
     if cfg.path is not None:
         try:
             found = Path(cfg.path, "config.json").is_file()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -636,6 +637,23 @@ def _apply_override(target: dict[str, Any], item: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"--set {item}: {p} was set to a value, not a section, by an earlier --set")
     node[parts[-1]] = value
+
+
+_EXPONENT_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+"""A number with an exponent and no dot (``1e-6``): YAML 1.1 (PyYAML) reads it as text."""
+
+
+def yaml_numbers(value: Any) -> Any:
+    """``value`` (a ``model.config`` mapping, say) with the numbers YAML 1.1 read as text
+    (``rms_norm_eps: 1e-6``, as written in any config.json) as floats, nested ones included;
+    Transformers refused them ("expected float, got str")."""
+    if isinstance(value, Mapping):
+        return {k: yaml_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [yaml_numbers(v) for v in value]
+    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+        return float(value)
+    return value
 
 
 def _takes_text(parts: Sequence[str]) -> bool:
