@@ -25,3 +25,10 @@ def test_exponent_numbers_in_model_config_are_numbers(tmp_path):
 def test_text_that_is_no_number_stays_text():
     mc = resolve_model_config(load_config(TINY, ["model.config.hidden_act=silu", "model.config.rms_norm_eps=1e-6"]).model)
     assert mc.hidden_act == "silu" and mc.rms_norm_eps == 1e-6
+
+
+def test_exponent_numbers_in_model_backend_are_numbers():
+    from polyaccel.moe.train import backend_config
+
+    sets = ["model.backend.gate=balanced", "model.backend.gate_noise=1e-2"]
+    assert backend_config(load_config(TINY, sets).model).gate_noise == 1e-2

@@ -367,7 +367,7 @@ def backend_config(cfg: ModelConfig) -> Any:
             raise ConfigError(f"unknown config key 'model.backend.{key}'{did_you_mean(key, fields)}; "
                               f"BackendConfig fields: {', '.join(fields)}")
     try:
-        return backend_cls(**cfg.backend)
+        return backend_cls(**yaml_numbers(cfg.backend))
     except (TypeError, ValueError, ImportError) as e:  # ImportError: a choice whose library is not installed
         raise ConfigError(f"model.backend: {e}") from e
 
