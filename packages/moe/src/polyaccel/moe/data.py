@@ -244,7 +244,9 @@ def load_tokenizer(path: str | None):
         raise ConfigError("text data needs a tokenizer: set model.path to a checkpoint with one, "
                           "or data.tokenizer to a tokenizer directory")
     if not Path(path).is_dir():  # else Transformers reads it as a Hub repo id and says that is malformed
-        raise ConfigError(f"cannot load a tokenizer from {path}: no such directory", key="data.tokenizer")
+        why = ("a file, not the tokenizer's folder (name the folder holding tokenizer.json)" if Path(path).exists()
+               else "no such directory")
+        raise ConfigError(f"cannot load a tokenizer from {path}: {why}", key="data.tokenizer")
     from transformers import AutoTokenizer
 
     try:

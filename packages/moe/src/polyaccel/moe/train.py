@@ -167,7 +167,9 @@ def resolve_model_config(cfg: ModelConfig):
         except OSError as e:  # a folder this user may not enter
             raise ConfigError(f"model.path: cannot read {cfg.path} ({e.strerror or e})", key="model.path") from None
         if not found:
-            raise ConfigError(f"model.path {cfg.path} is not a Hugging Face checkpoint (no config.json)")
+            why = "no config.json" if Path(cfg.path).is_dir() else "it is a file" if Path(cfg.path).exists() \
+                else "it does not exist"
+            raise ConfigError(f"model.path {cfg.path} is not a Hugging Face checkpoint ({why})", key="model.path")
         if (why := index_escape(cfg.path)) is not None:
             raise ConfigError(f"model.path: {why}")
         try:
