@@ -4,8 +4,6 @@ says that (it said "no such directory" of a file that is there)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from polyaccel.moe.data import load_tokenizer
