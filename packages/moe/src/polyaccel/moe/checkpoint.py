@@ -83,6 +83,12 @@ def _step_dirs(root: str | Path | None) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def step_number(name: str) -> int | None:
+    """The step of a checkpoint folder's name (``step_00000004``: 4), None for another name."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
 def complete_checkpoints(root: str | Path | None) -> list[Path]:
     """Checkpoints under ``root`` whose save finished (they have a manifest), oldest first.
     Their bytes are checked only by :func:`verify_checkpoint`."""

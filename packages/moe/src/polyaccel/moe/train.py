@@ -727,6 +727,7 @@ def check_config(cfg: FinetuneConfig, *, world_size: int, device: torch.device |
     _check_later_checkpoints(cfg, resume_from)
     _check_foreign_step_dirs(cfg, resume_from)
     _check_checkpoint_kind(cfg, resume_from)
+    _check_inputs_not_pruned(cfg)
     if resume_from is not None:
         # A full model's shape is checked once its weights load (the differing tensors named).
         check_resume_settings(cfg, model_config, resume_from, shape=cfg.lora is not None)
@@ -1331,6 +1332,24 @@ def _check_output_kind(cfg: FinetuneConfig, out: Path, names: list[str]) -> None
 
 
 _ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _check_inputs_not_pruned(cfg: FinetuneConfig) -> None:
+    """Refuse a ``model.path`` or ``data.tokenizer`` that is (inside) a checkpoint folder of this
+    run's ``checkpoint.dir`` when ``keep_last`` prunes old checkpoints: the run would delete the
+    model it was told to start from, and rerunning the same command would then fail."""
+    if not cfg.checkpoint.dir or cfg.checkpoint.keep_last == 0:
+        return
+    root = real_path(Path(cfg.checkpoint.dir))
+    for key, value in (("model.path", cfg.model.path), ("data.tokenizer", cfg.data.tokenizer)):
+        if not value or not (real := real_path(Path(value))).is_relative_to(root) or real == root:
+            continue
+        step = real.relative_to(root).parts[0]
+        if ckpt.step_number(step) is not None:
+            raise ConfigError(f"{key}: {value} is in checkpoint {step} of checkpoint.dir {cfg.checkpoint.dir}, which "
+                              f"checkpoint.keep_last={cfg.checkpoint.keep_last} prunes during this run (a rerun would then "
+                              "find no model). Copy it elsewhere, set checkpoint.keep_last=0, or use a new checkpoint.dir",
+                              key=key)
 
 
 def _check_checkpoint_kind(cfg: FinetuneConfig, resume_from: Path | None) -> None:
