@@ -48,6 +48,7 @@ TRAINER_STATE = "trainer_state.pt"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PARTIAL_DIR = re.compile(r"^step_\d+\.tmp$")  # a save in progress, or cut off
+_STEP_NAME = re.compile(r"^step_(\d+)(?:\.tmp)?$")  # either of the two
 _CHUNK = 8 << 20
 
 
@@ -82,10 +83,16 @@ def _step_dirs(root: str | Path | None) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def step_number(name: str) -> int | None:
+    """The step of a checkpoint folder's name (``step_00000004``: 4), None for another name."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
 def complete_checkpoints(root: str | Path | None) -> list[Path]:
     """Checkpoints under ``root`` whose save finished (they have a manifest), oldest first.
     Their bytes are checked only by :func:`verify_checkpoint`."""
-    return [p for p in _step_dirs(root) if (p / MANIFEST).is_file()]
+    return [p for p in _step_dirs(root) if _is_file(p / MANIFEST)]
 
 
 def written_checkpoints(root: str | Path | None) -> list[Path]:
@@ -100,8 +107,29 @@ def not_checkpoints(root: str | Path | None) -> list[Path]:
     return [p for p in _step_dirs(root) if not _holds_state(p) and any(p.iterdir())]
 
 
+def not_folders(root: str | Path | None) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the entries under ``root`` named like a checkpoint or a save in
+    progress (``step_N``, ``step_N.tmp``) that are not folders (a file, a FIFO, a link to no
+    folder): a save of step N can neither replace nor use them."""
+    if root is None or not Path(root).is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in Path(root).iterdir() if (m := _STEP_NAME.match(p.name)) and not p.is_dir()]
+    return sorted(found)
+
+
 def _holds_state(step_dir: Path) -> bool:
-    return (step_dir / MANIFEST).is_file() or (step_dir / TRAINER_STATE).is_file()
+    try:
+        return (step_dir / MANIFEST).is_file() or (step_dir / TRAINER_STATE).is_file()
+    except OSError:  # a folder this user may not enter may be one: verify_checkpoint says why it is not usable
+        return True
+
+
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False where it cannot be told (a folder this user may not enter)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def latest_checkpoint(root: str | Path | None) -> Path | None:
@@ -171,7 +199,13 @@ def write_manifest(directory: str | Path, step: int) -> Path:
 def verify_checkpoint(path: str | Path) -> str | None:
     """Why the checkpoint at ``path`` cannot be trusted (naming the file), or None if every
     file the manifest lists is present with its recorded size and sha256."""
-    path = Path(path)
+    try:
+        return _verify(Path(path))
+    except OSError as e:  # a file or folder this user may not read, an I/O error
+        return f"{e.filename or path} cannot be read ({e.strerror or e})"
+
+
+def _verify(path: Path) -> str | None:
     manifest = path / MANIFEST
     if not manifest.is_file():
         return f"{manifest} is missing (the save did not finish, or it predates checksums)"
@@ -230,8 +264,12 @@ def find_resume(root: str | Path | None, resume: str) -> Path | None:
 
 def _choose(root: str | Path | None, resume: str) -> str | None:
     if resume != "auto":
-        return str(_explicit(Path(resume)))
-    candidates = _step_dirs(root)
+        try:
+            return str(_explicit(Path(resume)))
+        except OSError as e:  # a folder this user may not enter
+            raise CheckpointError(f"checkpoint.resume: {e.filename or resume} cannot be read "
+                                  f"({e.strerror or e})") from None
+    candidates = written_checkpoints(root)  # a step_N of other files (or none) is no checkpoint: not resumed
     reasons = []
     for path in reversed(candidates):
         why = verify_checkpoint(path)
@@ -389,7 +427,7 @@ def _save(root: str | Path, final: Path, tmp: Path, step: int, model: nn.Module,
     error = None  # a failed write; the ranks agree on it at each _settle (no rank left waiting)
     if rank == 0:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _clear(tmp)
             tmp.mkdir(parents=True)
         except Exception as e:
             error = e
@@ -412,7 +450,7 @@ def _save(root: str | Path, final: Path, tmp: Path, step: int, model: nn.Module,
     if rank == 0:
         try:
             write_manifest(tmp, step)
-            shutil.rmtree(final, ignore_errors=True)
+            _clear(final)
             tmp.rename(final)
         except Exception as e:
             error = e
@@ -423,6 +461,15 @@ def _save(root: str | Path, final: Path, tmp: Path, step: int, model: nn.Module,
                 _prune(root, final, keep_last)
     _settle(error)
     return final
+
+
+def _clear(path: Path) -> None:
+    """Remove what a save is about to put at ``path``: an earlier folder of that step, or a link
+    (only the link goes, never what it points to; ``rmtree`` refused it, and the save failed)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _sync_dir(final: Path) -> None:

@@ -154,14 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--preset", help="preset name (polyaccel-moe presets)")
     b.add_argument("--config", help="YAML config instead of / on top of the preset")
-    b.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one config key")
-    b.add_argument("--steps", type=integer(1), default=10, help="measured optimizer steps")
-    b.add_argument("--warmup", type=integer(0), default=3, help="steps run before measuring")
+    b.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one config key (repeatable)")
+    b.add_argument("--steps", type=integer(1), default=10, help="measured optimizer steps (default: 10)")
+    b.add_argument("--warmup", type=integer(0), default=3, help="steps run before measuring (default: 3)")
     b.add_argument("--peak-tflops", type=number(0, strict=True), help="peak bf16 TFLOP/s per device for MFU")
     b.set_defaults(fn=_bench)
 
     pr = sub.add_parser("presets", help="list the named presets")
-    pr.add_argument("-v", "--verbose", action="store_true")
+    pr.add_argument("-v", "--verbose", action="store_true", help="also describe each preset (what it is for)")
     pr.set_defaults(fn=_presets)
     return p
 

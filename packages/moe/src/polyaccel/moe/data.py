@@ -203,9 +203,12 @@ def build_dataset(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int =
         return SyntheticDataset(vocab, seq_len, seed)
 
     path = Path(cfg.jsonl or cfg.text)
-    if not path.is_file():
-        why = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
-        raise ConfigError(f"data.{chosen[0]}: file {path} {why}", key=f"data.{chosen[0]}")
+    try:
+        if not path.is_file():
+            why = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
+            raise ConfigError(f"data.{chosen[0]}: file {path} {why}", key=f"data.{chosen[0]}")
+    except OSError as e:  # a folder on its way this user may not enter
+        raise ConfigError(f"data.{chosen[0]}: cannot read {path} ({e.strerror or e})", key=f"data.{chosen[0]}") from None
     tokenizer = None
 
     def tok():
@@ -214,7 +217,10 @@ def build_dataset(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int =
             tokenizer = load_tokenizer(cfg.tokenizer or tokenizer_path)
         return tokenizer
 
-    docs = list(_jsonl_documents(path, cfg.field, tok, vocab_size) if cfg.jsonl else _text_documents(path, tok))
+    try:
+        docs = list(_jsonl_documents(path, cfg.field, tok, vocab_size) if cfg.jsonl else _text_documents(path, tok))
+    except OSError as e:  # not readable by this user (permissions), an I/O error
+        raise ConfigError(f"data.{chosen[0]}: cannot read {path} ({e.strerror or e})", key=f"data.{chosen[0]}") from None
     if not any(ids for ids, _ in docs):
         raise ConfigError(f"data.{chosen[0]}: {path} is empty (no tokens after tokenization)")
     for n, (ids, _) in enumerate(docs):
@@ -238,7 +244,9 @@ def load_tokenizer(path: str | None):
         raise ConfigError("text data needs a tokenizer: set model.path to a checkpoint with one, "
                           "or data.tokenizer to a tokenizer directory")
     if not Path(path).is_dir():  # else Transformers reads it as a Hub repo id and says that is malformed
-        raise ConfigError(f"cannot load a tokenizer from {path}: no such directory", key="data.tokenizer")
+        why = ("a file, not the tokenizer's folder (name the folder holding tokenizer.json)" if Path(path).exists()
+               else "no such directory")
+        raise ConfigError(f"cannot load a tokenizer from {path}: {why}", key="data.tokenizer")
     from transformers import AutoTokenizer
 
     try:

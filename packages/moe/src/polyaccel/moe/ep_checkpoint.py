@@ -104,6 +104,11 @@ def unreadable_file(path: str | Path) -> str | None:
         return f"{Path(path) / 'model.safetensors.index.json'} cannot be read ({type(e).__name__}: {e})"
     for file in files:
         try:
+            with open(file, "rb"):  # safetensors says "No such file" of one this user may not read
+                pass
+        except OSError as e:
+            return f"{file} cannot be read ({e.strerror or e})"
+        try:
             with safetensors.safe_open(str(file), framework="pt", device="cpu") as f:
                 f.keys()
         except Exception as e:  # SafetensorError, OSError: damaged, truncated, missing

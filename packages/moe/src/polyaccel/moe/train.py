@@ -59,7 +59,14 @@ from polyaccel.moe.flops import mfu, peak_flops, train_flops_per_token
 from polyaccel.moe.optim import clip_coefficient, step_scaled
 from polyaccel.moe.optim import grad_norm as model_grad_norm  # (train's own grad_norm: a float)
 from polyaccel.moe.resume_settings import apply_train_settings, check_resume_settings, model_shape
-from polyaccel.moe.train_config import ConfigError, FinetuneConfig, ModelConfig, TrainConfig, did_you_mean
+from polyaccel.moe.train_config import (
+    ConfigError,
+    FinetuneConfig,
+    ModelConfig,
+    TrainConfig,
+    did_you_mean,
+    yaml_numbers,
+)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 logger = logging.getLogger("polyaccel.moe")
@@ -153,10 +160,16 @@ def resolve_model_config(cfg: ModelConfig):
     from transformers import AutoConfig
 
     bad_config = (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, StrictDataclassError)
-    fields = dict(cfg.config)
+    fields = yaml_numbers(dict(cfg.config))
     if cfg.path is not None:
-        if not Path(cfg.path, "config.json").is_file():
-            raise ConfigError(f"model.path {cfg.path} is not a Hugging Face checkpoint (no config.json)")
+        try:
+            found = Path(cfg.path, "config.json").is_file()
+        except OSError as e:  # a folder this user may not enter
+            raise ConfigError(f"model.path: cannot read {cfg.path} ({e.strerror or e})", key="model.path") from None
+        if not found:
+            why = "no config.json" if Path(cfg.path).is_dir() else "it is a file" if Path(cfg.path).exists() \
+                else "it does not exist"
+            raise ConfigError(f"model.path {cfg.path} is not a Hugging Face checkpoint ({why})", key="model.path")
         if (why := index_escape(cfg.path)) is not None:
             raise ConfigError(f"model.path: {why}")
         try:
@@ -356,7 +369,7 @@ def backend_config(cfg: ModelConfig) -> Any:
             raise ConfigError(f"unknown config key 'model.backend.{key}'{did_you_mean(key, fields)}; "
                               f"BackendConfig fields: {', '.join(fields)}")
     try:
-        return backend_cls(**cfg.backend)
+        return backend_cls(**yaml_numbers(cfg.backend))
     except (TypeError, ValueError, ImportError) as e:  # ImportError: a choice whose library is not installed
         raise ConfigError(f"model.backend: {e}") from e
 
@@ -698,6 +711,7 @@ def check_config(cfg: FinetuneConfig, *, world_size: int, device: torch.device |
     model_config = resolve_model_config(cfg.model)
     validate(cfg, model_config)
     backend_config(cfg.model)  # fail on a bad backend section before loading anything
+    _check_attention(cfg.model, model_config)
     fsdp = world_size > 1 and cfg.parallel.dense == "fsdp"
     if t.optimizer == "flat_adamw" and fsdp:
         raise ConfigError("train.optimizer=flat_adamw does not run under FSDP2 (it shards the parameters as "
@@ -713,10 +727,28 @@ def check_config(cfg: FinetuneConfig, *, world_size: int, device: torch.device |
     _check_later_checkpoints(cfg, resume_from)
     _check_foreign_step_dirs(cfg, resume_from)
     _check_checkpoint_kind(cfg, resume_from)
+    _check_inputs_not_pruned(cfg)
     if resume_from is not None:
         # A full model's shape is checked once its weights load (the differing tensors named).
         check_resume_settings(cfg, model_config, resume_from, shape=cfg.lora is not None)
     return model_config, resume_from
+
+
+def _check_attention(cfg: ModelConfig, model_config: Any) -> None:
+    """Refuse an ``attn_implementation`` that Transformers refuses when it builds the model (an
+    unknown name, or a kernel whose package is missing: ``flash_attention_2`` without
+    ``flash-attn``) before anything loads, by building it on the meta device; it was a traceback
+    once the data had been read. Our models ignore the key (a warning: ``model.backend.attn``)."""
+    if not cfg.attn_implementation or cfg.implementation != "transformers":
+        return
+    cls, _ = auto_model_class(cfg.implementation)
+    try:
+        with torch.device("meta"):
+            cls.from_config(copy.deepcopy(model_config), attn_implementation=cfg.attn_implementation)
+    except (ValueError, ImportError) as e:
+        text = " ".join(str(e).split())
+        raise ConfigError(f"model.attn_implementation={cfg.attn_implementation!r}: {text[:300]}"
+                          f"{' ...' if len(text) > 300 else ''}", key="model.attn_implementation") from None
 
 
 def parallel_plan(cfg: FinetuneConfig, world_size: int, model_config: Any) -> ParallelPlan:
@@ -1303,6 +1335,24 @@ def _check_output_kind(cfg: FinetuneConfig, out: Path, names: list[str]) -> None
 _ADAPTER_CONFIG = "adapter_config.json"
 
 
+def _check_inputs_not_pruned(cfg: FinetuneConfig) -> None:
+    """Refuse a ``model.path`` or ``data.tokenizer`` that is (inside) a checkpoint folder of this
+    run's ``checkpoint.dir`` when ``keep_last`` prunes old checkpoints: the run would delete the
+    model it was told to start from, and rerunning the same command would then fail."""
+    if not cfg.checkpoint.dir or cfg.checkpoint.keep_last == 0:
+        return
+    root = real_path(Path(cfg.checkpoint.dir))
+    for key, value in (("model.path", cfg.model.path), ("data.tokenizer", cfg.data.tokenizer)):
+        if not value or not (real := real_path(Path(value))).is_relative_to(root) or real == root:
+            continue
+        step = real.relative_to(root).parts[0]
+        if ckpt.step_number(step) is not None:
+            raise ConfigError(f"{key}: {value} is in checkpoint {step} of checkpoint.dir {cfg.checkpoint.dir}, which "
+                              f"checkpoint.keep_last={cfg.checkpoint.keep_last} prunes during this run (a rerun would then "
+                              "find no model). Copy it elsewhere, set checkpoint.keep_last=0, or use a new checkpoint.dir",
+                              key=key)
+
+
 def _check_checkpoint_kind(cfg: FinetuneConfig, resume_from: Path | None) -> None:
     """Refuse resuming a LoRA run from a full fine-tuning checkpoint, or the reverse."""
     if resume_from is None or (resume_from / _ADAPTER_CONFIG).is_file() == (cfg.lora is not None):
@@ -1333,10 +1383,17 @@ def _check_later_checkpoints(cfg: FinetuneConfig, resume_from: Path | None) -> N
 
 
 def _check_foreign_step_dirs(cfg: FinetuneConfig, resume_from: Path | None) -> None:
-    """Refuse a ``checkpoint.dir`` holding a ``step_N`` folder of other files (no manifest, no
-    trainer state) of a step the run will save (past the one it starts from, up to
-    ``train.max_steps``): saving step N would replace it."""
+    """Refuse a ``checkpoint.dir`` holding, for a step the run will save (past the one it starts
+    from, up to ``train.max_steps``), a ``step_N`` folder of other files (no manifest, no
+    trainer state: saving step N would replace it) or a ``step_N`` / ``step_N.tmp`` that is no
+    folder (a file: saving step N would fail, after training)."""
     start = (ckpt.checkpoint_step(resume_from) or 0) if resume_from is not None else 0
+    in_the_way = [p for step, p in ckpt.not_folders(cfg.checkpoint.dir) if start < step <= cfg.train.max_steps]
+    if in_the_way:
+        names = ", ".join(p.name for p in in_the_way[:4]) + (", ..." if len(in_the_way) > 4 else "")
+        raise ConfigError(f"checkpoint.dir {cfg.checkpoint.dir} holds files named like this run's checkpoints "
+                          f"({names}: not folders); the checkpoint of that step could not be written after training "
+                          "up to it. Move them away, or choose a new checkpoint.dir", key="checkpoint.dir")
     found = [p for p in ckpt.not_checkpoints(cfg.checkpoint.dir)
              if start < (ckpt.checkpoint_step(p) or 0) <= cfg.train.max_steps]
     if found:

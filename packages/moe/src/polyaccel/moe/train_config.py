@@ -23,7 +23,9 @@ writes next to it.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -628,11 +630,42 @@ def _apply_override(target: dict[str, Any], item: str) -> None:
         raise ConfigError(_yaml_error(f"--set {item}", e, position=False)) from None
     node = target
     parts = key.strip().split(".")
+    if isinstance(value, int | float | datetime.date) and not isinstance(value, bool) and _takes_text(parts):
+        value = raw.strip()  # a folder named 20241204 or 2024-12-04: the text typed, not YAML's number or date
     for p in parts[:-1]:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {item}: {p} was set to a value, not a section, by an earlier --set")
     node[parts[-1]] = value
+
+
+_EXPONENT_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+"""A number with an exponent and no dot (``1e-6``): YAML 1.1 (PyYAML) reads it as text."""
+
+
+def yaml_numbers(value: Any) -> Any:
+    """``value`` (a ``model.config`` mapping, say) with the numbers YAML 1.1 read as text
+    (``rms_norm_eps: 1e-6``, as written in any config.json) as floats, nested ones included;
+    Transformers refused them ("expected float, got str")."""
+    if isinstance(value, Mapping):
+        return {k: yaml_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [yaml_numbers(v) for v in value]
+    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
+def _takes_text(parts: Sequence[str]) -> bool:
+    """Whether the config key ``parts`` (``["data", "field"]``) holds free text (a path, a name)."""
+    tp: Any = FinetuneConfig
+    for p in parts:
+        options = [t for t in typing.get_args(tp) if t is not type(None)] or [tp]  # X | None -> X
+        if len(options) != 1 or not dataclasses.is_dataclass(options[0]):
+            return False
+        tp = typing.get_type_hints(options[0]).get(p)
+    return tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType)
+                         and set(typing.get_args(tp)) == {str, type(None)})
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
