@@ -7,6 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Imported here, before any test captures stderr: Transformers' log handler keeps the stream
+# it first sees, and a test that imported it under capture left later tests writing to a
+# closed stream ("--- Logging error ---", depending on the order tests run in).
+import transformers  # noqa: F401
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
