@@ -761,7 +761,7 @@ def _read_refs(path: str, read_refs: Any) -> dict[str, str]:
     if not path:
         raise UsageError("--refs is an empty name (an unset shell variable?)")
     if not Path(path).is_file():
-        what = ("is a folder, not a reference file (JSONL or TSV)" if Path(path).is_dir()
+        what = ("is a folder, not a reference file (JSONL or '<s> text </s> (id)' lines)" if Path(path).is_dir()
                 else _NOT_REGULAR if os.path.exists(path) else "not found")
         raise UsageError(f"--refs {path}: {what}")
     try:
@@ -818,17 +818,19 @@ class _BarStream:
 
 def cmd_wer(args: argparse.Namespace) -> int:
     """Print the corpus WER of a results file against references (as one JSON line)."""
-    from polyaccel.asr.manifest import read_refs
-    from polyaccel.asr.results_file import one_per_input
+    from polyaccel.asr.manifest import read_refs, ref_finder
+    from polyaccel.asr.results_file import one_per_input, record_file
     from polyaccel.asr.wer import wer, wer_counts
 
     refs = _read_refs(args.refs, read_refs)
+    find_ref = ref_finder(refs)
     hyps = _read_hyps(args.hyps)
     if os.path.samefile(args.refs, args.hyps):  # a results file reads as references too: WER 0
         raise UsageError(f"--refs and --hyps are the same file ({args.hyps}); give the reference texts as --refs")
     pairs, missing, failed = [], 0, 0
     for rec in one_per_input(hyps):  # an input listed twice counts once, as in export
-        ref = refs.get(rec["path"], refs.get(Path(rec["path"]).stem))
+        ref = refs.get(rec["path"])  # as written; else the file it names from its run's folder
+        ref = find_ref(record_file(rec)) if ref is None else ref
         if ref is None:
             missing += 1
         elif rec.get("error"):

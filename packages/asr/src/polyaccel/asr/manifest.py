@@ -16,14 +16,14 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from polyaccel.asr.audio import AUDIO_EXTENSIONS
 from polyaccel.asr.results_file import ResultsWriter, file_name_problem, load_results, path_key
 
 __all__ = ["InputItem", "ResultsWriter", "attach_refs", "expand_inputs", "load_results", "read_manifest",
-           "read_refs"]
+           "read_refs", "ref_finder"]
 
 MANIFEST_EXTENSIONS = frozenset({".jsonl", ".json", ".manifest"})
 
@@ -167,8 +167,29 @@ def read_refs(path: str | os.PathLike) -> dict[str, str]:
 
 
 def attach_refs(items: Sequence[InputItem], refs: dict[str, str]) -> None:
-    """Fill ``item.ref`` from ``refs`` (matched by full path, then by file stem)."""
+    """Fill ``item.ref`` from ``refs`` (matched as :func:`ref_finder` matches)."""
+    find = ref_finder(refs)
     for it in items:
-        ref = refs.get(it.path, refs.get(it.id))
+        ref = find(it.path)
         if ref is not None:
             it.ref = ref
+
+
+def ref_finder(refs: dict[str, str]) -> Callable[[str], str | None]:
+    """``find(path)``: the reference of the file at ``path``, matched by the path as written,
+    then by the file it names (a relative reference path taken from the current folder, so
+    ``/data/a/x.wav``, ``a/x.wav`` and ``./a/x.wav`` are one file), then by file stem. Without
+    the second step an input spelled otherwise than its reference fell through to the stem,
+    and ``b/x.wav`` silently got ``a/x.wav``'s text."""
+    by_file: dict[str, str] = {}
+    for key, text in refs.items():
+        if file_name_problem(key) is None:
+            by_file.setdefault(path_key(key), text)
+
+    def find(path: str) -> str | None:
+        for ref in (refs.get(path), by_file.get(path_key(path)), refs.get(Path(path).stem)):
+            if ref is not None:
+                return ref
+        return None
+
+    return find

@@ -1,0 +1,42 @@
+"""Audit (session audit-asr): references matched to the right file whatever the spelling of
+its path, and inputs that name standard input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from polyaccel.asr import cli
+from polyaccel.asr.manifest import InputItem, attach_refs, read_refs
+
+
+def _refs(tmp_path: Path) -> Path:
+    """Absolute-path references for two files with one name in different folders."""
+    refs = tmp_path / "refs.jsonl"
+    refs.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"path": str(tmp_path / "a" / "same.wav"), "text": "alpha"},
+        {"path": str(tmp_path / "b" / "same.wav"), "text": "beta"},
+    ]))
+    return refs
+
+
+def test_references_by_absolute_path_reach_inputs_named_relatively(tmp_path: Path, monkeypatch) -> None:
+    """``b/same.wav`` fell through to the file-stem match and got ``a/same.wav``'s text."""
+    refs = _refs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    items = [InputItem("a/same.wav"), InputItem("./b/../b/same.wav"), InputItem("c/same.wav")]
+    attach_refs(items, read_refs(refs))
+    assert [it.ref for it in items] == ["alpha", "beta", "alpha"]  # c: no path, so by stem
+
+
+def test_wer_matches_relative_records_to_absolute_references(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``wer`` scored a record written from another folder against the wrong file's text."""
+    refs = _refs(tmp_path)
+    hyps = tmp_path / "out.jsonl"
+    hyps.write_text("".join(json.dumps({"path": p, "text": t, "duration_s": 1.0, "error": None,
+                                        "cwd": str(tmp_path)}) + "\n"
+                            for p, t in [("a/same.wav", "alpha"), ("b/same.wav", "beta")]))
+    monkeypatch.chdir(tmp_path / "..")
+    assert cli.main(["wer", "--refs", str(refs), "--hyps", str(hyps)]) == 0
+    assert json.loads(capsys.readouterr().out)["wer"] == 0.0
+
