@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from polyaccel.asr import cli
 from polyaccel.asr.manifest import InputItem, attach_refs, read_refs
 
@@ -40,3 +42,18 @@ def test_wer_matches_relative_records_to_absolute_references(tmp_path: Path, mon
     assert cli.main(["wer", "--refs", str(refs), "--hyps", str(hyps)]) == 0
     assert json.loads(capsys.readouterr().out)["wer"] == 0.0
 
+
+@pytest.mark.parametrize("name", ["-", "/dev/stdin", "/dev/fd/0", "/proc/self/fd/0", "manifest"])
+def test_standard_input_is_refused_before_anything_is_written(name: str, tmp_path: Path, monkeypatch,
+                                                              capsys) -> None:
+    """``transcribe /dev/stdin < a.wav`` wrote a line for "/dev/stdin", so a rerun with other
+    audio on stdin said "nothing to do" and kept a.wav's text; ``<(...)`` failed only after the
+    model had loaded, ``-`` was "no such file"."""
+    monkeypatch.chdir(tmp_path)
+    if name == "manifest":
+        name = "m.jsonl"
+        Path(name).write_text(json.dumps({"audio_filepath": "/dev/stdin"}) + "\n")
+    assert cli.main(["transcribe", name, "-o", "out.jsonl", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "not read from standard input" in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["m.jsonl"] if name == "m.jsonl" else [])

@@ -21,7 +21,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -304,7 +304,9 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
                 if value is not None]
     if ray_only and not args.ray:  # else silently a local run with one process
         raise UsageError(f"{' and '.join(ray_only)} only appl{'ies' if len(ray_only) == 1 else 'y'} to a Ray job: add --ray, or leave them out")
+    _refuse_descriptors(args.inputs)
     items = _gather(args.inputs)
+    _refuse_descriptors(it.path for it in items)  # a manifest's too
     if args.refs is not None:
         attach_refs(items, _read_refs(args.refs, read_refs))
     out = _check_output(args, items)
@@ -752,6 +754,31 @@ def _gather(specs: Sequence[str]) -> list[Any]:
     if not items:
         raise UsageError(f"no audio files found in {' '.join(specs)}")
     return items
+
+
+def _refuse_descriptors(paths: Iterable[str]) -> None:
+    """A usage error for standard input (``-``, ``/dev/stdin``) or another open descriptor as an
+    input of ``transcribe``: its results would be resumed under that name, whatever it holds."""
+    from polyaccel.asr.results_file import printable
+
+    for path in paths:
+        if (path == "-" and not os.path.lexists(path)) or _names_a_descriptor(path):
+            raise UsageError(f"{printable(path)}: {_NO_STDIN}")
+
+
+_NO_STDIN = ("audio is not read from standard input or another open descriptor (a rerun resumes by "
+             "file name, and would take other audio there for done): save it to a file and name the file")
+
+
+def _names_a_descriptor(path: str) -> bool:
+    """Whether ``path`` is standard input or another of a process's open descriptors
+    (``/dev/stdin``, ``/dev/fd/3``, ``/proc/self/fd/0``, a shell's ``<(...)``)."""
+    import re
+
+    from polyaccel.asr.results_file import path_key
+
+    key = path_key(path)
+    return key in ("/dev/stdin", "/dev/stdout", "/dev/stderr") or bool(re.match(r"/proc/[^/]+/(task/[^/]+/)?fd/", key))
 
 
 _NOT_REGULAR = "is not a regular file (a device, pipe or socket); give a file"
