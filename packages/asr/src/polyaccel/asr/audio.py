@@ -619,7 +619,8 @@ def _av_open(path: Path, kind: str) -> Iterator[tuple[Any, Any]]:
     except UnicodeEncodeError:  # a name that is not UTF-8: hand FFmpeg a Python file object
         source = open(path, "rb")  # noqa: SIM115 (closed below)
     try:
-        with av.open(source, "r") as c:
+        # tags are not audio: a Latin-1 title from an old tagger must not make the file unreadable
+        with av.open(source, "r", metadata_errors="replace") as c:
             if not c.streams.audio:
                 raise AudioError("no audio stream in the file")
             yield c, c.streams.audio[0]
