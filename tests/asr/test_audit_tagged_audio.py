@@ -45,3 +45,17 @@ def test_m4a_with_a_latin1_title_is_read(tmp_path: Path) -> None:
             out.mux(packet)
     m4a.write_bytes(m4a.read_bytes().replace(b"CafeQQ", b"Caf\xe9QQ"))
     assert len(audio.load_audio(m4a)) == pytest.approx(16000, abs=2048)
+
+
+def test_webm_with_a_codec_ffmpeg_does_not_know_is_a_clear_error(tmp_path: Path) -> None:
+    """Was "could not read: AttributeError: 'NoneType' object has no attribute 'sample_rate'"."""
+    webm = tmp_path / "clip.webm"
+    with av.open(str(webm), "w", format="webm") as out:
+        s = out.add_stream("libopus", rate=48000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 48000), np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 48000
+        for packet in [*s.encode(frame), *s.encode(None)]:
+            out.mux(packet)
+    webm.write_bytes(webm.read_bytes().replace(b"A_OPUS", b"A_QQQQ"))
+    with pytest.raises(audio.AudioError, match="unsupported audio codec"):
+        audio.audio_extent(webm)

@@ -623,6 +623,8 @@ def _av_open(path: Path, kind: str) -> Iterator[tuple[Any, Any]]:
         with av.open(source, "r", metadata_errors="replace") as c:
             if not c.streams.audio:
                 raise AudioError("no audio stream in the file")
+            if c.streams.audio[0].codec_context is None:
+                raise AudioError("unsupported audio codec (FFmpeg has no decoder for it; a corrupt header?)")
             yield c, c.streams.audio[0]
     except av.FFmpegError as e:
         raise AudioError(_describe_decode_error(path, str(getattr(e, "strerror", None) or e))) from None
