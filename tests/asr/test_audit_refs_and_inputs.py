@@ -57,3 +57,16 @@ def test_standard_input_is_refused_before_anything_is_written(name: str, tmp_pat
     err = capsys.readouterr().err
     assert "not read from standard input" in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == (["m.jsonl"] if name == "m.jsonl" else [])
+
+
+def test_a_manifest_line_for_part_of_a_file_is_refused(tmp_path: Path, monkeypatch, capsys) -> None:
+    """NeMo's ``offset``/``duration`` lines name part of a file: the whole file was transcribed
+    and scored against that part's text, a wrong WER without a word. ``offset`` 0 is the whole."""
+    monkeypatch.chdir(tmp_path)
+    Path("m.jsonl").write_text(json.dumps({"audio_filepath": "a.wav", "offset": 0, "duration": 3.0, "text": "a"})
+                               + "\n" + json.dumps({"audio_filepath": "b.wav", "offset": 12.5, "duration": 4.0,
+                                                    "text": "b"}) + "\n")
+    assert cli.main(["transcribe", "m.jsonl", "-o", "out.jsonl", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "m.jsonl:2: 'offset' 12.5" in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl"]

@@ -89,7 +89,8 @@ def _files_under(folder: Path) -> Iterator[Path]:
 
 def read_manifest(path: str | os.PathLike) -> list[InputItem]:
     """Read a NeMo-style JSONL manifest: ``{"audio_filepath" | "path": str, "text"?: str}``.
-    One file given two different texts is a ``ValueError`` (which is the reference?)."""
+    One file given two different texts is a ``ValueError`` (which is the reference?), and so
+    is a line with a non-zero ``offset`` (NeMo's part of a file: it would be scored whole)."""
     path = Path(path)
     items = []
     texts: dict[str, tuple[str, int]] = {}
@@ -107,6 +108,10 @@ def read_manifest(path: str | os.PathLike) -> list[InputItem]:
             raise ValueError(f"{path}:{lineno}: the audio path must be a string, got {audio!r}")
         if problem := file_name_problem(audio):
             raise ValueError(f"{path}:{lineno}: the audio path {audio!r} {problem}")
+        if rec.get("offset") not in (None, 0):
+            raise ValueError(f"{path}:{lineno}: 'offset' {rec['offset']!r}: a line for part of a file is not "
+                             "supported (the whole file would be transcribed and scored against that part's "
+                             "text); cut the parts into files of their own")
         text = rec.get("text")
         if text is not None and not isinstance(text, str):
             raise ValueError(f"{path}:{lineno}: 'text' must be a string, got {text!r}")
