@@ -52,6 +52,7 @@ from polyaccel.asr.timestamps import (
     segment_records,
     segments_of,
     stitch_segments,
+    trim_silent_starts,
 )
 
 AudioInput = str | os.PathLike | np.ndarray | InputItem | tuple
@@ -798,11 +799,16 @@ def _plausible(w: _Window, text: str, recognize: Recognize, sample_rate: int) ->
     if w.long and isinstance(text, TimedText):  # with timestamps: seek past the last segment, as Whisper does
         text = decode_tail(w.audio, text, recognize, sample_rate)
     if not w.long or not _too_few_words(text, speech):
-        return _Decoded(text, speech)
+        return _Decoded(_trimmed(w, text, sample_rate), speech)
     again = _decode_in_pieces(w.audio, recognize, sample_rate, skip_head_s=min(DEFAULT_OVERLAP_S, w.shared_s), depth=2)
     if len(again.split()) > len(text.split()):
-        return _Decoded(again, speech, redecoded=True)
-    return _Decoded(text, speech)
+        return _Decoded(_trimmed(w, again, sample_rate), speech, redecoded=True)
+    return _Decoded(_trimmed(w, text, sample_rate), speech)
+
+
+def _trimmed(w: _Window, text: str, sample_rate: int) -> str:
+    """A long file's window's segments starting where their speech does (:func:`trim_silent_starts`)."""
+    return trim_silent_starts(w.audio, text, sample_rate) if w.long and isinstance(text, TimedText) else text
 
 
 def _shared_s(p: _Pending, start_s: float) -> float:
