@@ -778,7 +778,7 @@ def _names_a_descriptor(path: str) -> bool:
     from polyaccel.asr.results_file import path_key
 
     key = path_key(path)
-    return key in ("/dev/stdin", "/dev/stdout", "/dev/stderr") or bool(re.match(r"/proc/[^/]+/(task/[^/]+/)?fd/", key))
+    return key in ("/dev/stdin", "/dev/stdout", "/dev/stderr") or bool(re.match(r"/dev/fd/|/proc/[^/]+/(task/[^/]+/)?fd/", key))
 
 
 _NOT_REGULAR = "is not a regular file (a device, pipe or socket); give a file"
