@@ -70,3 +70,16 @@ def test_a_manifest_line_for_part_of_a_file_is_refused(tmp_path: Path, monkeypat
     err = capsys.readouterr().err
     assert "m.jsonl:2: 'offset' 12.5" in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl"]
+
+
+def test_a_reference_file_giving_one_file_two_texts_is_refused(tmp_path: Path) -> None:
+    """The later line won without a word (a manifest refuses the same); the same text twice is fine."""
+    sphinx = tmp_path / "transcription"
+    sphinx.write_text("<s> hello </s> (a)\n<s> good day </s> (b)\n<s> hello </s> (a)\n<s> goodbye </s> (a)\n")
+    with pytest.raises(ValueError, match=r"transcription:4: 'a' has another text on line 1"):
+        read_refs(sphinx)
+    jsonl = tmp_path / "refs.jsonl"
+    jsonl.write_text(json.dumps({"path": "/d/a.wav", "text": "one"}) + "\n" + json.dumps({"id": "a", "text": "two"})
+                     + "\n" + json.dumps({"path": "/d/a.wav", "text": "three"}) + "\n")
+    with pytest.raises(ValueError, match=r"refs.jsonl:3: '/d/a.wav' has another text on line 1"):
+        read_refs(jsonl)

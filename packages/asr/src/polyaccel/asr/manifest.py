@@ -144,8 +144,18 @@ _SPHINX_LINE = re.compile(r"^\s*(?:<s>)?\s*(?P<text>.*?)\s*(?:</s>)?\s*\((?P<id>
 
 def read_refs(path: str | os.PathLike) -> dict[str, str]:
     """Reference texts keyed by path and by id (file stem): JSONL ``{"path"|"audio_filepath"|
-    "id", "text"}`` lines or Sphinx ``<s> text </s> (id)`` lines (detected per line)."""
+    "id", "text"}`` lines or Sphinx ``<s> text </s> (id)`` lines (detected per line). One path
+    or id given two different texts is a ``ValueError`` (which is the reference?), as in a manifest."""
     refs: dict[str, str] = {}
+    given: dict[str, tuple[str, int]] = {}
+
+    def put(key: str, text: str, lineno: int) -> None:
+        first = given.setdefault(key, (text, lineno))
+        if first[0] != text:
+            raise ValueError(f"{path}:{lineno}: {key!r} has another text on line {first[1]}: "
+                             "which one is the reference?")
+        refs[key] = text
+
     for lineno, line in enumerate(_text_lines(Path(path)), 1):
         if not line.strip():
             continue
@@ -161,13 +171,13 @@ def read_refs(path: str | os.PathLike) -> dict[str, str]:
                 raise ValueError(f"{path}:{lineno}: a reference needs 'path' or 'id' and 'text'")
             if not isinstance(rec["text"], str):
                 raise ValueError(f"{path}:{lineno}: 'text' must be a string, got {rec['text']!r}")
-            refs[str(key)] = rec["text"]
+            put(str(key), rec["text"], lineno)
             refs.setdefault(Path(str(key)).stem, rec["text"])
             continue
         m = _SPHINX_LINE.match(line)
         if not m:
             raise ValueError(f"{path}:{lineno}: expected JSONL or '<s> text </s> (id)'")
-        refs[m["id"].strip()] = m["text"]
+        put(m["id"].strip(), m["text"], lineno)
     return refs
 
 
