@@ -83,3 +83,20 @@ def test_a_reference_file_giving_one_file_two_texts_is_refused(tmp_path: Path) -
                      + "\n" + json.dumps({"path": "/d/a.wav", "text": "three"}) + "\n")
     with pytest.raises(ValueError, match=r"refs.jsonl:3: '/d/a.wav' has another text on line 1"):
         read_refs(jsonl)
+
+
+def test_a_file_that_may_not_be_read_says_so(tmp_path: Path, monkeypatch) -> None:
+    """Was "could not read: PermissionError: [Errno 13] Permission denied: 'x.wav'" (a chmod 000
+    file; faked here, as root reads any file)."""
+    import numpy as np
+
+    from polyaccel.asr import transcriber
+    from polyaccel.asr.transcriber import Transcriber
+
+    def denied(path: str, *a: object) -> None:
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(transcriber, "audio_extent", denied)
+    with Transcriber(lambda i: (lambda batch: ["x"] * len(batch)), batch_size=2) as tr:
+        results = tr.transcribe([str(tmp_path / "x.wav"), np.zeros(16000, np.float32)])
+    assert [r.error for r in results] == ["permission denied: the file may not be read", None]

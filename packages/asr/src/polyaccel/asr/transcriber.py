@@ -605,7 +605,7 @@ class Transcriber:
         file's error; a missing decoder is not a bad file (it is raised, once)."""
         if isinstance(e, ImportError) or not isinstance(e, Exception):
             raise e
-        cls._read_failed(result, str(e) if isinstance(e, AudioError) else f"could not read: {_short(e)}")
+        cls._read_failed(result, str(e) if isinstance(e, AudioError) else _unreadable(e))
 
     def _open_block(self, first: int, items: list[AudioInput]) -> list[tuple[TranscriptResult, np.ndarray | str | None]]:
         """:meth:`_open` of each of ``items`` (numbered from ``first``), in input order, on the
@@ -645,7 +645,7 @@ class Transcriber:
         except ImportError:
             raise  # a missing decoder is not a bad file: say what to install, once
         except Exception as e:  # never let one input stop the job
-            return self._read_failed(result, f"could not read: {_short(e)}"), None
+            return self._read_failed(result, _unreadable(e)), None
         result.duration_s = len(audio) / self.sample_rate
         return result, audio
 
@@ -1000,6 +1000,13 @@ def _array_and_rate(item: tuple) -> tuple[np.ndarray, int]:
             or not math.isfinite(rate) or rate != int(rate):
         raise AudioError(f"sample rate must be a whole number of Hz, got {rate!r}")
     return arr, int(rate)
+
+
+def _unreadable(e: Exception) -> str:
+    """A file's error for an exception its reading raised (not an :class:`AudioError`)."""
+    if isinstance(e, PermissionError):  # mode 000, an ACL, a file of another user
+        return "permission denied: the file may not be read"
+    return f"could not read: {_short(e)}"
 
 
 def _short(e: Any) -> str:
