@@ -541,7 +541,7 @@ def test_an_unexpected_read_error_is_that_files_error_not_the_jobs(tmp_path: Pat
                      replicas=1, batch_size=2) as tr:
         a, locked, c = tr.transcribe(paths)
     assert (a.text, a.error, c.text, c.error) == (f"{SR} samples", None, f"{2 * SR} samples", None)
-    assert locked.text == "" and locked.error == "could not read: PermissionError: [Errno 13] Permission denied"
+    assert locked.text == "" and locked.error == "permission denied: the file may not be read"  # audit-asr: was "could not read: PermissionError: [Errno 13] ..."
 
 
 # ---- the CLI: exit status after resumes and write errors ---------------------------------------------

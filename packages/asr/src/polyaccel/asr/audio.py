@@ -619,9 +619,12 @@ def _av_open(path: Path, kind: str) -> Iterator[tuple[Any, Any]]:
     except UnicodeEncodeError:  # a name that is not UTF-8: hand FFmpeg a Python file object
         source = open(path, "rb")  # noqa: SIM115 (closed below)
     try:
-        with av.open(source, "r") as c:
+        # tags are not audio: a Latin-1 title from an old tagger must not make the file unreadable
+        with av.open(source, "r", metadata_errors="replace") as c:
             if not c.streams.audio:
                 raise AudioError("no audio stream in the file")
+            if c.streams.audio[0].codec_context is None:
+                raise AudioError("unsupported audio codec (FFmpeg has no decoder for it; a corrupt header?)")
             yield c, c.streams.audio[0]
     except av.FFmpegError as e:
         raise AudioError(_describe_decode_error(path, str(getattr(e, "strerror", None) or e))) from None
@@ -780,11 +783,17 @@ def speech_seconds(audio: np.ndarray, sample_rate: int, floor: float = 0.005) ->
     """Seconds of ``audio`` loud enough to be speech: 20 ms frames above both ``floor``
     (about -46 dBFS) and a tenth of the 95th-percentile frame level. A coarse energy measure,
     used only to judge whether a transcript's word count is plausible."""
+    loud, frame_s = speech_frames(audio, sample_rate, floor)
+    return float(np.count_nonzero(loud)) * frame_s
+
+
+def speech_frames(audio: np.ndarray, sample_rate: int, floor: float = 0.005) -> tuple[np.ndarray, float]:
+    """(whether each 20 ms frame of ``audio`` is loud enough to be speech, as
+    :func:`speech_seconds` judges it; the frame length in seconds)."""
     rms = _frame_rms(audio, sample_rate)
     if not len(rms):
-        return 0.0
-    threshold = max(floor, 0.1 * float(np.percentile(rms, 95)))
-    return float(np.count_nonzero(rms > threshold)) * _FRAME_S
+        return np.zeros(0, bool), _FRAME_S
+    return rms > max(floor, 0.1 * float(np.percentile(rms, 95))), _FRAME_S
 
 
 def quietest_point(audio: np.ndarray, sample_rate: int, lo_s: float, hi_s: float) -> int:

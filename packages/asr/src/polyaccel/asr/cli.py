@@ -21,7 +21,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -304,7 +304,9 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
                 if value is not None]
     if ray_only and not args.ray:  # else silently a local run with one process
         raise UsageError(f"{' and '.join(ray_only)} only appl{'ies' if len(ray_only) == 1 else 'y'} to a Ray job: add --ray, or leave them out")
+    _refuse_descriptors(args.inputs)
     items = _gather(args.inputs)
+    _refuse_descriptors(it.path for it in items)  # a manifest's too
     if args.refs is not None:
         attach_refs(items, _read_refs(args.refs, read_refs))
     out = _check_output(args, items)
@@ -754,6 +756,31 @@ def _gather(specs: Sequence[str]) -> list[Any]:
     return items
 
 
+def _refuse_descriptors(paths: Iterable[str]) -> None:
+    """A usage error for standard input (``-``, ``/dev/stdin``) or another open descriptor as an
+    input of ``transcribe``: its results would be resumed under that name, whatever it holds."""
+    from polyaccel.asr.results_file import printable
+
+    for path in paths:
+        if (path == "-" and not os.path.lexists(path)) or _names_a_descriptor(path):
+            raise UsageError(f"{printable(path)}: {_NO_STDIN}")
+
+
+_NO_STDIN = ("audio is not read from standard input or another open descriptor (a rerun resumes by "
+             "file name, and would take other audio there for done): save it to a file and name the file")
+
+
+def _names_a_descriptor(path: str) -> bool:
+    """Whether ``path`` is standard input or another of a process's open descriptors
+    (``/dev/stdin``, ``/dev/fd/3``, ``/proc/self/fd/0``, a shell's ``<(...)``)."""
+    import re
+
+    from polyaccel.asr.results_file import path_key
+
+    key = path_key(path)
+    return key in ("/dev/stdin", "/dev/stdout", "/dev/stderr") or bool(re.match(r"/dev/fd/|/proc/[^/]+/(task/[^/]+/)?fd/", key))
+
+
 _NOT_REGULAR = "is not a regular file (a device, pipe or socket); give a file"
 
 
@@ -761,7 +788,7 @@ def _read_refs(path: str, read_refs: Any) -> dict[str, str]:
     if not path:
         raise UsageError("--refs is an empty name (an unset shell variable?)")
     if not Path(path).is_file():
-        what = ("is a folder, not a reference file (JSONL or TSV)" if Path(path).is_dir()
+        what = ("is a folder, not a reference file (JSONL or '<s> text </s> (id)' lines)" if Path(path).is_dir()
                 else _NOT_REGULAR if os.path.exists(path) else "not found")
         raise UsageError(f"--refs {path}: {what}")
     try:
@@ -818,17 +845,19 @@ class _BarStream:
 
 def cmd_wer(args: argparse.Namespace) -> int:
     """Print the corpus WER of a results file against references (as one JSON line)."""
-    from polyaccel.asr.manifest import read_refs
-    from polyaccel.asr.results_file import one_per_input
+    from polyaccel.asr.manifest import read_refs, ref_finder
+    from polyaccel.asr.results_file import one_per_input, record_file
     from polyaccel.asr.wer import wer, wer_counts
 
     refs = _read_refs(args.refs, read_refs)
+    find_ref = ref_finder(refs)
     hyps = _read_hyps(args.hyps)
     if os.path.samefile(args.refs, args.hyps):  # a results file reads as references too: WER 0
         raise UsageError(f"--refs and --hyps are the same file ({args.hyps}); give the reference texts as --refs")
     pairs, missing, failed = [], 0, 0
     for rec in one_per_input(hyps):  # an input listed twice counts once, as in export
-        ref = refs.get(rec["path"], refs.get(Path(rec["path"]).stem))
+        ref = refs.get(rec["path"])  # as written; else the file it names from its run's folder
+        ref = find_ref(record_file(rec)) if ref is None else ref
         if ref is None:
             missing += 1
         elif rec.get("error"):

@@ -16,14 +16,14 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from polyaccel.asr.audio import AUDIO_EXTENSIONS
 from polyaccel.asr.results_file import ResultsWriter, file_name_problem, load_results, path_key
 
 __all__ = ["InputItem", "ResultsWriter", "attach_refs", "expand_inputs", "load_results", "read_manifest",
-           "read_refs"]
+           "read_refs", "ref_finder"]
 
 MANIFEST_EXTENSIONS = frozenset({".jsonl", ".json", ".manifest"})
 
@@ -89,7 +89,8 @@ def _files_under(folder: Path) -> Iterator[Path]:
 
 def read_manifest(path: str | os.PathLike) -> list[InputItem]:
     """Read a NeMo-style JSONL manifest: ``{"audio_filepath" | "path": str, "text"?: str}``.
-    One file given two different texts is a ``ValueError`` (which is the reference?)."""
+    One file given two different texts is a ``ValueError`` (which is the reference?), and so
+    is a line with a non-zero ``offset`` (NeMo's part of a file: it would be scored whole)."""
     path = Path(path)
     items = []
     texts: dict[str, tuple[str, int]] = {}
@@ -107,6 +108,10 @@ def read_manifest(path: str | os.PathLike) -> list[InputItem]:
             raise ValueError(f"{path}:{lineno}: the audio path must be a string, got {audio!r}")
         if problem := file_name_problem(audio):
             raise ValueError(f"{path}:{lineno}: the audio path {audio!r} {problem}")
+        if rec.get("offset") not in (None, 0):
+            raise ValueError(f"{path}:{lineno}: 'offset' {rec['offset']!r}: a line for part of a file is not "
+                             "supported (the whole file would be transcribed and scored against that part's "
+                             "text); cut the parts into files of their own")
         text = rec.get("text")
         if text is not None and not isinstance(text, str):
             raise ValueError(f"{path}:{lineno}: 'text' must be a string, got {text!r}")
@@ -139,8 +144,18 @@ _SPHINX_LINE = re.compile(r"^\s*(?:<s>)?\s*(?P<text>.*?)\s*(?:</s>)?\s*\((?P<id>
 
 def read_refs(path: str | os.PathLike) -> dict[str, str]:
     """Reference texts keyed by path and by id (file stem): JSONL ``{"path"|"audio_filepath"|
-    "id", "text"}`` lines or Sphinx ``<s> text </s> (id)`` lines (detected per line)."""
+    "id", "text"}`` lines or Sphinx ``<s> text </s> (id)`` lines (detected per line). One path
+    or id given two different texts is a ``ValueError`` (which is the reference?), as in a manifest."""
     refs: dict[str, str] = {}
+    given: dict[str, tuple[str, int]] = {}
+
+    def put(key: str, text: str, lineno: int) -> None:
+        first = given.setdefault(key, (text, lineno))
+        if first[0] != text:
+            raise ValueError(f"{path}:{lineno}: {key!r} has another text on line {first[1]}: "
+                             "which one is the reference?")
+        refs[key] = text
+
     for lineno, line in enumerate(_text_lines(Path(path)), 1):
         if not line.strip():
             continue
@@ -156,19 +171,40 @@ def read_refs(path: str | os.PathLike) -> dict[str, str]:
                 raise ValueError(f"{path}:{lineno}: a reference needs 'path' or 'id' and 'text'")
             if not isinstance(rec["text"], str):
                 raise ValueError(f"{path}:{lineno}: 'text' must be a string, got {rec['text']!r}")
-            refs[str(key)] = rec["text"]
+            put(str(key), rec["text"], lineno)
             refs.setdefault(Path(str(key)).stem, rec["text"])
             continue
         m = _SPHINX_LINE.match(line)
         if not m:
             raise ValueError(f"{path}:{lineno}: expected JSONL or '<s> text </s> (id)'")
-        refs[m["id"].strip()] = m["text"]
+        put(m["id"].strip(), m["text"], lineno)
     return refs
 
 
 def attach_refs(items: Sequence[InputItem], refs: dict[str, str]) -> None:
-    """Fill ``item.ref`` from ``refs`` (matched by full path, then by file stem)."""
+    """Fill ``item.ref`` from ``refs`` (matched as :func:`ref_finder` matches)."""
+    find = ref_finder(refs)
     for it in items:
-        ref = refs.get(it.path, refs.get(it.id))
+        ref = find(it.path)
         if ref is not None:
             it.ref = ref
+
+
+def ref_finder(refs: dict[str, str]) -> Callable[[str], str | None]:
+    """``find(path)``: the reference of the file at ``path``, matched by the path as written,
+    then by the file it names (a relative reference path taken from the current folder, so
+    ``/data/a/x.wav``, ``a/x.wav`` and ``./a/x.wav`` are one file), then by file stem. Without
+    the second step an input spelled otherwise than its reference fell through to the stem,
+    and ``b/x.wav`` silently got ``a/x.wav``'s text."""
+    by_file: dict[str, str] = {}
+    for key, text in refs.items():
+        if file_name_problem(key) is None:
+            by_file.setdefault(path_key(key), text)
+
+    def find(path: str) -> str | None:
+        for ref in (refs.get(path), by_file.get(path_key(path)), refs.get(Path(path).stem)):
+            if ref is not None:
+                return ref
+        return None
+
+    return find

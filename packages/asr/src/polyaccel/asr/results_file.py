@@ -431,9 +431,13 @@ class OutputLock:
                     raise OutputBusy(self._holder()) from None
                 raise
             if self._still_linked(fd):
-                os.ftruncate(fd, 0)
-                _write_all(fd, f"{LOCK_HEADER}{os.getpid()}\n".encode())
                 self._fd = fd
+                try:
+                    os.ftruncate(fd, 0)
+                    _write_all(fd, f"{LOCK_HEADER}{os.getpid()}\n".encode())
+                except OSError:  # a full disk: no lock file of ours left behind by a run that never ran
+                    self.release()
+                    raise
                 return self
             os.close(fd)  # the holder removed the file between our open and flock: retry
 

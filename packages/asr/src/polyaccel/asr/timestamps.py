@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from polyaccel.asr.decoding import Segment
 
 
@@ -128,6 +130,26 @@ def segment_records(segments: Sequence[Segment] | None) -> list[dict[str, Any]] 
     if segments is None:
         return None
     return [{"start": s.start, "end": s.end, "text": s.text} for s in segments]
+
+
+def trim_silent_starts(audio: Any, text: TimedText, sample_rate: int, *, min_gap_s: float = 1.0) -> TimedText:
+    """``text`` with each segment that opens on ``min_gap_s`` or more of silence starting at
+    its first speech instead (20 ms frames as loud as :func:`~polyaccel.asr.audio.speech_seconds`
+    counts). Whisper must stamp a window's first segment within its first second, so speech
+    that starts 25 s into a window of long audio was a segment from the window's start: shown
+    25 s early, and, kept by the seam as audio the next window "did not hear", said twice.
+    Returns ``text`` itself when nothing moves."""
+    from polyaccel.asr.audio import speech_frames
+
+    loud, frame_s = speech_frames(audio, sample_rate)
+    segs, moved = [], False
+    for s in text.segments:
+        a, b = int(s.start / frame_s), int(s.end / frame_s)
+        hits = np.flatnonzero(loud[a:b])
+        if len(hits) and hits[0] * frame_s >= min_gap_s:
+            s, moved = Segment(round((a + int(hits[0])) * frame_s, 3), s.end, s.text), True
+        segs.append(s)
+    return TimedText(str(text), segs) if moved else text
 
 
 def decode_tail(audio: Any, text: TimedText, recognize: Any, sample_rate: int, *, min_gap_s: float = 1.0,

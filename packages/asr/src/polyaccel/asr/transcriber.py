@@ -52,6 +52,7 @@ from polyaccel.asr.timestamps import (
     segment_records,
     segments_of,
     stitch_segments,
+    trim_silent_starts,
 )
 
 AudioInput = str | os.PathLike | np.ndarray | InputItem | tuple
@@ -604,7 +605,7 @@ class Transcriber:
         file's error; a missing decoder is not a bad file (it is raised, once)."""
         if isinstance(e, ImportError) or not isinstance(e, Exception):
             raise e
-        cls._read_failed(result, str(e) if isinstance(e, AudioError) else f"could not read: {_short(e)}")
+        cls._read_failed(result, str(e) if isinstance(e, AudioError) else _unreadable(e))
 
     def _open_block(self, first: int, items: list[AudioInput]) -> list[tuple[TranscriptResult, np.ndarray | str | None]]:
         """:meth:`_open` of each of ``items`` (numbered from ``first``), in input order, on the
@@ -644,7 +645,7 @@ class Transcriber:
         except ImportError:
             raise  # a missing decoder is not a bad file: say what to install, once
         except Exception as e:  # never let one input stop the job
-            return self._read_failed(result, f"could not read: {_short(e)}"), None
+            return self._read_failed(result, _unreadable(e)), None
         result.duration_s = len(audio) / self.sample_rate
         return result, audio
 
@@ -798,11 +799,16 @@ def _plausible(w: _Window, text: str, recognize: Recognize, sample_rate: int) ->
     if w.long and isinstance(text, TimedText):  # with timestamps: seek past the last segment, as Whisper does
         text = decode_tail(w.audio, text, recognize, sample_rate)
     if not w.long or not _too_few_words(text, speech):
-        return _Decoded(text, speech)
+        return _Decoded(_trimmed(w, text, sample_rate), speech)
     again = _decode_in_pieces(w.audio, recognize, sample_rate, skip_head_s=min(DEFAULT_OVERLAP_S, w.shared_s), depth=2)
     if len(again.split()) > len(text.split()):
-        return _Decoded(again, speech, redecoded=True)
-    return _Decoded(text, speech)
+        return _Decoded(_trimmed(w, again, sample_rate), speech, redecoded=True)
+    return _Decoded(_trimmed(w, text, sample_rate), speech)
+
+
+def _trimmed(w: _Window, text: str, sample_rate: int) -> str:
+    """A long file's window's segments starting where their speech does (:func:`trim_silent_starts`)."""
+    return trim_silent_starts(w.audio, text, sample_rate) if w.long and isinstance(text, TimedText) else text
 
 
 def _shared_s(p: _Pending, start_s: float) -> float:
@@ -994,6 +1000,13 @@ def _array_and_rate(item: tuple) -> tuple[np.ndarray, int]:
             or not math.isfinite(rate) or rate != int(rate):
         raise AudioError(f"sample rate must be a whole number of Hz, got {rate!r}")
     return arr, int(rate)
+
+
+def _unreadable(e: Exception) -> str:
+    """A file's error for an exception its reading raised (not an :class:`AudioError`)."""
+    if isinstance(e, PermissionError):  # mode 000, an ACL, a file of another user
+        return "permission denied: the file may not be read"
+    return f"could not read: {_short(e)}"
 
 
 def _short(e: Any) -> str:
