@@ -6,7 +6,9 @@ process times, after checking each result against ``torch._grouped_mm`` (CUTLASS
 - ``prod``: ``polyaccel.cuda.grouped_wgrad.grouped_mm_wgrad`` as shipped (its autotuner, and
   the tensor-memory kernel where it applies); ``prod-acc`` the same adding into ``.grad``, and
   ``prod-acc-grad-first`` adding with ``GRAD_FIRST`` (the ``.grad`` tile read before the loop);
-- ``ptr(...)``: the pointer kernel at each tile shape of :data:`PTR`;
+- ``ptr(...)``: the pointer kernel at each tile shape of :data:`PTR`; ``prod-persistent`` /
+  ``prod-persistent-acc`` its persistent launch as it would ship (``grouped_wgrad.PERSISTENT``,
+  autotuned) and ``ptr-pers(...)`` that launch at each entry of ``PERSISTENT_CONFIGS``;
 - ``tma(...)``: the tensor-memory kernel at each tile of :data:`TMA`, extended here to several
   micro-batches as one pipelined loop per micro-batch (an experiment: slower at windows);
 - ``il(...)``: an experiment that interleaves the micro-batches in one loop, one descriptor
@@ -233,13 +235,29 @@ def run_case(name: str, only: str | None = None) -> list[dict]:
     plain, _ = gw._kernel()
     counts = [min(d.shape[0], x.shape[0]) for d, x in zip(dys, xs, strict=True)]
     pad = lambda ts: list(ts) + [ts[0]] * (4 - len(ts))  # noqa: E731
+    no_sums = torch.zeros(1, device=dev)  # (SQUARES off: never written)
     for cfg in PTR:
         bn, bk, bt, warps, stages = cfg
         record(f"ptr{cfg}", lambda bn=bn, bk=bk, bt=bt, w=warps, st=stages: plain[
             (-(-N // bn) * -(-K // bk), G)](*pad(dys), *pad(xs), *pad(offs), *pad(counts), out, N, K,
-                                            gw._rows_key(S * R), dys[0].stride(0), xs[0].stride(0), SOURCES=S,
-                                            ACCUMULATE=False, GRAD_FIRST=False, BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt, num_warps=w,
-                                            num_stages=st))
+                                            gw._rows_key(S * R), dys[0].stride(0), xs[0].stride(0), no_sums,
+                                            SOURCES=S, ACCUMULATE=False, GRAD_FIRST=False, SQUARES=False, BLOCK_N=bn,
+                                            BLOCK_K=bk, BLOCK_T=bt, num_warps=w, num_stages=st))
+    # The pointer kernel's persistent launch: as it would ship (autotuned), then at each entry.
+    for acc in (False, True):
+        def persistent_prod(acc=acc):
+            gw.PERSISTENT = True
+            try:
+                gw.grouped_mm_wgrad(dys, xs, offs, out=out, accumulate=acc)
+            finally:
+                gw.PERSISTENT = False
+        out.zero_()
+        record(f"prod-persistent{'-acc' if acc else ''}", persistent_prod, check=not acc)
+    flags = dict(SOURCES=S, ACCUMULATE=False, GRAD_FIRST=False, SQUARES=False)
+    for cfg in gw.PERSISTENT_CONFIGS:
+        record(f"ptr-pers{cfg}", lambda cfg=cfg: gw._launch_persistent(
+            (*pad(dys), *pad(xs), *pad(offs), *pad(counts)), out, gw._rows_key(S * R), dys[0].stride(0),
+            xs[0].stride(0), flags, None, config=cfg))
     gw._ensure_scratch_allocator()
     for cfg in gw.TMA_CONFIGS if S == 1 else []:
         for acc in (False, True):
@@ -289,11 +307,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.empty_cache()
     print("best tile per kernel and case (TFLOP/s):")
     for case in dict.fromkeys(r["case"] for r in rows):
-        for family in ("prod", "prod-acc", "cutlass", "ptr", "tma", "il", "shipped(", "shipped-acc", "pers(",
+        for family in ("prod", "prod-acc", "prod-persistent", "prod-persistent-acc", "cutlass", "ptr(", "ptr-pers",
+                       "tma", "il", "shipped(", "shipped-acc", "pers(",
                        "pers-acc", "pers-tmaepi(", "pers-tmaepi-acc", "pers-ws(", "pers-ws-acc", "pers-ws-tmaepi(",
                        "pers-ws-tmaepi-acc"):
             mine = [r for r in rows if r["case"] == case and r["variant"].startswith(family) and "tflops" in r
-                    and (family != "prod" or r["variant"] == "prod")]
+                    and (not family.startswith("prod") or r["variant"] == family)]
             if mine:
                 best = max(mine, key=lambda r: r["tflops"])
                 print(f"  {case:<20} {best['variant']:<28} {best['tflops']:>7}")

@@ -208,6 +208,42 @@ def check_grouped_wgrad_window():
         assert max(errs) < 2e-3 and not over[1].any(), errs
 
 
+def check_grouped_wgrad_persistent():
+    """The pointer kernel's persistent launch (each program walks several tiles; a tile shape
+    that leaves partial tiles at both edges) == the one-tile-per-program launch's sums, for
+    one and three sources, accumulating and overwriting, with its sums of squares."""
+    dys, xs, offs = [], [], []
+    for _ in range(3):
+        counts = torch.randint(0, 70, (6,))
+        counts[2] = 0
+        offs.append(counts.cumsum(0).to(torch.int32))
+        dys.append(torch.randn(int(counts.sum()) + 3, 80).half())
+        xs.append(torch.randn(int(counts.sum()) + 3, 72).half())
+    saved = grouped_wgrad.PERSISTENT, grouped_wgrad.PERSISTENT_CONFIGS
+    grouped_wgrad.PERSISTENT = True
+    grouped_wgrad.PERSISTENT_CONFIGS = [(32, 64, 16, 4, 3, 1, True)] + saved[1]
+    calls = []
+    launch = grouped_wgrad._launch_persistent
+    grouped_wgrad._launch_persistent = lambda *a, **k: calls.append(1) or launch(*a, **k)
+    try:
+        for n in (1, 3):
+            ref = sum(ops.grouped_mm_wgrad.reference(d.double(), x.double(), o)
+                      for d, x, o in zip(dys[:n], xs[:n], offs[:n], strict=True))
+            acc = torch.randn(6, 80, 72).half()
+            expected = acc.double() + ref
+            grouped_wgrad.grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=acc)
+            over, over_sq = torch.randn(6, 80, 72).half(), torch.full((), -1.0)
+            grouped_wgrad.grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=over, accumulate=False, sumsq=over_sq)
+            errs = rel_err(acc, expected), rel_err(over, ref), rel_err(over_sq, over.double().square().sum())
+            print(f"grouped_mm_wgrad persistent launch over {n} micro-batches (accumulate, overwrite, sum of "
+                  f"squares): rel err {errs[0]:.2e}, {errs[1]:.2e}, {errs[2]:.2e}")
+            assert max(errs) < 2e-3 and not over[2].any(), errs
+    finally:
+        grouped_wgrad.PERSISTENT, grouped_wgrad.PERSISTENT_CONFIGS = saved
+        grouped_wgrad._launch_persistent = launch
+    assert len(calls) == 4, calls  # every call above took the persistent launch
+
+
 def check_adamw():
     n = 10_007
     p, g, m = torch.randn(n), torch.randn(n), 0.1 * torch.randn(n)
@@ -432,6 +468,7 @@ def main() -> None:
     check_grouped_gemm()
     check_grouped_wgrad_offsets_past_rows()
     check_grouped_wgrad_window()
+    check_grouped_wgrad_persistent()
     check_grouped_lowrank()
     check_add_scaled()
     check_adamw()

@@ -41,17 +41,11 @@ def tile_squares(stored, SUMSQ, slot, SQUARES: tl.constexpr):
 
 
 @triton.jit
-def grouped_wgrad(DY0, DY1, DY2, DY3, X0, X1, X2, X3, OFFS0, OFFS1, OFFS2, OFFS3, T0, T1, T2, T3, OUT, N, K,
-                  ROWS, stride_dy, stride_x, SUMSQ, SOURCES: tl.constexpr, ACCUMULATE: tl.constexpr,
-                  GRAD_FIRST: tl.constexpr, SQUARES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
-    tile = tl.program_id(0)
-    g = tl.program_id(1)
-    tiles_k = tl.cdiv(K, BLOCK_K)
-    rn = (tile // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    acc, off, mask = tile_start(OUT, g, rn, rk, N, K, ACCUMULATE and GRAD_FIRST, BLOCK_N, BLOCK_K)
-    # Row ranges of group g in each source (never past its T rows, whatever the offsets
-    # say); one loop runs over their BLOCK_T chunks in turn.
+def window_tile(acc, g, rn, rk, DY0, DY1, DY2, DY3, X0, X1, X2, X3, OFFS0, OFFS1, OFFS2, OFFS3, T0, T1, T2, T3, N, K,
+                stride_dy, stride_x, SOURCES: tl.constexpr, BLOCK_T: tl.constexpr):
+    # acc += the (rn, rk) tile of sum_s dy_s,g.T @ x_s,g. Row ranges of group g in each source
+    # (never past its T rows, whatever the offsets say); one loop runs over their BLOCK_T
+    # chunks in turn.
     first = g > 0
     s0 = tl.minimum(tl.load(OFFS0 + g - 1, mask=first, other=0), T0)
     e0 = tl.minimum(tl.load(OFFS0 + g), T0)
@@ -82,7 +76,46 @@ def grouped_wgrad(DY0, DY1, DY2, DY3, X0, X1, X2, X3, OFFS0, OFFS1, OFFS2, OFFS3
         b = tl.load(X + rt[:, None] * stride_x + rk[None, :],
                     mask=in_rows[:, None] & (rk[None, :] < K), other=0.0)  # [BLOCK_T, BLOCK_K]
         acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def grouped_wgrad(DY0, DY1, DY2, DY3, X0, X1, X2, X3, OFFS0, OFFS1, OFFS2, OFFS3, T0, T1, T2, T3, OUT, N, K,
+                  ROWS, stride_dy, stride_x, SUMSQ, SOURCES: tl.constexpr, ACCUMULATE: tl.constexpr,
+                  GRAD_FIRST: tl.constexpr, SQUARES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    rn = (tile // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    acc, off, mask = tile_start(OUT, g, rn, rk, N, K, ACCUMULATE and GRAD_FIRST, BLOCK_N, BLOCK_K)
+    acc = window_tile(acc, g, rn, rk, DY0, DY1, DY2, DY3, X0, X1, X2, X3, OFFS0, OFFS1, OFFS2, OFFS3, T0, T1, T2, T3,
+                      N, K, stride_dy, stride_x, SOURCES, BLOCK_T)
     tile_finish(acc, OUT, off, mask, ACCUMULATE and not GRAD_FIRST, SUMSQ, g * tl.num_programs(0) + tile, SQUARES)
+
+
+@triton.jit
+def grouped_wgrad_persistent(DY0, DY1, DY2, DY3, X0, X1, X2, X3, OFFS0, OFFS1, OFFS2, OFFS3, T0, T1, T2, T3, OUT,
+                             G, N, K, ROWS, stride_dy, stride_x, SUMSQ, SOURCES: tl.constexpr,
+                             ACCUMULATE: tl.constexpr, GRAD_FIRST: tl.constexpr, SQUARES: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                             PER_SM: tl.constexpr, FLATTEN: tl.constexpr):
+    # The kernel above as a persistent launch: each program walks every num_programs-th
+    # output tile, expert-major (tiles numbered as above's g * tiles + tile, so are the sums
+    # of squares' slots). FLATTEN lets Triton pipeline the loads across tiles: the next tile's
+    # first row chunks load while this one's epilogue stores, which matters at a few hundred
+    # rows per expert, where the epilogue is a fifth of a tile's time.
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    per_group = tl.cdiv(N, BLOCK_N) * tiles_k
+    for tile in tl.range(tl.program_id(0), G * per_group, tl.num_programs(0), flatten=FLATTEN):
+        g = tile // per_group
+        t = tile - g * per_group
+        rn = (t // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = (t % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+        acc, off, mask = tile_start(OUT, g, rn, rk, N, K, ACCUMULATE and GRAD_FIRST, BLOCK_N, BLOCK_K)
+        acc = window_tile(acc, g, rn, rk, DY0, DY1, DY2, DY3, X0, X1, X2, X3, OFFS0, OFFS1, OFFS2, OFFS3, T0, T1, T2,
+                          T3, N, K, stride_dy, stride_x, SOURCES, BLOCK_T)
+        tile_finish(acc, OUT, off, mask, ACCUMULATE and not GRAD_FIRST, SUMSQ, tile, SQUARES)
 
 
 @triton.jit

@@ -25,11 +25,17 @@ the ``.grad`` tiles through the copy engine: the store is asynchronous, so it ru
 tile's main loop, and adding into ``.grad`` costs little more than writing over it. Over
 several micro-batches it would need one short pipelined loop per source, which measured slower
 (362 against 461 TFLOP/s at ~256 rows per expert and source), so windows keep the first kernel.
+
+That first kernel also has a persistent launch (:data:`PERSISTENT`, off until timed on a GPU):
+a program per SM walks the tiles with the loads pipelined across them, so a tile's epilogue no
+longer stalls its SM (at Qwen3's window of four micro-batches, ~1,000 rows per expert, the
+one-tile-per-program launch ran at ~430 TFLOP/s in the step, session 31).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 
 import torch
@@ -94,6 +100,25 @@ TMA_CONFIGS = [  # (BLOCK_N, BLOCK_K, BLOCK_T, num_warps, num_stages, PER_SM, TM
 """Tile shapes and launch kinds the tensor-memory kernel's autotuner tries; ``TMA_OUT`` ones
 only where the output's rows and pointer are 16-byte aligned (:func:`_prune_tma`)."""
 
+PERSISTENT_CONFIGS = [  # (BLOCK_N, BLOCK_K, BLOCK_T, num_warps, num_stages, PER_SM, FLATTEN)
+    (256, 128, 32, 8, 5, 1, True),
+    (256, 128, 64, 8, 3, 1, True),
+    (128, 256, 64, 8, 3, 1, True),
+    (128, 256, 32, 8, 5, 1, True),
+    (128, 128, 64, 8, 4, 1, True),
+    (256, 128, 32, 8, 5, 1, False),
+    (128, 128, 64, 4, 4, 2, False),
+]
+"""The persistent launch of the pointer kernel (:data:`PERSISTENT`): tiles, warps, stages,
+programs per SM, and whether Triton pipelines the loads across tiles (FLATTEN)."""
+
+PERSISTENT = os.environ.get("POLYACCEL_WGRAD_PERSISTENT", "0").strip().lower() in ("1", "true", "yes", "on")
+"""Whether windows of micro-batches (and other launches of the pointer kernel with outputs wider
+than :data:`SKINNY`) take the persistent launch, autotuned over :data:`PERSISTENT_CONFIGS`:
+one program per SM walks the output tiles, so one tile's epilogue overlaps the next tile's
+first loads. Off by default until timed on a GPU (``POLYACCEL_WGRAD_PERSISTENT=1``; read at
+import, or set the attribute)."""
+
 GRAD_FIRST = False
 """Whether an accumulating tile starts from ``.grad``'s current values, read before the main
 loop, instead of adding them after it (where every program of a wave reads its ``.grad`` tile
@@ -126,14 +151,14 @@ def _kernel():
                                        prune_configs_by={"early_config_prune": _prune})
 
 
-def _autotuned(kernel, configs: list[tuple], key: list[str], **kwargs):  # noqa: ANN001, ANN202
+def _autotuned(kernel, configs: list[tuple], key: list[str],  # noqa: ANN001, ANN202
+               extra: tuple[str, ...] = ("PER_SM", "TMA_OUT", "BAND_N"), **kwargs):
     """``kernel`` under Triton's autotuner over ``configs`` (BLOCK_N, BLOCK_K, BLOCK_T, warps,
-    stages, then the tensor-memory kernel's PER_SM, TMA_OUT and BAND_N)."""
+    stages, then the meta-parameters named in ``extra``: by default the tensor-memory kernel's)."""
     import triton
 
     def meta(c: tuple) -> dict:
-        extra = dict(zip(("PER_SM", "TMA_OUT", "BAND_N"), c[5:], strict=False))
-        return {"BLOCK_N": c[0], "BLOCK_K": c[1], "BLOCK_T": c[2], **extra}
+        return {"BLOCK_N": c[0], "BLOCK_K": c[1], "BLOCK_T": c[2], **dict(zip(extra, c[5:], strict=False))}
 
     return triton.autotune(
         configs=[triton.Config(meta(c), num_warps=c[3], num_stages=c[4]) for c in configs],
@@ -151,6 +176,15 @@ def _tma_kernel():
     return k.grouped_wgrad_tma, _autotuned(k.grouped_wgrad_tma, TMA_CONFIGS, ["G", "N", "K", "ROWS", "ACCUMULATE",
                                                                             "GRAD_FIRST"],
                                            prune_configs_by={"early_config_prune": _prune_tma})
+
+
+@triton_kernels
+def _persistent_kernel():
+    from polyaccel.cuda import _grouped_wgrad_triton as k  # imports Triton
+
+    return k.grouped_wgrad_persistent, _autotuned(
+        k.grouped_wgrad_persistent, PERSISTENT_CONFIGS, ["N", "K", "ROWS", "SOURCES", "ACCUMULATE", "GRAD_FIRST"],
+        extra=("PER_SM", "FLATTEN"))
 
 
 def _out_aligned(out: torch.Tensor) -> bool:
@@ -265,22 +299,51 @@ def _launch(dys: list[torch.Tensor], xs: list[torch.Tensor], offs: list[torch.Te
         _launch_tma(dys[0], xs[0], offs[0], out, accumulate=accumulate, sumsq=sumsq)
         return
     pad = lambda ts: ts + [ts[0]] * (MAX_SOURCES - len(ts))  # noqa: E731  (unused slots: never read)
+    rows = [min(d.shape[0], x.shape[0]) for d, x in zip(dys, xs, strict=True)]
+    skinny = min(N, K) <= SKINNY
+    flags = dict(SOURCES=n, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST, SQUARES=sumsq is not None)
+    if PERSISTENT and not skinny:
+        _launch_persistent((*pad(dys), *pad(xs), *pad(offs), *pad(rows)), out, _rows_key(sum(rows)),
+                           dys[0].stride(0), xs[0].stride(0), flags, sumsq)
+        return
     plain, tuned = _kernel()
 
     def grid(meta):
         return cdiv(N, meta["BLOCK_N"]) * cdiv(K, meta["BLOCK_K"]), G
 
-    rows = [min(d.shape[0], x.shape[0]) for d, x in zip(dys, xs, strict=True)]
-    skinny = min(N, K) <= SKINNY
     sums = _tile_sums(sumsq, out, [c for c in CONFIGS if _skinny_tile(c[0], c[1]) == skinny] or CONFIGS)
     args = (*pad(dys), *pad(xs), *pad(offs), *pad(rows), out, N, K,
             _rows_key(sum(t.shape[0] for t in dys)), dys[0].stride(0), xs[0].stride(0), sums)
-    flags = dict(SOURCES=n, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST, SQUARES=sumsq is not None)
     if dys[0].is_cuda:
         tuned[grid](*args, **flags)
     else:  # Triton's CPU interpreter (tests): no timing, the first tile shape
         bn, bk, bt, _, _ = CONFIGS[0]
         plain[grid({"BLOCK_N": bn, "BLOCK_K": bk})](*args, **flags, BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt)
+    if sumsq is not None:
+        torch.sum(sums, dim=0, keepdim=False, out=sumsq.view(()))
+
+
+def _launch_persistent(sources: tuple, out: torch.Tensor, rows_key: int, stride_dy: int, stride_x: int,
+                       flags: dict, sumsq: torch.Tensor | None, config: tuple | None = None) -> None:
+    """The pointer kernel's persistent launch (:data:`PERSISTENT`) over the padded source lists
+    (dy, x, offsets, rows: four of each): autotuned, or at ``config`` (a
+    :data:`PERSISTENT_CONFIGS` entry; the interpreter takes the first)."""
+    G, N, K = out.shape
+    plain, tuned = _persistent_kernel()
+    sms = _multiprocessors(out.device.index) if out.is_cuda else 2
+
+    def grid(meta):
+        return (min(G * cdiv(N, meta["BLOCK_N"]) * cdiv(K, meta["BLOCK_K"]), sms * meta["PER_SM"]),)
+
+    sums = _tile_sums(sumsq, out, PERSISTENT_CONFIGS)
+    args = (*sources, out, G, N, K, rows_key, stride_dy, stride_x, sums)
+    if out.is_cuda and config is None:
+        tuned[grid](*args, **flags)
+    else:
+        bn, bk, bt, warps, stages, per_sm, flatten = config or PERSISTENT_CONFIGS[0]
+        meta = dict(BLOCK_N=bn, BLOCK_K=bk, BLOCK_T=bt, PER_SM=per_sm, FLATTEN=flatten)
+        extra = dict(num_warps=warps, num_stages=stages) if out.is_cuda else {}
+        plain[grid(meta)](*args, **flags, **meta, **extra)
     if sumsq is not None:
         torch.sum(sums, dim=0, keepdim=False, out=sumsq.view(()))
 
