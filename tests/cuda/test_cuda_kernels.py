@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from polyaccel.core import ops
-from polyaccel.cuda import cross_entropy, kernels
+from polyaccel.cuda import cross_entropy, grouped_wgrad, kernels
 from polyaccel.cuda.moe_permute import moe_permute, moe_unpermute
 from polyaccel.cuda.swiglu import swiglu
 from polyaccel.cuda.triton_rmsnorm import rms_norm
@@ -340,6 +340,37 @@ def test_gpu_grouped_mm_wgrad_over_several_micro_batches():
         acc = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
         expected = acc.double() + ref
         grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=acc)
+        assert rel_err(acc, expected) < TOL[torch.bfloat16]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("config", [None, *range(len(grouped_wgrad.PERSISTENT_CONFIGS))])
+def test_gpu_grouped_mm_wgrad_persistent_launch(config, monkeypatch):
+    """The pointer kernel's persistent launch (``POLYACCEL_WGRAD_PERSISTENT``), autotuned
+    (None) and at each entry of its list, over 1 and 4 micro-batches: == the reference, written
+    over and added to ``out``, with the sum of squares of what it stored."""
+    configs = grouped_wgrad.PERSISTENT_CONFIGS
+    monkeypatch.setattr(grouped_wgrad, "PERSISTENT", True)
+    if config is not None:
+        monkeypatch.setattr(grouped_wgrad, "PERSISTENT_CONFIGS", [configs[config]])
+    E, N, K = 16, 1536, 768
+    dys, xs, offs = [], [], []
+    for _ in range(4):
+        counts = torch.randint(0, 400, (E,), device="cuda")
+        counts[5] = 0
+        offs.append(counts.cumsum(0).to(torch.int32))
+        dys.append(torch.randn(int(counts.sum()) + 3, N, device="cuda", dtype=torch.bfloat16))
+        xs.append(torch.randn(int(counts.sum()) + 3, K, device="cuda", dtype=torch.bfloat16))
+    for n in (1, 4):
+        ref = ops.grouped_mm_wgrad.reference([d.double() for d in dys[:n]], [x.double() for x in xs[:n]], offs[:n])
+        over, sumsq = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16), torch.full((), -1.0, device="cuda")
+        grouped_wgrad.grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=over, accumulate=False, sumsq=sumsq)
+        assert rel_err(over, ref) < TOL[torch.bfloat16] and (over[5] == 0).all()
+        assert rel_err(sumsq, over.double().square().sum()) < 1e-4
+        acc = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
+        expected = acc.double() + ref
+        grouped_wgrad.grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=acc)
         assert rel_err(acc, expected) < TOL[torch.bfloat16]
 
 
