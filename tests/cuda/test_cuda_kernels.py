@@ -99,6 +99,29 @@ def test_permute_unpermute_match_reference(dtype):
     check_against_reference(lambda x, w: fast(x, w, idx, E), lambda x, w: ref(x, w, idx, E), [x, w], dtype)
 
 
+@pytest.mark.parametrize(("E", "key_dtype"), [(8, torch.uint8), (255, torch.uint8), (256, torch.int16),
+                                              (40_000, torch.int32)])
+def test_permute_sorts_narrow_keys_in_the_same_order(E, key_dtype):
+    """Expert ids sorted as the narrowest type (one radix pass per byte): the counted copies in
+    the reference's order with its counts, every dropped copy (ids >= E, several values) after
+    them in original order, at a size past torch's in-place small sort (4,096)."""
+    from polyaccel.cuda.moe_permute import sort_keys
+
+    T, k = 700, 8
+    idx = torch.randint(0, E, (T, k))
+    dropped = torch.rand(T, k) < 0.2
+    idx[dropped] = E + torch.randint(0, 3, (int(dropped.sum()),))
+    assert sort_keys(idx.reshape(-1), E).dtype == key_dtype
+    x = torch.randn(T, 16)
+    xs, order, counts = moe_permute(x, idx, E)
+    _, order_r, counts_r = ops.moe_permute.reference(x, idx, E)
+    valid = int(counts_r.sum())
+    assert valid == T * k - int(dropped.sum())
+    assert torch.equal(counts, counts_r) and torch.equal(order[:valid], order_r[:valid])
+    assert torch.equal(xs[:valid], x[order_r[:valid] // k])
+    assert torch.equal(order[valid:], dropped.reshape(-1).nonzero().squeeze(1))
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_cross_entropy_matches_reference_in_chunks(monkeypatch, dtype, reduction):
