@@ -184,41 +184,48 @@ def check_grouped_wgrad_offsets_past_rows():
         assert err < 2e-3, err
 
 
+def window_inputs(sources: int, G: int, N: int, K: int, empty: int, max_rows: int):
+    """Random fp16 (dy, x, offsets) lists of ``sources`` micro-batches: expert ``empty`` gets no
+    rows, and each micro-batch has a few rows past its last expert."""
+    dys, xs, offs = [], [], []
+    for _ in range(sources):
+        counts = torch.randint(0, max_rows, (G,))
+        counts[empty] = 0
+        offs.append(counts.cumsum(0).to(torch.int32))
+        dys.append(torch.randn(int(counts.sum()) + 3, N).half())
+        xs.append(torch.randn(int(counts.sum()) + 3, K).half())
+    return dys, xs, offs
+
+
+def check_window_sums(label: str, dys, xs, offs, n: int, empty: int) -> None:
+    """grouped_mm_wgrad over the first ``n`` micro-batches == the sum of the references, added
+    into ``out`` and written over it, with the sum of squares of what it stored."""
+    G, N, K = len(offs[0]), dys[0].shape[1], xs[0].shape[1]
+    ref = sum(ops.grouped_mm_wgrad.reference(d.double(), x.double(), o)
+              for d, x, o in zip(dys[:n], xs[:n], offs[:n], strict=True))
+    acc = torch.randn(G, N, K).half()
+    expected = acc.double() + ref
+    grouped_wgrad.grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=acc)
+    over = torch.randn(G, N, K).half()
+    over_sq = torch.full((), -1.0)  # over 5+ sources: the last launch's tiles, of the final sum
+    grouped_wgrad.grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=over, accumulate=False, sumsq=over_sq)
+    errs = rel_err(acc, expected), rel_err(over, ref), rel_err(over_sq, over.double().square().sum())
+    print(f"grouped_mm_wgrad fp16, {label}, {n} micro-batches (accumulate, overwrite, its sum of squares): "
+          f"rel err {errs[0]:.2e}, {errs[1]:.2e}, {errs[2]:.2e}")
+    assert max(errs) < 2e-3 and not over[empty].any(), errs
+
+
 def check_grouped_wgrad_window():
     """Six micro-batches' rows in one call (two launches of up to four sources) == the sum."""
-    dys, xs, offs = [], [], []
-    for _ in range(6):
-        counts = torch.randint(0, 90, (5,))
-        counts[1] = 0
-        offs.append(counts.cumsum(0).to(torch.int32))
-        dys.append(torch.randn(int(counts.sum()) + 2, 72).half())
-        xs.append(torch.randn(int(counts.sum()) + 2, 40).half())
+    dys, xs, offs = window_inputs(6, G=5, N=72, K=40, empty=1, max_rows=90)
     for n in (2, 6):
-        ref = sum(ops.grouped_mm_wgrad.reference(d.double(), x.double(), o)
-                  for d, x, o in zip(dys[:n], xs[:n], offs[:n], strict=True))
-        acc = torch.randn(5, 72, 40).half()
-        expected = acc.double() + ref
-        grouped_wgrad.grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=acc)
-        over = torch.randn(5, 72, 40).half()
-        over_sq = torch.full((), -1.0)  # with 6 sources: the second launch's tiles, of the final sum
-        grouped_wgrad.grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=over, accumulate=False, sumsq=over_sq)
-        errs = rel_err(acc, expected), rel_err(over, ref), rel_err(over_sq, over.double().square().sum())
-        print(f"grouped_mm_wgrad fp16 over {n} micro-batches (accumulate, overwrite, its sum of squares): rel err "
-              f"{errs[0]:.2e}, {errs[1]:.2e}, {errs[2]:.2e}")
-        assert max(errs) < 2e-3 and not over[1].any(), errs
+        check_window_sums("one tile per program", dys, xs, offs, n, empty=1)
 
 
 def check_grouped_wgrad_persistent():
     """The pointer kernel's persistent launch (each program walks several tiles; a tile shape
-    that leaves partial tiles at both edges) == the one-tile-per-program launch's sums, for
-    one and three sources, accumulating and overwriting, with its sums of squares."""
-    dys, xs, offs = [], [], []
-    for _ in range(3):
-        counts = torch.randint(0, 70, (6,))
-        counts[2] = 0
-        offs.append(counts.cumsum(0).to(torch.int32))
-        dys.append(torch.randn(int(counts.sum()) + 3, 80).half())
-        xs.append(torch.randn(int(counts.sum()) + 3, 72).half())
+    that leaves partial tiles at both edges) == the sums, for one and three sources."""
+    dys, xs, offs = window_inputs(3, G=6, N=80, K=72, empty=2, max_rows=70)
     saved = grouped_wgrad.PERSISTENT, grouped_wgrad.PERSISTENT_CONFIGS
     grouped_wgrad.PERSISTENT = True
     grouped_wgrad.PERSISTENT_CONFIGS = [(32, 64, 16, 4, 3, 1, True)] + saved[1]
@@ -227,17 +234,7 @@ def check_grouped_wgrad_persistent():
     grouped_wgrad._launch_persistent = lambda *a, **k: calls.append(1) or launch(*a, **k)
     try:
         for n in (1, 3):
-            ref = sum(ops.grouped_mm_wgrad.reference(d.double(), x.double(), o)
-                      for d, x, o in zip(dys[:n], xs[:n], offs[:n], strict=True))
-            acc = torch.randn(6, 80, 72).half()
-            expected = acc.double() + ref
-            grouped_wgrad.grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=acc)
-            over, over_sq = torch.randn(6, 80, 72).half(), torch.full((), -1.0)
-            grouped_wgrad.grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=over, accumulate=False, sumsq=over_sq)
-            errs = rel_err(acc, expected), rel_err(over, ref), rel_err(over_sq, over.double().square().sum())
-            print(f"grouped_mm_wgrad persistent launch over {n} micro-batches (accumulate, overwrite, sum of "
-                  f"squares): rel err {errs[0]:.2e}, {errs[1]:.2e}, {errs[2]:.2e}")
-            assert max(errs) < 2e-3 and not over[2].any(), errs
+            check_window_sums("persistent launch", dys, xs, offs, n, empty=2)
     finally:
         grouped_wgrad.PERSISTENT, grouped_wgrad.PERSISTENT_CONFIGS = saved
         grouped_wgrad._launch_persistent = launch

@@ -340,26 +340,27 @@ def test_gpu_grouped_mm_wgrad_writes_and_accumulates(N, K, monkeypatch):
     assert rel_err(acc_first, expected) < TOL[torch.bfloat16]
 
 
-@gpu
-@needs_cuda
-def test_gpu_grouped_mm_wgrad_over_several_micro_batches():
-    """One call over 1, 3, 4 and 5 micro-batches' rows (5: two launches) == the sum, written
-    over or added to ``out``."""
+def check_window_sums(E: int, N: int, K: int, ns: tuple[int, ...], sumsq: bool = False) -> None:
+    """grouped_mm_wgrad over the first n of max(ns) micro-batches (~200 rows per expert, one
+    expert empty) == the reference sum, written over and added to ``out``; with ``sumsq`` also
+    the sum of squares of what it stored."""
     from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
 
-    E, N, K = 16, 1536, 2048
     dys, xs, offs = [], [], []
-    for _ in range(5):
-        counts = torch.randint(0, 300, (E,), device="cuda")
+    for _ in range(max(ns)):
+        counts = torch.randint(0, 400, (E,), device="cuda")
         counts[4] = 0
         offs.append(counts.cumsum(0).to(torch.int32))
-        dys.append(torch.randn(int(counts.sum()), N, device="cuda", dtype=torch.bfloat16))
-        xs.append(torch.randn(int(counts.sum()), K, device="cuda", dtype=torch.bfloat16))
-    for n in (1, 3, 4, 5):
+        dys.append(torch.randn(int(counts.sum()) + 3, N, device="cuda", dtype=torch.bfloat16))
+        xs.append(torch.randn(int(counts.sum()) + 3, K, device="cuda", dtype=torch.bfloat16))
+    for n in ns:
         ref = ops.grouped_mm_wgrad.reference([d.double() for d in dys[:n]], [x.double() for x in xs[:n]], offs[:n])
         over = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
-        grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=over, accumulate=False)
+        squares = torch.full((), -1.0, device="cuda") if sumsq else None
+        grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=over, accumulate=False, sumsq=squares)
         assert rel_err(over, ref) < TOL[torch.bfloat16] and (over[4] == 0).all()
+        if sumsq:
+            assert rel_err(squares, over.double().square().sum()) < 1e-4
         acc = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
         expected = acc.double() + ref
         grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=acc)
@@ -368,33 +369,23 @@ def test_gpu_grouped_mm_wgrad_over_several_micro_batches():
 
 @gpu
 @needs_cuda
+def test_gpu_grouped_mm_wgrad_over_several_micro_batches():
+    """One call over 1, 3, 4 and 5 micro-batches' rows (5: two launches) == the sum, written
+    over or added to ``out``."""
+    check_window_sums(16, 1536, 2048, (1, 3, 4, 5))
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("config", [None, *range(len(grouped_wgrad.PERSISTENT_CONFIGS))])
 def test_gpu_grouped_mm_wgrad_persistent_launch(config, monkeypatch):
     """The pointer kernel's persistent launch (``POLYACCEL_WGRAD_PERSISTENT``), autotuned
-    (None) and at each entry of its list, over 1 and 4 micro-batches: == the reference, written
-    over and added to ``out``, with the sum of squares of what it stored."""
+    (None) and at each entry of its list, over 1 and 4 micro-batches, with the sum of squares."""
     configs = grouped_wgrad.PERSISTENT_CONFIGS
     monkeypatch.setattr(grouped_wgrad, "PERSISTENT", True)
     if config is not None:
         monkeypatch.setattr(grouped_wgrad, "PERSISTENT_CONFIGS", [configs[config]])
-    E, N, K = 16, 1536, 768
-    dys, xs, offs = [], [], []
-    for _ in range(4):
-        counts = torch.randint(0, 400, (E,), device="cuda")
-        counts[5] = 0
-        offs.append(counts.cumsum(0).to(torch.int32))
-        dys.append(torch.randn(int(counts.sum()) + 3, N, device="cuda", dtype=torch.bfloat16))
-        xs.append(torch.randn(int(counts.sum()) + 3, K, device="cuda", dtype=torch.bfloat16))
-    for n in (1, 4):
-        ref = ops.grouped_mm_wgrad.reference([d.double() for d in dys[:n]], [x.double() for x in xs[:n]], offs[:n])
-        over, sumsq = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16), torch.full((), -1.0, device="cuda")
-        grouped_wgrad.grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=over, accumulate=False, sumsq=sumsq)
-        assert rel_err(over, ref) < TOL[torch.bfloat16] and (over[5] == 0).all()
-        assert rel_err(sumsq, over.double().square().sum()) < 1e-4
-        acc = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
-        expected = acc.double() + ref
-        grouped_wgrad.grouped_mm_wgrad(dys[:n], xs[:n], offs[:n], out=acc)
-        assert rel_err(acc, expected) < TOL[torch.bfloat16]
+    check_window_sums(16, 1536, 768, (1, 4), sumsq=True)
 
 
 @gpu
