@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -235,3 +236,14 @@ def test_long_documents_are_split_across_samples_never_truncated(tmp_path):
     words = "the cat sat on a mat " * 50
     ds = _build(tmp_path, "text", words)
     assert _stream(ds) == [3, 4, 5, 6, 8, 7] * 50 + [1]
+
+
+@pytest.mark.parametrize("content,where", [
+    (b"the cat\n\nsat on\na \xfe dog\n", ":4: not UTF-8 text (invalid start byte at byte 2 of the line)"),
+    (b"\xef\xbb\xbfthe cat \xff\n", ":1: not UTF-8 text (invalid start byte at byte 8 of the line)"),
+    (b"the cat\r\n\r\nsat\r\n\xe9\n", ":4: not UTF-8 text"),
+])
+def test_a_text_file_that_is_not_utf8_is_refused_naming_its_line(tmp_path, content, where):
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'data.text'}{where}")):
+        _build(tmp_path, "text", content)
+

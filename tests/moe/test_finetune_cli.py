@@ -155,7 +155,7 @@ def test_unreadable_model_config_and_data_are_config_errors(capsys, tmp_path):
     from polyaccel.moe.train_config import DataConfig
 
     for name, data, text, message in [("a.jsonl", b'{"input_ids": [1]}\n\xff\xfe\n', None, "a.jsonl:2: not UTF-8 text"),
-                                      ("b.txt", b"\xff\xfe", True, "b.txt: not UTF-8 text"),
+                                      ("b.txt", b"\xff\xfe", True, "b.txt:1: not UTF-8 text"),
                                       ("c.jsonl", b'{"text": 5}\n', None, "c.jsonl:1: 'text' must be a string"),
                                       ("d.jsonl", b'{"prompt": "a", "completion": [1]}\n', None,
                                        "d.jsonl:1: 'completion' must be a string"),

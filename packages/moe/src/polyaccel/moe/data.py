@@ -309,7 +309,7 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
             try:
                 line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                raise ConfigError(f"{path}:{line_no}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+                raise ConfigError(f"{path}:{line_no}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
             yield line_no, line
 
 
@@ -384,10 +384,13 @@ _BLANK_LINE = re.compile(r"\n[^\S\n]*\n")
 
 def _text_documents(path: Path, tok) -> Iterator[tuple[list[int], list[bool]]]:
     """One document per paragraph of a text file; blank or whitespace-only lines separate them."""
+    raw = path.read_bytes()
+    raw = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
     try:
-        text = path.read_text(encoding="utf-8-sig")
+        text = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        line, col = raw.count(b"\n", 0, e.start) + 1, e.start - (raw.rfind(b"\n", 0, e.start) + 1)
+        raise ConfigError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {col} of the line)") from None
     for para in _BLANK_LINE.split(text):
         if para.strip():
             t = tok()
