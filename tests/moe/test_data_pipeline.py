@@ -247,3 +247,11 @@ def test_a_text_file_that_is_not_utf8_is_refused_naming_its_line(tmp_path, conte
     with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'data.text'}{where}")):
         _build(tmp_path, "text", content)
 
+
+def test_a_document_longer_than_the_tokenizers_max_length_packs_without_a_false_warning(tmp_path, caplog):
+    tok = _word_tokenizer(tmp_path / "tok")
+    cfg_path = tok / "tokenizer_config.json"
+    cfg_path.write_text(json.dumps(json.loads(cfg_path.read_text()) | {"model_max_length": 8}))
+    ds = _build(tmp_path, "jsonl", _lines({"text": "the cat sat on a mat " * 50}), tokenizer=tok)
+    assert _stream(ds) == [3, 4, 5, 6, 8, 7] * 50 + [1]  # packed whole, not truncated
+    assert "indexing errors" not in caplog.text  # Transformers' warning: never true here

@@ -259,7 +259,10 @@ def load_tokenizer(path: str | None):
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """``text``'s token ids. ``verbose=False``: a document longer than the tokenizer's
+    ``model_max_length`` is packed into ``seq_len`` samples, never run whole, so Transformers'
+    "will result in indexing errors" warning would be false."""
+    return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
 def _eos(tokenizer) -> list[int]:
