@@ -255,3 +255,19 @@ def test_a_document_longer_than_the_tokenizers_max_length_packs_without_a_false_
     ds = _build(tmp_path, "jsonl", _lines({"text": "the cat sat on a mat " * 50}), tokenizer=tok)
     assert _stream(ds) == [3, 4, 5, 6, 8, 7] * 50 + [1]  # packed whole, not truncated
     assert "indexing errors" not in caplog.text  # Transformers' warning: never true here
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused_not_trained_as_eos_only(tmp_path, saved):
+    """Transformers builds an empty tokenizer from ``config.json`` alone: every text became one
+    EOS and such a run trained and exited 0."""
+    with pytest.raises(ConfigError, match=f"{saved}: it holds no tokenizer files"):
+        _build(tmp_path, "jsonl", _lines({"text": "the cat"}, {"text": "a dog"}), tokenizer=saved)
+
+
+def test_a_tokenizer_without_its_vocabulary_is_refused(tmp_path, saved):
+    tok = tmp_path / "cfg_only"
+    tok.mkdir()
+    (tok / "config.json").write_bytes((saved / "config.json").read_bytes())
+    (tok / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Qwen2Tokenizer", "eos_token": "</s>"}))
+    with pytest.raises(ConfigError, match="its vocabulary is empty"):
+        _build(tmp_path, "jsonl", _lines({"text": "the cat"}, {"text": "a dog"}), tokenizer=tok)

@@ -236,6 +236,11 @@ def build_dataset(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int =
     return packed
 
 
+#: files of which a tokenizer folder holds at least one (fast, SentencePiece, BPE or WordPiece)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model", "merges.txt")
+
+
 def load_tokenizer(path: str | None):
     """``AutoTokenizer`` from a local directory, never touching the network nor running the
     directory's own code (a ``tokenizer_config.json`` with ``auto_map`` is refused, never
@@ -247,15 +252,25 @@ def load_tokenizer(path: str | None):
         why = ("a file, not the tokenizer's folder (name the folder holding tokenizer.json)" if Path(path).exists()
                else "no such directory")
         raise ConfigError(f"cannot load a tokenizer from {path}: {why}", key="data.tokenizer")
+    if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        # Transformers then builds an empty tokenizer from config.json's model_type: every text
+        # became nothing but EOS, and a run trained on that and exited 0
+        raise ConfigError(f"cannot load a tokenizer from {path}: it holds no tokenizer files ("
+                          f"{', '.join(_TOKENIZER_FILES[:4])}, ...); copy the model's tokenizer there or set "
+                          "data.tokenizer to its folder", key="data.tokenizer")
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot load a tokenizer from {path}: {e}") from e
+        raise ConfigError(f"cannot load a tokenizer from {path}: {' '.join(str(e).split())}") from e
     except Exception as e:  # a damaged file: tokenizers' bare Exception, KeyError, TypeError... from its parsing
         raise ConfigError(f"cannot load a tokenizer from {path}: {type(e).__name__}: "
                           f"{' '.join(str(e).split())[:300]}") from e
+    if len(tokenizer.get_vocab()) <= len(set(tokenizer.all_special_ids)):
+        raise ConfigError(f"cannot load a tokenizer from {path}: its vocabulary is empty (only special tokens; "
+                          "its vocabulary files are missing?)", key="data.tokenizer")
+    return tokenizer
 
 
 def _encode(tokenizer, text: str) -> list[int]:
