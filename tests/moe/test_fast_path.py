@@ -441,3 +441,5 @@ def test_the_newest_complete_checkpoint_counts_steps_as_numbers(tmp_path):
     for name in ("checkpoint-9", "checkpoint-10", "checkpoint-12x"):
         (tmp_path / name / "trainer_state.json").write_text("{}")
     assert newest_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")
+    (tmp_path / "checkpoint-11" / "trainer_state.json").write_text('{"best_metric": nu')  # the write a kill cut
+    assert newest_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")

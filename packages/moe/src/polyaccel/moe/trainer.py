@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import re
 from pathlib import Path
@@ -52,11 +53,19 @@ def newest_complete_checkpoint(output_dir: str | Path) -> str | None:
     found = [(int(m.group(1)), p) for p in Path(output_dir).glob("checkpoint-*")
              if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir()]
     for _, path in sorted(found, reverse=True):
-        if (path / "trainer_state.json").is_file():
+        if _has_trainer_state(path):
             return str(path)
         logger.warning("polyaccel.moe: %s has no trainer_state.json (its save was cut off); resuming from an "
                        "earlier checkpoint", path)
     return None
+
+
+def _has_trainer_state(checkpoint: Path) -> bool:
+    """Whether ``checkpoint/trainer_state.json`` is a whole JSON object (a kill can cut it too)."""
+    try:
+        return isinstance(json.loads((checkpoint / "trainer_state.json").read_bytes()), dict)
+    except (OSError, ValueError, RecursionError):
+        return False
 
 
 class _KeepFlatGrads(transformers.TrainerCallback):
