@@ -271,3 +271,23 @@ def test_a_tokenizer_without_its_vocabulary_is_refused(tmp_path, saved):
     (tok / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Qwen2Tokenizer", "eos_token": "</s>"}))
     with pytest.raises(ConfigError, match="its vocabulary is empty"):
         _build(tmp_path, "jsonl", _lines({"text": "the cat"}, {"text": "a dog"}), tokenizer=tok)
+
+
+@pytest.mark.parametrize("kind,content,line", [
+    ("jsonl", _lines({"text": "the cat"}) + "\n" + _lines({"text": ""}, {"prompt": "a", "completion": "cat"},
+                                                          {"text": "sat big"}), 5),
+    ("jsonl", _lines({"text": "the cat"}, {"prompt": "big", "completion": "cat"}), 2),
+    ("text", "the cat\n\n \n\nsat on\nbig dog\n", 5),
+])
+def test_a_tokenizer_giving_ids_outside_the_vocabulary_is_named_by_file_and_line(tmp_path, kind, content, line):
+    """A mismatched tokenizer: the error named the n-th document, which is not the n-th line
+    once blank lines or skipped records come before it."""
+    f = tmp_path / f"data.{kind}"
+    f.write_text(content)
+    tok = _word_tokenizer(tmp_path / "tok")
+    tok_json = tok / "tokenizer.json"
+    spec = json.loads(tok_json.read_text())
+    spec["model"]["vocab"]["big"] = 40  # past the model's 32
+    tok_json.write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match=re.escape(f"{f}:{line}: the tokenizer gave token id 40, outside")):
+        build_dataset(DataConfig(**{kind: str(f)}, tokenizer=str(tok)), seq_len=32, vocab_size=32)

@@ -218,16 +218,11 @@ def build_dataset(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int =
         return tokenizer
 
     try:
-        docs = list(_jsonl_documents(path, cfg.field, tok, vocab_size) if cfg.jsonl else _text_documents(path, tok))
+        docs = list(_jsonl_documents(path, cfg.field, tok, vocab_size) if cfg.jsonl else _text_documents(path, tok, vocab_size))
     except OSError as e:  # not readable by this user (permissions), an I/O error
         raise ConfigError(f"data.{chosen[0]}: cannot read {path} ({e.strerror or e})", key=f"data.{chosen[0]}") from None
     if not any(ids for ids, _ in docs):
         raise ConfigError(f"data.{chosen[0]}: {path} is empty (no tokens after tokenization)")
-    for n, (ids, _) in enumerate(docs):
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ConfigError(f"{path}: document {n + 1} has token id {bad[0]} outside the model's "
-                              f"vocabulary [0, {vocab_size}); wrong tokenizer or model?")
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     packed = PackedDataset.pack(docs, seq_len, pad_id=min(pad, vocab_size - 1))
     if not (packed.labels != IGNORE_INDEX).any():  # a run on it would train nothing and "succeed"
@@ -287,6 +282,16 @@ def _eos(tokenizer) -> list[int]:
         raise ConfigError(f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!s} has no eos_token, which ends "
                           "each packed document; set eos_token in its tokenizer_config.json")
     return [tokenizer.eos_token_id]
+
+
+def _in_vocab(ids: list[int], vocab_size: int, where: str) -> list[int]:
+    """``ids``, which the tokenizer made: a :class:`ConfigError` naming ``where`` (file and line)
+    for the first outside ``[0, vocab_size)``."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ConfigError(f"{where}: the tokenizer gave token id {bad}, outside the model's vocabulary "
+                          f"[0, {vocab_size}); wrong tokenizer or model?")
+    return ids
 
 
 def _token_ids(value: Any, vocab_size: int, where: str) -> list[int]:
@@ -373,13 +378,13 @@ def _record_document(rec: dict[str, Any], field: str, tok, vocab_size: int,
             return None
         t = tok()
         p, c = _encode(t, prompt), _encode(t, completion) + _eos(t)
-        return p + c, [False] * len(p) + [True] * len(c)
+        return _in_vocab(p + c, vocab_size, where), [False] * len(p) + [True] * len(c)
     if field in rec:
         text = _text(rec, field, where)
         if not text.strip():
             return None
         t = tok()
-        ids = _encode(t, text) + _eos(t)
+        ids = _in_vocab(_encode(t, text) + _eos(t), vocab_size, where)
         return ids, [True] * len(ids)
     raise ConfigError(f"{where}: record has no {field!r} field (nor prompt/completion "
                       f"or input_ids); keys: {', '.join(rec)}")
@@ -400,8 +405,9 @@ def _text(rec: dict[str, Any], key: str, where: str) -> str:
 _BLANK_LINE = re.compile(r"\n[^\S\n]*\n")
 
 
-def _text_documents(path: Path, tok) -> Iterator[tuple[list[int], list[bool]]]:
-    """One document per paragraph of a text file; blank or whitespace-only lines separate them."""
+def _text_documents(path: Path, tok, vocab_size: int) -> Iterator[tuple[list[int], list[bool]]]:
+    """One document per paragraph of a text file; blank or whitespace-only lines separate them
+    (token ids outside the vocabulary are named by the paragraph's first line)."""
     raw = path.read_bytes()
     raw = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
     try:
@@ -409,8 +415,13 @@ def _text_documents(path: Path, tok) -> Iterator[tuple[list[int], list[bool]]]:
     except UnicodeDecodeError as e:
         line, col = raw.count(b"\n", 0, e.start) + 1, e.start - (raw.rfind(b"\n", 0, e.start) + 1)
         raise ConfigError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {col} of the line)") from None
-    for para in _BLANK_LINE.split(text):
+    start = 0
+    for gap in [*_BLANK_LINE.finditer(text), None]:
+        end = gap.start() if gap else len(text)
+        para = text[start:end]
         if para.strip():
             t = tok()
-            ids = _encode(t, para.strip()) + _eos(t)
+            line = text.count("\n", 0, start + len(para) - len(para.lstrip())) + 1
+            ids = _in_vocab(_encode(t, para.strip()) + _eos(t), vocab_size, f"{path}:{line}")
             yield ids, [True] * len(ids)
+        start = gap.end() if gap else end
