@@ -291,3 +291,13 @@ def test_a_tokenizer_giving_ids_outside_the_vocabulary_is_named_by_file_and_line
     tok_json.write_text(json.dumps(spec))
     with pytest.raises(ConfigError, match=re.escape(f"{f}:{line}: the tokenizer gave token id 40, outside")):
         build_dataset(DataConfig(**{kind: str(f)}, tokenizer=str(tok)), seq_len=32, vocab_size=32)
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"prompt": "the"}, ":2: record has 'prompt' without 'completion' (nor a 'text' field); keys: prompt"),
+    ({"completion": "cat", "id": 3}, ":2: record has 'completion' without 'prompt' (nor a 'text' field); keys: completion, id"),
+    ({"body": "cat"}, ":2: record has no 'text' field (nor prompt/completion or input_ids); keys: body"),
+])
+def test_a_record_missing_a_field_is_named_with_what_it_lacks(tmp_path, record, message):
+    with pytest.raises(ConfigError, match=re.escape(f"data.jsonl{message}")):
+        _build(tmp_path, "jsonl", _lines({"prompt": "a", "completion": "cat"}, record))

@@ -386,6 +386,10 @@ def _record_document(rec: dict[str, Any], field: str, tok, vocab_size: int,
         t = tok()
         ids = _in_vocab(_encode(t, text) + _eos(t), vocab_size, where)
         return ids, [True] * len(ids)
+    half = next((f"'{a}' without '{b}'" for a, b in (("prompt", "completion"), ("completion", "prompt")) if a in rec),
+                None)
+    if half:  # one half of a prompt/completion record
+        raise ConfigError(f"{where}: record has {half} (nor a {field!r} field); keys: {', '.join(rec)}")
     raise ConfigError(f"{where}: record has no {field!r} field (nor prompt/completion "
                       f"or input_ids); keys: {', '.join(rec)}")
 
