@@ -301,3 +301,9 @@ def test_a_tokenizer_giving_ids_outside_the_vocabulary_is_named_by_file_and_line
 def test_a_record_missing_a_field_is_named_with_what_it_lacks(tmp_path, record, message):
     with pytest.raises(ConfigError, match=re.escape(f"data.jsonl{message}")):
         _build(tmp_path, "jsonl", _lines({"prompt": "a", "completion": "cat"}, record))
+
+
+@pytest.mark.parametrize("content", ['[\n  {"text": "the cat"}\n]\n', '{\n  "text": "the cat"\n}\n'])
+def test_a_pretty_printed_json_file_given_as_jsonl_says_so(tmp_path, content):
+    with pytest.raises(ConfigError, match=r"data\.jsonl:1: not valid JSON .*one whole JSON object per line"):
+        _build(tmp_path, "jsonl", content)

@@ -358,7 +358,9 @@ def _record(line: str, path: Path, line_no: int) -> dict[str, Any]:
     try:
         rec = json.loads(line)
     except ValueError as e:  # JSONDecodeError, or an integer of more digits than Python converts
-        raise ConfigError(f"{path}:{line_no}: not valid JSON ({e})") from None
+        hint = ("; JSONL needs one whole JSON object per line, and this looks like a JSON file spread over lines"
+                if line.strip() in ("[", "{") else "")
+        raise ConfigError(f"{path}:{line_no}: not valid JSON ({e}){hint}") from None
     except RecursionError:
         raise ConfigError(f"{path}:{line_no}: not valid JSON (nested too deeply)") from None
     if not isinstance(rec, dict):
