@@ -421,13 +421,14 @@ def _text_documents(path: Path, tok, vocab_size: int) -> Iterator[tuple[list[int
     except UnicodeDecodeError as e:
         line, col = raw.count(b"\n", 0, e.start) + 1, e.start - (raw.rfind(b"\n", 0, e.start) + 1)
         raise ConfigError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {col} of the line)") from None
-    start = 0
+    start, line, counted = 0, 1, 0  # line: the number of the line at offset `counted`
     for gap in [*_BLANK_LINE.finditer(text), None]:
         end = gap.start() if gap else len(text)
         para = text[start:end]
         if para.strip():
             t = tok()
-            line = text.count("\n", 0, start + len(para) - len(para.lstrip())) + 1
+            first = start + len(para) - len(para.lstrip())
+            line, counted = line + text.count("\n", counted, first), first
             ids = _in_vocab(_encode(t, para.strip()) + _eos(t), vocab_size, f"{path}:{line}")
             yield ids, [True] * len(ids)
         start = gap.end() if gap else end
