@@ -417,10 +417,13 @@ def _text_documents(path: Path, tok, vocab_size: int) -> Iterator[tuple[list[int
     raw = path.read_bytes()
     raw = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
     try:
-        text = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line, col = raw.count(b"\n", 0, e.start) + 1, e.start - (raw.rfind(b"\n", 0, e.start) + 1)
         raise ConfigError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {col} of the line)") from None
+    del raw  # a large file is then held once, not twice
+    if "\r" in text:  # Windows or old Mac line ends, as reading in text mode turned them
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
     start, line, counted = 0, 1, 0  # line: the number of the line at offset `counted`
     for gap in [*_BLANK_LINE.finditer(text), None]:
         end = gap.start() if gap else len(text)
