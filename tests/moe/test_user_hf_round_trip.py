@@ -1,6 +1,7 @@
 """What a user does with a Transformers checkpoint, per architecture: ``save_pretrained`` by plain
-Transformers, ``polyaccel-moe finetune`` from it (full, or LoRA), then the result loaded back by
-plain Transformers (+ PEFT for adapters) gives our model's logits (fp32)."""
+Transformers, ``polyaccel-moe finetune`` from it (full, or LoRA) or ``polyaccel.moe.Trainer`` on
+it, then the result loaded back by plain Transformers (+ PEFT for adapters) gives our model's
+logits (fp32)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,21 @@ def test_finetuned_lora_adapters_load_in_plain_peft(hf_base, tmp_path, capsys):
     torch.testing.assert_close(got, _logits(lora.load_adapter(_ours(hf_base), str(tmp_path / "adapter"))),
                                rtol=0, atol=1e-5)
     assert (got - _logits(_ours(hf_base))).abs().max() > 1e-3  # the adapters trained
+
+
+def test_a_model_trained_by_our_trainer_loads_back_in_plain_transformers(hf_base, tmp_path):
+    from polyaccel.moe import Trainer
+
+    model = _ours(hf_base)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 96, (8, 16), generator=g)]
+    args = transformers.TrainingArguments(str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=2,
+                                          learning_rate=1e-2, use_cpu=True, optim="adamw_torch", report_to=[],
+                                          save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "out"))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    got = _logits(plain)
+    torch.testing.assert_close(got, _logits(model), rtol=0, atol=1e-5)
+    assert (got - _logits(_ours(hf_base))).abs().max() > 1e-2  # it did train
