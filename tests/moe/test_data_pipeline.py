@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -235,3 +236,74 @@ def test_long_documents_are_split_across_samples_never_truncated(tmp_path):
     words = "the cat sat on a mat " * 50
     ds = _build(tmp_path, "text", words)
     assert _stream(ds) == [3, 4, 5, 6, 8, 7] * 50 + [1]
+
+
+@pytest.mark.parametrize("content,where", [
+    (b"the cat\n\nsat on\na \xfe dog\n", ":4: not UTF-8 text (invalid start byte at byte 2 of the line)"),
+    (b"\xef\xbb\xbfthe cat \xff\n", ":1: not UTF-8 text (invalid start byte at byte 8 of the line)"),
+    (b"the cat\r\n\r\nsat\r\n\xe9\n", ":4: not UTF-8 text"),
+])
+def test_a_text_file_that_is_not_utf8_is_refused_naming_its_line(tmp_path, content, where):
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'data.text'}{where}")):
+        _build(tmp_path, "text", content)
+
+
+def test_a_document_longer_than_the_tokenizers_max_length_packs_without_a_false_warning(tmp_path, caplog):
+    tok = _word_tokenizer(tmp_path / "tok")
+    cfg_path = tok / "tokenizer_config.json"
+    cfg_path.write_text(json.dumps(json.loads(cfg_path.read_text()) | {"model_max_length": 8}))
+    ds = _build(tmp_path, "jsonl", _lines({"text": "the cat sat on a mat " * 50}), tokenizer=tok)
+    assert _stream(ds) == [3, 4, 5, 6, 8, 7] * 50 + [1]  # packed whole, not truncated
+    assert "indexing errors" not in caplog.text  # Transformers' warning: never true here
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused_not_trained_as_eos_only(tmp_path, saved):
+    """Transformers builds an empty tokenizer from ``config.json`` alone: every text became one
+    EOS and such a run trained and exited 0."""
+    with pytest.raises(ConfigError, match=f"{saved}: it holds no tokenizer files"):
+        _build(tmp_path, "jsonl", _lines({"text": "the cat"}, {"text": "a dog"}), tokenizer=saved)
+
+
+def test_a_tokenizer_without_its_vocabulary_is_refused(tmp_path, saved):
+    tok = tmp_path / "cfg_only"
+    tok.mkdir()
+    (tok / "config.json").write_bytes((saved / "config.json").read_bytes())
+    (tok / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Qwen2Tokenizer", "eos_token": "</s>"}))
+    with pytest.raises(ConfigError, match="its vocabulary is empty"):
+        _build(tmp_path, "jsonl", _lines({"text": "the cat"}, {"text": "a dog"}), tokenizer=tok)
+
+
+@pytest.mark.parametrize("kind,content,line", [
+    ("jsonl", _lines({"text": "the cat"}) + "\n" + _lines({"text": ""}, {"prompt": "a", "completion": "cat"},
+                                                          {"text": "sat big"}), 5),
+    ("jsonl", _lines({"text": "the cat"}, {"prompt": "big", "completion": "cat"}), 2),
+    ("text", "the cat\n\n \n\nsat on\nbig dog\n", 5),
+])
+def test_a_tokenizer_giving_ids_outside_the_vocabulary_is_named_by_file_and_line(tmp_path, kind, content, line):
+    """A mismatched tokenizer: the error named the n-th document, which is not the n-th line
+    once blank lines or skipped records come before it."""
+    f = tmp_path / f"data.{kind}"
+    f.write_text(content)
+    tok = _word_tokenizer(tmp_path / "tok")
+    tok_json = tok / "tokenizer.json"
+    spec = json.loads(tok_json.read_text())
+    spec["model"]["vocab"]["big"] = 40  # past the model's 32
+    tok_json.write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match=re.escape(f"{f}:{line}: the tokenizer gave token id 40, outside")):
+        build_dataset(DataConfig(**{kind: str(f)}, tokenizer=str(tok)), seq_len=32, vocab_size=32)
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"prompt": "the"}, ":2: record has 'prompt' without 'completion' (nor a 'text' field); keys: prompt"),
+    ({"completion": "cat", "id": 3}, ":2: record has 'completion' without 'prompt' (nor a 'text' field); keys: completion, id"),
+    ({"body": "cat"}, ":2: record has no 'text' field (nor prompt/completion or input_ids); keys: body"),
+])
+def test_a_record_missing_a_field_is_named_with_what_it_lacks(tmp_path, record, message):
+    with pytest.raises(ConfigError, match=re.escape(f"data.jsonl{message}")):
+        _build(tmp_path, "jsonl", _lines({"prompt": "a", "completion": "cat"}, record))
+
+
+@pytest.mark.parametrize("content", ['[\n  {"text": "the cat"}\n]\n', '{\n  "text": "the cat"\n}\n'])
+def test_a_pretty_printed_json_file_given_as_jsonl_says_so(tmp_path, content):
+    with pytest.raises(ConfigError, match=r"data\.jsonl:1: not valid JSON .*one whole JSON object per line"):
+        _build(tmp_path, "jsonl", content)

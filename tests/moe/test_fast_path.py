@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -408,3 +409,37 @@ def test_trainer_leaves_overwritten_expert_grads_to_the_micro_step(tmp_path, mon
     hist = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]  # noqa: E731
     torch.testing.assert_close(hist(ours), hist(ref), rtol=1e-5, atol=1e-5)
     assert _relative_gap(w_ours, w_ref, start) < 1e-4
+
+
+def test_trainer_resume_true_skips_a_checkpoint_a_kill_cut_off(tmp_path, caplog):
+    """A kill during Trainer's save of ``checkpoint-N`` leaves it without ``trainer_state.json``
+    (written last); ``resume_from_checkpoint=True`` took it as the newest and failed
+    (``FileNotFoundError``). It now resumes from the newest complete one, with a warning, and
+    ends where the uninterrupted run ends."""
+    from polyaccel.moe import Trainer
+
+    _, straight = _train(Trainer, _args(tmp_path / "a", max_steps=6))
+    args = _args(tmp_path / "b", max_steps=6, save_strategy="steps", save_steps=2)
+    Trainer(model=_model(), args=args, train_dataset=_data()).train()
+    shutil.rmtree(tmp_path / "b" / "checkpoint-6")
+    (tmp_path / "b" / "checkpoint-4" / "trainer_state.json").unlink()  # the save the kill cut off
+    resumed_model = _model(seed=1)
+    resumed = Trainer(model=resumed_model, args=args, train_dataset=_data())
+    resumed.train(resume_from_checkpoint=True)
+    assert f"{tmp_path / 'b' / 'checkpoint-4'} has no trainer_state.json" in caplog.text
+    final = resumed_model.state_dict()
+    for k in straight:
+        torch.testing.assert_close(final[k], straight[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_the_newest_complete_checkpoint_counts_steps_as_numbers(tmp_path):
+    from polyaccel.moe.trainer import newest_complete_checkpoint
+
+    assert newest_complete_checkpoint(tmp_path) is None
+    for name in ("checkpoint-9", "checkpoint-10", "checkpoint-11", "checkpoint-12x"):
+        (tmp_path / name).mkdir()
+    for name in ("checkpoint-9", "checkpoint-10", "checkpoint-12x"):
+        (tmp_path / name / "trainer_state.json").write_text("{}")
+    assert newest_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")
+    (tmp_path / "checkpoint-11" / "trainer_state.json").write_text('{"best_metric": nu')  # the write a kill cut
+    assert newest_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")

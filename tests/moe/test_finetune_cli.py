@@ -155,7 +155,7 @@ def test_unreadable_model_config_and_data_are_config_errors(capsys, tmp_path):
     from polyaccel.moe.train_config import DataConfig
 
     for name, data, text, message in [("a.jsonl", b'{"input_ids": [1]}\n\xff\xfe\n', None, "a.jsonl:2: not UTF-8 text"),
-                                      ("b.txt", b"\xff\xfe", True, "b.txt: not UTF-8 text"),
+                                      ("b.txt", b"\xff\xfe", True, "b.txt:1: not UTF-8 text"),
                                       ("c.jsonl", b'{"text": 5}\n', None, "c.jsonl:1: 'text' must be a string"),
                                       ("d.jsonl", b'{"prompt": "a", "completion": [1]}\n', None,
                                        "d.jsonl:1: 'completion' must be a string"),
@@ -208,6 +208,19 @@ def test_example_configs_load(tmp_path):
     for example in sorted(EXAMPLES.glob("*.yaml")):
         cfg = load_config(example)
         assert cfg.train.max_steps > 0, example
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_every_example_runs_as_its_finetune_command_says(capsys, example, monkeypatch):
+    """Each example's comment says ``polyaccel-moe finetune <it>``: the command must reach
+    training, not stop at "neither output_dir nor checkpoint.dir" (the L8 bench example did)."""
+    def reached(cfg):
+        raise ConfigError("reached training")
+
+    monkeypatch.setattr("polyaccel.moe.train.finetune", reached)
+    assert f"finetune packages/moe/examples/{example}" in (EXAMPLES / example).read_text()
+    code, _, err = _run(capsys, "finetune", str(EXAMPLES / example))
+    assert code == 2 and "reached training" in err, err
 
 
 def test_finetune_in_process_writes_a_transformers_checkpoint(capsys, tmp_path):

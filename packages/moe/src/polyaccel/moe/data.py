@@ -218,22 +218,22 @@ def build_dataset(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int =
         return tokenizer
 
     try:
-        docs = list(_jsonl_documents(path, cfg.field, tok, vocab_size) if cfg.jsonl else _text_documents(path, tok))
+        docs = list(_jsonl_documents(path, cfg.field, tok, vocab_size) if cfg.jsonl else _text_documents(path, tok, vocab_size))
     except OSError as e:  # not readable by this user (permissions), an I/O error
         raise ConfigError(f"data.{chosen[0]}: cannot read {path} ({e.strerror or e})", key=f"data.{chosen[0]}") from None
     if not any(ids for ids, _ in docs):
         raise ConfigError(f"data.{chosen[0]}: {path} is empty (no tokens after tokenization)")
-    for n, (ids, _) in enumerate(docs):
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ConfigError(f"{path}: document {n + 1} has token id {bad[0]} outside the model's "
-                              f"vocabulary [0, {vocab_size}); wrong tokenizer or model?")
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     packed = PackedDataset.pack(docs, seq_len, pad_id=min(pad, vocab_size - 1))
     if not (packed.labels != IGNORE_INDEX).any():  # a run on it would train nothing and "succeed"
         raise ConfigError(f"data.{chosen[0]}: {path} has no token to train on (every label is -100, or the "
                           "data is one token: the first token is never a target)")
     return packed
+
+
+#: files of which a tokenizer folder holds at least one (fast, SentencePiece, BPE or WordPiece)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model", "merges.txt")
 
 
 def load_tokenizer(path: str | None):
@@ -247,19 +247,32 @@ def load_tokenizer(path: str | None):
         why = ("a file, not the tokenizer's folder (name the folder holding tokenizer.json)" if Path(path).exists()
                else "no such directory")
         raise ConfigError(f"cannot load a tokenizer from {path}: {why}", key="data.tokenizer")
+    if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        # Transformers then builds an empty tokenizer from config.json's model_type: every text
+        # became nothing but EOS, and a run trained on that and exited 0
+        raise ConfigError(f"cannot load a tokenizer from {path}: it holds no tokenizer files ("
+                          f"{', '.join(_TOKENIZER_FILES[:4])}, ...); copy the model's tokenizer there or set "
+                          "data.tokenizer to its folder", key="data.tokenizer")
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot load a tokenizer from {path}: {e}") from e
+        raise ConfigError(f"cannot load a tokenizer from {path}: {' '.join(str(e).split())}") from e
     except Exception as e:  # a damaged file: tokenizers' bare Exception, KeyError, TypeError... from its parsing
         raise ConfigError(f"cannot load a tokenizer from {path}: {type(e).__name__}: "
                           f"{' '.join(str(e).split())[:300]}") from e
+    if len(tokenizer.get_vocab()) <= len(set(tokenizer.all_special_ids)):
+        raise ConfigError(f"cannot load a tokenizer from {path}: its vocabulary is empty (only special tokens; "
+                          "its vocabulary files are missing?)", key="data.tokenizer")
+    return tokenizer
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """``text``'s token ids. ``verbose=False``: a document longer than the tokenizer's
+    ``model_max_length`` is packed into ``seq_len`` samples, never run whole, so Transformers'
+    "will result in indexing errors" warning would be false."""
+    return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
 def _eos(tokenizer) -> list[int]:
@@ -269,6 +282,16 @@ def _eos(tokenizer) -> list[int]:
         raise ConfigError(f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!s} has no eos_token, which ends "
                           "each packed document; set eos_token in its tokenizer_config.json")
     return [tokenizer.eos_token_id]
+
+
+def _in_vocab(ids: list[int], vocab_size: int, where: str) -> list[int]:
+    """``ids``, which the tokenizer made: a :class:`ConfigError` naming ``where`` (file and line)
+    for the first outside ``[0, vocab_size)``."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ConfigError(f"{where}: the tokenizer gave token id {bad}, outside the model's vocabulary "
+                          f"[0, {vocab_size}); wrong tokenizer or model?")
+    return ids
 
 
 def _token_ids(value: Any, vocab_size: int, where: str) -> list[int]:
@@ -309,7 +332,7 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
             try:
                 line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                raise ConfigError(f"{path}:{line_no}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+                raise ConfigError(f"{path}:{line_no}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
             yield line_no, line
 
 
@@ -335,7 +358,9 @@ def _record(line: str, path: Path, line_no: int) -> dict[str, Any]:
     try:
         rec = json.loads(line)
     except ValueError as e:  # JSONDecodeError, or an integer of more digits than Python converts
-        raise ConfigError(f"{path}:{line_no}: not valid JSON ({e})") from None
+        hint = ("; JSONL needs one whole JSON object per line, and this looks like a JSON file spread over lines"
+                if line.strip() in ("[", "{") else "")
+        raise ConfigError(f"{path}:{line_no}: not valid JSON ({e}){hint}") from None
     except RecursionError:
         raise ConfigError(f"{path}:{line_no}: not valid JSON (nested too deeply)") from None
     if not isinstance(rec, dict):
@@ -355,14 +380,18 @@ def _record_document(rec: dict[str, Any], field: str, tok, vocab_size: int,
             return None
         t = tok()
         p, c = _encode(t, prompt), _encode(t, completion) + _eos(t)
-        return p + c, [False] * len(p) + [True] * len(c)
+        return _in_vocab(p + c, vocab_size, where), [False] * len(p) + [True] * len(c)
     if field in rec:
         text = _text(rec, field, where)
         if not text.strip():
             return None
         t = tok()
-        ids = _encode(t, text) + _eos(t)
+        ids = _in_vocab(_encode(t, text) + _eos(t), vocab_size, where)
         return ids, [True] * len(ids)
+    half = next((f"'{a}' without '{b}'" for a, b in (("prompt", "completion"), ("completion", "prompt")) if a in rec),
+                None)
+    if half:  # one half of a prompt/completion record
+        raise ConfigError(f"{where}: record has {half} (nor a {field!r} field); keys: {', '.join(rec)}")
     raise ConfigError(f"{where}: record has no {field!r} field (nor prompt/completion "
                       f"or input_ids); keys: {', '.join(rec)}")
 
@@ -382,14 +411,27 @@ def _text(rec: dict[str, Any], key: str, where: str) -> str:
 _BLANK_LINE = re.compile(r"\n[^\S\n]*\n")
 
 
-def _text_documents(path: Path, tok) -> Iterator[tuple[list[int], list[bool]]]:
-    """One document per paragraph of a text file; blank or whitespace-only lines separate them."""
+def _text_documents(path: Path, tok, vocab_size: int) -> Iterator[tuple[list[int], list[bool]]]:
+    """One document per paragraph of a text file; blank or whitespace-only lines separate them
+    (token ids outside the vocabulary are named by the paragraph's first line)."""
+    raw = path.read_bytes()
+    raw = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
     try:
-        text = path.read_text(encoding="utf-8-sig")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    for para in _BLANK_LINE.split(text):
+        line, col = raw.count(b"\n", 0, e.start) + 1, e.start - (raw.rfind(b"\n", 0, e.start) + 1)
+        raise ConfigError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {col} of the line)") from None
+    del raw  # a large file is then held once, not twice
+    if "\r" in text:  # Windows or old Mac line ends, as reading in text mode turned them
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    start, line, counted = 0, 1, 0  # line: the number of the line at offset `counted`
+    for gap in [*_BLANK_LINE.finditer(text), None]:
+        end = gap.start() if gap else len(text)
+        para = text[start:end]
         if para.strip():
             t = tok()
-            ids = _encode(t, para.strip()) + _eos(t)
+            first = start + len(para) - len(para.lstrip())
+            line, counted = line + text.count("\n", counted, first), first
+            ids = _in_vocab(_encode(t, para.strip()) + _eos(t), vocab_size, f"{path}:{line}")
             yield ids, [True] * len(ids)
+        start = gap.end() if gap else end

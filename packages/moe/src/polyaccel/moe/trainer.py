@@ -18,13 +18,17 @@ logged once where it does not:
   device instead of as an ``if`` on each micro-batch's loss (a host sync per micro-batch).
 
 Losses are Trainer's (``num_items_in_batch`` normalisation included); checkpoints and resume
-are Trainer's own (FlatAdamW's ``state_dict`` has torch AdamW's format).
+are Trainer's own (FlatAdamW's ``state_dict`` has torch AdamW's format), except that
+``resume_from_checkpoint=True`` skips a checkpoint whose save a kill cut off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,30 @@ from polyaccel.moe.graphed_step import overwritten_params
 from polyaccel.moe.optim import FlatAdamW, clip_coefficient, grad_norm
 
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
+logger = logging.getLogger("polyaccel.moe")
+
+
+def newest_complete_checkpoint(output_dir: str | Path) -> str | None:
+    """The newest ``checkpoint-N`` folder in ``output_dir`` that holds ``trainer_state.json``
+    (what Trainer writes last into a checkpoint), or ``None``. Newer ones without it, which a kill
+    during their save left, are skipped with a warning naming them: Transformers would take the
+    newest and fail on it (``FileNotFoundError``)."""
+    found = [(int(m.group(1)), p) for p in Path(output_dir).glob("checkpoint-*")
+             if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir()]
+    for _, path in sorted(found, reverse=True):
+        if _has_trainer_state(path):
+            return str(path)
+        logger.warning("polyaccel.moe: %s has no trainer_state.json (its save was cut off); resuming from an "
+                       "earlier checkpoint", path)
+    return None
+
+
+def _has_trainer_state(checkpoint: Path) -> bool:
+    """Whether ``checkpoint/trainer_state.json`` is a whole JSON object (a kill can cut it too)."""
+    try:
+        return isinstance(json.loads((checkpoint / "trainer_state.json").read_bytes()), dict)
+    except (OSError, ValueError, RecursionError):
+        return False
 
 
 class _KeepFlatGrads(transformers.TrainerCallback):
@@ -123,12 +151,21 @@ class FastPathMixin:
         """Trainer's ``train``; ``args.logging_nan_inf_filter`` is put back as it was after it
         (:meth:`_filter_loss` takes that filter over while it runs)."""
         self._filter_moved, self._training = False, True
+        if args and args[0] is True:
+            args = (self._resume_target(), *args[1:])
+        elif kwargs.get("resume_from_checkpoint") is True:
+            kwargs["resume_from_checkpoint"] = self._resume_target()
         try:
             return super().train(*args, **kwargs)
         finally:
             if self._filter_moved:
                 self.args.logging_nan_inf_filter = True
             self._filter_moved = self._training = False
+
+    def _resume_target(self) -> str | bool:
+        """What ``resume_from_checkpoint=True`` resumes from: the newest complete checkpoint (else
+        ``True``, left to Trainer: it says there is none)."""
+        return newest_complete_checkpoint(self.args.output_dir) or True
 
     @contextlib.contextmanager
     def _args_as_given(self) -> Any:
