@@ -796,6 +796,13 @@ def speech_frames(audio: np.ndarray, sample_rate: int, floor: float = 0.005) -> 
     return rms > max(floor, 0.1 * float(np.percentile(rms, 95))), _FRAME_S
 
 
+def speech_spans(audio: np.ndarray, sample_rate: int) -> list[tuple[float, float]]:
+    """(start, end) seconds of each run of 20 ms frames :func:`speech_seconds` counts as speech."""
+    loud, frame_s = speech_frames(audio, sample_rate)
+    edges = np.flatnonzero(np.diff(np.r_[0, loud.astype(np.int8), 0]))
+    return [(round(float(a) * frame_s, 3), round(float(b) * frame_s, 3)) for a, b in zip(edges[::2], edges[1::2])]
+
+
 def quietest_point(audio: np.ndarray, sample_rate: int, lo_s: float, hi_s: float) -> int:
     """The sample index in [``lo_s``, ``hi_s``) seconds where the 100 ms around it are
     quietest: a pause, where cutting splits no word."""

@@ -37,6 +37,7 @@ from polyaccel.asr.audio import (
     prepare_waveform,  # noqa: F401  (tools/bench_asr.py times it through this module)
     quietest_point,
     speech_seconds,
+    speech_spans,
     stitch,
     stream_audio,
     stream_windows,
@@ -197,6 +198,7 @@ class _Decoded:
     speech_s: float
     redecoded: bool = False
     head_s: float = 0.0
+    speech_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -209,6 +211,7 @@ class _Pending:
     texts: list[str | None] = dataclasses.field(default_factory=list)
     spans_s: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     heads_s: list[float] = dataclasses.field(default_factory=list)
+    speech: list[list[tuple[float, float]]] = dataclasses.field(default_factory=list)
     left: int = 0
     read: bool = True
     long: bool = False
@@ -225,6 +228,7 @@ class _Pending:
     def add(self, w: _Window, sample_rate: int) -> None:
         self.texts.append(None)
         self.heads_s.append(0.0)
+        self.speech.append([])
         self.spans_s.append((w.start_s, w.start_s + len(w.audio) / sample_rate))
         self.left += 1
 
@@ -473,6 +477,7 @@ class Transcriber:
                 else:
                     p.texts[win.win] = out.text
                     p.heads_s[win.win] = out.head_s
+                    p.speech[win.win] = out.speech_spans
                     self._check_rate(p, win, out)
                 p.left -= 1
                 while next_out in pending and pending[next_out].done:
@@ -533,7 +538,7 @@ class Transcriber:
         r.warnings.sort(key=lambda w: int(w.split()[1]))  # window order, whatever the finishing order
         if r.error is None:
             r.text = stitch([t or "" for t in p.texts], p.text_spans_s) if len(p.texts) > 1 else (p.texts[0] or "").strip()
-            r.segments = segment_records(stitch_segments([segments_of(t) for t in p.texts], p.spans_s))
+            r.segments = segment_records(stitch_segments([segments_of(t) for t in p.texts], p.spans_s, p.speech))
             m.audio_s += r.duration_s
         else:
             r.text = ""
@@ -806,6 +811,14 @@ def _plausible(w: _Window, text: str, recognize: Recognize, sample_rate: int) ->
     transcript of the window decoded again in pieces cut at pauses (if that has more words)."""
     if not isinstance(text, str):
         return text  # the pool reports it as a failure
+    out = _redecoded_if_short(w, text, recognize, sample_rate)
+    if w.long and isinstance(text, TimedText):  # where the seams count the speech segments cover
+        out.speech_spans = speech_spans(w.audio, sample_rate)
+    return out
+
+
+def _redecoded_if_short(w: _Window, text: str, recognize: Recognize, sample_rate: int) -> _Decoded:
+    """:func:`_plausible`'s transcript (its segments, if any, start where their speech does)."""
     speech = w.speech_s
     if w.long and isinstance(text, TimedText):  # with timestamps: seek past the last segment, as Whisper does
         text = decode_tail(w.audio, text, recognize, sample_rate)
