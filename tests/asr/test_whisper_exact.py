@@ -236,3 +236,24 @@ def test_real_weights_bf16_tokens_identical_across_batch_sizes(name, model_cache
         for i in range(0, n, batch):
             got += [h.tokens for h in runner.recognize(audio[i:i + batch])]
         assert got == full[:n], f"{name} bf16 batch {batch} differs from batch 128"
+
+
+def test_transcriber_texts_do_not_depend_on_batch_size_or_input_order(model_cache, clips, monkeypatch):
+    """What ``transcribe`` does by default on the CPU (fp32, the runner's batch buckets, inputs
+    ordered by duration within a block): each clip gets the same text at ``--batch-size`` 1, 3
+    and 8, in any input order and next to any other clips (the runner test above covers the
+    tokens at batch 1, 2 and 5 against ``generate()``)."""
+    from polyaccel.asr.transcriber import Transcriber
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    audio = [clips[0][i] for i in (1, 4, 2)]  # the three shortest: 3.0, 3.3, 5.3 s
+    path = weights.resolve_model("whisper-tiny.en", cache=model_cache)
+    runs = {1: [1, 2, 0], 3: [2, 0, 1, 0, 2], 8: [0, 1, 2]}  # batch size: input order (repeats change the batches)
+    texts = {}
+    for batch, order in runs.items():
+        with Transcriber.from_pretrained(path, backend="cpu", replicas=1, batch_size=batch) as tr:
+            texts[batch] = [(i, r.text) for i, r in zip(order, tr.transcribe([audio[i] for i in order]), strict=True)]
+    want = dict(texts[1])
+    assert want[0] == "He was not an old-sposed young man."  # as docs/asr.md shows it
+    for batch, got in texts.items():
+        assert all(text == want[i] for i, text in got), (batch, got)
