@@ -831,7 +831,12 @@ def merge_overlap(left: str, right: str, max_left: int = 17, max_right: int | No
     words that can lie in the overlap keeps a phrase repeated elsewhere in the audio from
     matching; among equally long runs the one nearest the seam wins. Words at a window's
     edge are often cut in half or dropped, which is why the seam is placed inside the common
-    run. Without a common run the texts are concatenated.
+    run. A run is taken only if it is longer than half the words between it and the seam (the
+    words of ``left`` after it and of ``right`` before it): two windows that heard the same
+    words agree up to their edges, while a phrase a sentence says twice ("he might have been
+    made still more respectable than he was. He might even have been made") is no overlap when
+    the later window left out the words it shares. Without a common run the texts are
+    concatenated.
     """
     lw, rw = left.split(), right.split()
     if not lw or not rw:
@@ -847,6 +852,8 @@ def merge_overlap(left: str, right: str, max_left: int = 17, max_right: int | No
             if tk[i - 1] and tk[i - 1] == hk[j - 1]:
                 cur[j] = prev[j - 1] + 1
                 dist = (len(tk) - i) + (j - cur[j])  # words between the run and the seam
+                if 2 * cur[j] <= dist:
+                    continue
                 if cur[j] > best or (cur[j] == best and dist < best_dist):
                     best, best_i, best_j, best_dist = cur[j], i, j, dist
         prev = cur
