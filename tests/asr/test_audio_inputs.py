@@ -221,6 +221,13 @@ def test_a_phrase_said_twice_near_the_seam_is_no_overlap() -> None:
     r = list(w)
     r[12], r[30], r[45] = "me", "bother", "fairly"
     assert stitch([a, " ".join(r)], [(0.0, 30.0), (1.0, 31.0)]).split() in (w[:k] + r[k:] for k in range(len(w) + 1))
+    # Windows that share no audio (--overlap 0) can both hold only the word their cut halves: "he
+    # was" ending one and starting the next is said twice (LibriVox clips with 3 s pauses, 101 s,
+    # tiny.en at --overlap 0 lost the second), a halved "ill-disposed" once.
+    assert stitch(["than he was.", "He was not an ill-disposed young man."], [(0.0, 30.0), (30.0, 60.0)]) == (
+        "than he was. He was not an ill-disposed young man.")
+    assert stitch(["not an ill-disposed", "ill-disposed young man."], [(0.0, 30.0), (30.0, 60.0)]) == (
+        "not an ill-disposed young man.")
     # Words cut at the edges still let the run be found: 2 words around a run of 3.
     assert merge_overlap("then he was not an ill", "not an ill-disposed young man") == "then he was not an ill-disposed young man"
 

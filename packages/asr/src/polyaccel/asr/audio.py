@@ -879,7 +879,9 @@ def _agreement(lk: list[str], rk: list[str]) -> dict[int, bool]:
 
 def _words_in(text: str, part_s: float, whole_s: float) -> int:
     """How many of ``text``'s words can fall in ``part_s`` of its ``whole_s`` seconds: the
-    proportional share, with room for uneven speech."""
+    proportional share, with room for uneven speech; 1 (a word the cut halves) for no audio."""
+    if part_s <= 0:
+        return 1
     n = len(text.split())
     return math.ceil(n * min(1.0, part_s / max(whole_s, 1e-9)) * 1.25) + 3
 
