@@ -452,3 +452,14 @@ def test_a_seam_does_not_repeat_a_sentence_for_the_pause_its_segment_runs_over()
         (r,) = tr.transcribe([audio])
     assert " ".join(s["text"] for s in r.segments) == " ".join([A, B, C, D1, D2, E])  # each sentence once
     assert all(x["end"] <= y["start"] for x, y in zip(r.segments, r.segments[1:]))
+
+
+def test_a_segment_over_speech_too_quiet_to_measure_is_still_kept():
+    """Counting seams in seconds of speech must not drop what only one window heard where the
+    energy measure finds no speech (quiet speech): window 1's "q" (20-25 s, no loud frames) is
+    the only segment there, so it stays (with seconds of no speech counted as nothing it went,
+    the cut nearest the middle of the shared 20-30 s winning the tie)."""
+    w0 = [Segment(0.0, 10.0, "a"), Segment(10.0, 20.0, "b")]
+    w1 = [Segment(0.0, 5.0, "q"), Segment(5.0, 30.0, "c")]
+    got = stitch_segments([w0, w1], [(0.0, 30.0), (20.0, 50.0)], [[(0.0, 20.0)], [(5.0, 30.0)]])
+    assert [s.text for s in got] == ["a", "b", "q", "c"]

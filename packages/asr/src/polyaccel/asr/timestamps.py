@@ -71,7 +71,7 @@ def stitch_segments(windows: Sequence[Sequence[Segment] | None],
 
     ``speech[k]``, if given, is where window k holds speech ((start, end) seconds from its start,
     :func:`~polyaccel.asr.audio.speech_spans`): what is left out or covered twice is then
-    counted in seconds of speech, not of segment time. Whisper's segments run over the pauses
+    counted in seconds of speech (a second without speech counts 1/20), not of segment time. Whisper's segments run over the pauses
     around them, so a segment that repeats a whole sentence of the other window was kept for
     the pause it "covered" (a LibriVox clip after a 2 s pause, said twice in the subtitles)."""
     if any(w is None for w in windows):
@@ -125,14 +125,23 @@ def _seam(early: Sequence[Segment], late: Sequence[Segment], a: float, b: float,
     return best[1], best[2]
 
 
+_QUIET_WEIGHT = 0.05
+"""What a second without speech counts for at a seam, against 1 for a second of speech: little,
+but not nothing, so speech too quiet for the energy measure still keeps its segment."""
+
+
 def _covered(segments: Sequence[Segment], a: float, b: float, loud: list[tuple[float, float]] | None = None) -> float:
     """Seconds of ``[a, b]`` that ``segments`` cover (overlaps counted once); with ``loud``,
-    only the seconds of it that are speech."""
+    seconds of speech, and each second without speech as :data:`_QUIET_WEIGHT`."""
     total, reach = 0.0, a
     for s in sorted(segments, key=lambda s: s.start):
         lo, hi = max(s.start, reach), min(s.end, b)
         if hi > lo:
-            total += hi - lo if loud is None else sum(max(0.0, min(hi, e) - max(lo, st)) for st, e in loud)
+            if loud is None:
+                total += hi - lo
+            else:
+                speech = sum(max(0.0, min(hi, e) - max(lo, st)) for st, e in loud)
+                total += speech + _QUIET_WEIGHT * (hi - lo - speech)
             reach = hi
     return total
 
