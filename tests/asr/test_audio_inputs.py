@@ -202,6 +202,36 @@ def test_merge_overlap_drops_repeated_words() -> None:
         "alpha beta gamma delta epsilon zeta")
 
 
+
+def test_a_phrase_said_twice_near_the_seam_is_no_overlap() -> None:
+    """whisper-base on the LibriVox clips concatenated with 3 s pauses (101 s): window 1 [27,
+    57] s left out the end of the sentence window 0 cuts ("than he was", 27-30.4 s), so the two
+    texts share no words; "have been made", 6 words before the end of one and 3 after the start
+    of the other, was taken for the overlap and two sentences between were lost."""
+    a = ("And Mr. John Dashwood had then leisure to consider how much there might be prudently in his power "
+         "to do for them. He was not an ill-disposed young man. Unless to be rather cold-hearted and rather "
+         "selfish is to be ill-disposed. Had he married a more amiable woman, he might have been made still "
+         "more respectable than he was.")
+    b = ("He might even have been made amiable himself. Had he married a more amiable woman, he might have "
+         "been made still more respectable than he was.")
+    assert stitch([a, b], [(0.0, 30.0), (27.0, 57.0)]) == a + " " + b
+    # Windows that share nearly all their audio (a 31 s file: [0, 30] and [1, 31] s) but heard three
+    # words differently: no run is long, yet the texts agree word for word around each; kept once.
+    w = a.split()
+    r = list(w)
+    r[12], r[30], r[45] = "me", "bother", "fairly"
+    assert stitch([a, " ".join(r)], [(0.0, 30.0), (1.0, 31.0)]).split() in (w[:k] + r[k:] for k in range(len(w) + 1))
+    # Windows that share no audio (--overlap 0) can both hold only the word their cut halves: "he
+    # was" ending one and starting the next is said twice (LibriVox clips with 3 s pauses, 101 s,
+    # tiny.en at --overlap 0 lost the second), a halved "ill-disposed" once.
+    assert stitch(["than he was.", "He was not an ill-disposed young man."], [(0.0, 30.0), (30.0, 60.0)]) == (
+        "than he was. He was not an ill-disposed young man.")
+    assert stitch(["not an ill-disposed", "ill-disposed young man."], [(0.0, 30.0), (30.0, 60.0)]) == (
+        "not an ill-disposed young man.")
+    # Words cut at the edges still let the run be found: 2 words around a run of 3.
+    assert merge_overlap("then he was not an ill", "not an ill-disposed young man") == "then he was not an ill-disposed young man"
+
+
 def test_stitch_uses_window_spans_against_repeated_speech() -> None:
     """Real Whisper tiny.en output for a 46.5 s file whose second window overlaps the first by
     13.5 s; the audio repeats its first sentences, and the model dropped the words cut by the

@@ -290,3 +290,26 @@ def test_redecoding_skips_only_audio_the_previous_window_holds(tmp_path: Path, o
     with _transcriber(rate, overlap, "early") as tr:
         (r,) = tr.transcribe([source])
     assert r.text.split() == [_word(k) for k in _truth(seconds)]
+
+
+def test_a_redecoded_window_is_stitched_from_where_its_text_starts() -> None:
+    """A window re-decoded past its head (up to the pause at the end of the audio the previous
+    window holds) says nothing of that audio, so the seam must not look there for words said
+    twice. A phrase ("have been") said 4 words before the seam and again 2 words after it used
+    to be taken for the overlap, and the words between were lost: on LibriVox clips concatenated
+    with 2.5 s pauses (72 s), tiny.en gave "he might have been made amiable himself", losing
+    "still more respectable than he was. He might even have been made"."""
+    rate, seconds = 16000, 57.0  # windows [0, 30] and [27, 57]
+    audio = _signal(seconds, rate)
+    audio[audio == 0] = 0.02  # murmur: no pause but the silence below
+    audio[int(29.9 * rate):int(30.0 * rate)] = 0.0  # the pause 2.9 s into window 1, at the end of window 0
+    names = {53: "have", 54: "been", 62: "have", 63: "been"}
+    early = _recognizer(rate, "early")
+
+    def recognize(batch: list[np.ndarray]) -> list[str]:
+        return [" ".join(names.get(int(w[4:]), w) for w in t.split()) for t in early(batch)]
+
+    with Transcriber(lambda i: recognize, sample_rate=rate, max_audio_seconds=WINDOW_S, replicas=1, batch_size=8,
+                     overlap_s=3.0) as tr:
+        (r,) = tr.transcribe([audio])
+    assert r.text.split() == [names.get(k, _word(k)) for k in _truth(seconds)]

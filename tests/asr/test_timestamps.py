@@ -417,3 +417,49 @@ def test_export_never_replaces_its_results_file_and_survives_bad_segments(tmp_pa
     assert "is the results file itself" in capsys.readouterr().err
     assert main(["export", str(res), "-f", "srt", "-d", str(tmp_path / "s"), "-q"]) == 3
     assert capsys.readouterr().err.count("malformed segments") == 3
+
+
+def test_a_seam_does_not_repeat_a_sentence_for_the_pause_its_segment_runs_over():
+    """Whisper's segments run over the pauses after them. The five LibriVox clips with 2 s pauses
+    (32.73 s; windows [0, 30] and [2.73, 32.73]) and tiny.en's segments of each window: window 1's
+    first segment, the end of clip 0 ("to consider ... for them."), runs to 9.41 s over the pause
+    that window 0's copy (to 7.22 s) leaves out, and the seam kept it, a sentence said twice in
+    the subtitles. Counted in seconds of speech, leaving the pause out costs nothing."""
+    rng = np.random.default_rng(0)
+    clips = [(0.0, 7.1), (9.1, 12.09), (14.09, 19.39), (21.39, 27.44), (29.44, 32.73)]
+    audio = np.zeros(round(32.73 * SR), np.float32)
+    for a, b in clips:
+        audio[round(a * SR):round(b * SR)] = 0.1 * rng.standard_normal(round(b * SR) - round(a * SR))
+    A = "And Mr. John Dashwood had then leisure to consider how much there might be prudently in his power to do for them."
+    B, C = "He was not an ill-disposed young man.", "Unless to be rather cold-hearted and rather selfish is to be ill-disposed."
+    D1, D2 = "Had he married a more amiable woman he might have been made still more respectable than", "he was."
+    E = "might even have been made amiable himself."
+    said = {0: [(0.0, 7.22, A), (9.22, 12.22, B), (14.22, 19.46, C), (21.5, 27.5, D1 + " " + D2)],
+            round(2.73 * SR): [(0.0, 6.68, A[A.index("to consider"):]), (6.68, 11.68, B), (11.68, 19.08, C),
+                             (19.08, 23.76, D1), (23.76, 27.04, D2), (27.04, 29.64, E)]}
+
+    def recognize(batch):
+        out = []
+        for x in batch:
+            start = next((k for k in said if len(x) == 30 * SR and np.array_equal(x, audio[k:k + len(x)])), None)
+            segs = [Segment(*s) for s in said.get(start, [])]  # a tail decoded again: nothing more
+            out.append(TimedText(" ".join(s.text for s in segs), segs))
+        return out
+
+    from polyaccel.asr.transcriber import Transcriber
+
+    with Transcriber(lambda i: recognize, sample_rate=SR, max_audio_seconds=30.0, replicas=1, batch_size=8) as tr:
+        (r,) = tr.transcribe([audio])
+    assert " ".join(s["text"] for s in r.segments) == " ".join([A, B, C, D1, D2, E])  # each sentence once
+    assert all(x["end"] <= y["start"] for x, y in zip(r.segments, r.segments[1:]))
+
+
+def test_a_segment_over_speech_too_quiet_to_measure_is_still_kept():
+    """Counting seams in seconds of speech must not drop what only one window heard where the
+    energy measure finds no speech (quiet speech): window 1's "q" (20-25 s, no loud frames) is
+    the only segment there, so it stays (with seconds of no speech counted as nothing it went,
+    the cut nearest the middle of the shared 20-30 s winning the tie)."""
+    w0 = [Segment(0.0, 10.0, "a"), Segment(10.0, 20.0, "b")]
+    w1 = [Segment(0.0, 5.0, "q"), Segment(5.0, 30.0, "c")]
+    got = stitch_segments([w0, w1], [(0.0, 30.0), (20.0, 50.0)], [[(0.0, 20.0)], [(5.0, 30.0)]])
+    assert [s.text for s in got] == ["a", "b", "q", "c"]

@@ -236,3 +236,51 @@ def test_real_weights_bf16_tokens_identical_across_batch_sizes(name, model_cache
         for i in range(0, n, batch):
             got += [h.tokens for h in runner.recognize(audio[i:i + batch])]
         assert got == full[:n], f"{name} bf16 batch {batch} differs from batch 128"
+
+
+def test_transcriber_texts_do_not_depend_on_batch_size_or_input_order(model_cache, clips, monkeypatch):
+    """What ``transcribe`` does by default on the CPU (fp32, the runner's batch buckets, inputs
+    ordered by duration within a block): each clip gets the same text at ``--batch-size`` 1, 3
+    and 8, in any input order and next to any other clips (the runner test above covers the
+    tokens at batch 1, 2 and 5 against ``generate()``)."""
+    from polyaccel.asr.transcriber import Transcriber
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    audio = [clips[0][i] for i in (1, 4, 2)]  # the three shortest: 3.0, 3.3, 5.3 s
+    path = weights.resolve_model("whisper-tiny.en", cache=model_cache)
+    runs = {1: [1, 2, 0], 3: [2, 0, 1, 0, 2], 8: [0, 1, 2]}  # batch size: input order (repeats change the batches)
+    texts = {}
+    for batch, order in runs.items():
+        with Transcriber.from_pretrained(path, backend="cpu", replicas=1, batch_size=batch) as tr:
+            texts[batch] = [(i, r.text) for i, r in zip(order, tr.transcribe([audio[i] for i in order]), strict=True)]
+    want = dict(texts[1])
+    assert want[0] == "He was not an old-sposed young man."  # as docs/asr.md shows it
+    for batch, got in texts.items():
+        assert all(text == want[i] for i, text in got), (batch, got)
+
+
+def test_files_users_have_give_the_16khz_mono_text(model_cache, clips, monkeypatch, tmp_path):
+    """One clip as the files users have (44.1 kHz stereo FLAC, 48 kHz Ogg Vorbis, 8 kHz, 24-bit
+    and float WAV, 44.1 kHz MP3): each is decoded, mixed down and resampled to the text the
+    16 kHz mono original gets. (An 8 kHz copy of the 3 s clip "He was not an ill-disposed young
+    man" differs: tiny.en then hears "ill-disposed" right, so the 3.3 s clip is used.)"""
+    import soundfile as sf
+    import soxr
+
+    from polyaccel.asr.transcriber import Transcriber
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    mono = clips[0][4]  # 0930, 3.3 s
+    at = {r: soxr.resample(mono, 16000, r, quality="VHQ").astype(np.float32) for r in (8000, 44100, 48000)}
+    files = {"stereo.flac": (np.stack([at[44100], 0.8 * at[44100]], 1), 44100, {}),
+             "a.ogg": (at[48000], 48000, {"format": "OGG", "subtype": "VORBIS"}),
+             "a8k.wav": (at[8000], 8000, {}), "a24.wav": (mono, 16000, {"subtype": "PCM_24"}),
+             "af.wav": (mono, 16000, {"subtype": "FLOAT"}), "a.mp3": (at[44100], 44100, {"format": "MP3"})}
+    for name, (data, rate, kw) in files.items():
+        sf.write(tmp_path / name, data, rate, **kw)
+    path = weights.resolve_model("whisper-tiny.en", cache=model_cache)
+    with Transcriber.from_pretrained(path, backend="cpu", replicas=1, batch_size=8) as tr:
+        want, *got = tr.transcribe([mono] + [str(tmp_path / n) for n in files])
+    assert want.text == "He might even have been made amiable himself."
+    assert [(r.error, r.text) for r in got] == [(None, want.text)] * len(files)
+    assert [r.duration_s for r in got] == pytest.approx([3.29] * len(files), abs=0.06)

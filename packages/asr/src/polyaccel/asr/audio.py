@@ -796,6 +796,13 @@ def speech_frames(audio: np.ndarray, sample_rate: int, floor: float = 0.005) -> 
     return rms > max(floor, 0.1 * float(np.percentile(rms, 95))), _FRAME_S
 
 
+def speech_spans(audio: np.ndarray, sample_rate: int) -> list[tuple[float, float]]:
+    """(start, end) seconds of each run of 20 ms frames :func:`speech_seconds` counts as speech."""
+    loud, frame_s = speech_frames(audio, sample_rate)
+    edges = np.flatnonzero(np.diff(np.r_[0, loud.astype(np.int8), 0]))
+    return [(round(float(a) * frame_s, 3), round(float(b) * frame_s, 3)) for a, b in zip(edges[::2], edges[1::2])]
+
+
 def quietest_point(audio: np.ndarray, sample_rate: int, lo_s: float, hi_s: float) -> int:
     """The sample index in [``lo_s``, ``hi_s``) seconds where the 100 ms around it are
     quietest: a pause, where cutting splits no word."""
@@ -824,7 +831,12 @@ def merge_overlap(left: str, right: str, max_left: int = 17, max_right: int | No
     words that can lie in the overlap keeps a phrase repeated elsewhere in the audio from
     matching; among equally long runs the one nearest the seam wins. Words at a window's
     edge are often cut in half or dropped, which is why the seam is placed inside the common
-    run. Without a common run the texts are concatenated.
+    run. A run is taken only if, with the two texts aligned on it, more than a third of the
+    word pairs that face each other match (the run and any other agreeing words): two windows
+    that heard the same words agree up to their edges but for a few words heard differently,
+    while a phrase a passage says twice ("he might have been made still more respectable than
+    he was. He might even have been made") is no overlap when the later window left out the
+    words it shares. Without a common run the texts are concatenated.
     """
     lw, rw = left.split(), right.split()
     if not lw or not rw:
@@ -832,6 +844,9 @@ def merge_overlap(left: str, right: str, max_left: int = 17, max_right: int | No
     tail, head = lw[-max_left:], rw[:max_left if max_right is None else max_right]
     tk, hk = [_key(w) for w in tail], [_key(w) for w in head]
     best, best_i, best_j, best_dist = 0, 0, 0, 0
+    reach = len(tail) + len(head)  # the pairs that face each other can run past the searched words
+    lk, rk = [_key(w) for w in lw[-reach:]], [_key(w) for w in rw[:reach]]
+    agree, shift = _agreement(lk, rk), len(lk) - len(tk)
     # Longest common substring over words by dynamic programming (len(tail) x len(head) cells).
     prev = [0] * (len(hk) + 1)
     for i in range(1, len(tk) + 1):
@@ -840,6 +855,8 @@ def merge_overlap(left: str, right: str, max_left: int = 17, max_right: int | No
             if tk[i - 1] and tk[i - 1] == hk[j - 1]:
                 cur[j] = prev[j - 1] + 1
                 dist = (len(tk) - i) + (j - cur[j])  # words between the run and the seam
+                if not agree[i - j + shift]:
+                    continue
                 if cur[j] > best or (cur[j] == best and dist < best_dist):
                     best, best_i, best_j, best_dist = cur[j], i, j, dist
         prev = cur
@@ -849,9 +866,22 @@ def merge_overlap(left: str, right: str, max_left: int = 17, max_right: int | No
     return " ".join(lw[:cut_left] + rw[best_j:])
 
 
+def _agreement(lk: list[str], rk: list[str]) -> dict[int, bool]:
+    """For each alignment of ``rk`` under ``lk`` (offset: ``lk`` index minus ``rk`` index),
+    whether more than a third of the word pairs that face each other are equal."""
+    matches: dict[int, int] = {}
+    for i, a in enumerate(lk):
+        for j, b in enumerate(rk):
+            if a and a == b:
+                matches[i - j] = matches.get(i - j, 0) + 1
+    return {o: 3 * m > min(len(lk), len(rk) + o) - max(0, o) for o, m in matches.items()}
+
+
 def _words_in(text: str, part_s: float, whole_s: float) -> int:
     """How many of ``text``'s words can fall in ``part_s`` of its ``whole_s`` seconds: the
-    proportional share, with room for uneven speech."""
+    proportional share, with room for uneven speech; 1 (a word the cut halves) for no audio."""
+    if part_s <= 0:
+        return 1
     n = len(text.split())
     return math.ceil(n * min(1.0, part_s / max(whole_s, 1e-9)) * 1.25) + 3
 

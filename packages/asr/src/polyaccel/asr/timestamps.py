@@ -53,7 +53,8 @@ def joined(texts: Sequence[str], offsets_s: Sequence[float]) -> str:
 
 
 def stitch_segments(windows: Sequence[Sequence[Segment] | None],
-                    spans_s: Sequence[tuple[float, float]]) -> list[Segment] | None:
+                    spans_s: Sequence[tuple[float, float]],
+                    speech: Sequence[Sequence[tuple[float, float]]] | None = None) -> list[Segment] | None:
     """One file's segments, in seconds from its start, from its windows' segments (each in
     seconds from its window's start; ``spans_s[k]`` is window k's (start, end) in the file).
 
@@ -66,7 +67,13 @@ def stitch_segments(windows: Sequence[Sequence[Segment] | None],
     hear them). Times are then kept within their window's audio (Whisper may place a last
     timestamp past the end of a short file: 3.00 s in a 2.99 s clip) and made non-decreasing (a
     segment starts no earlier than the previous one ends). None if any window has no segments
-    list (decoded without timestamps)."""
+    list (decoded without timestamps).
+
+    ``speech[k]``, if given, is where window k holds speech ((start, end) seconds from its start,
+    :func:`~polyaccel.asr.audio.speech_spans`): what is left out or covered twice is then
+    counted in seconds of speech (a second without speech counts 1/20), not of segment time. Whisper's segments run over the pauses
+    around them, so a segment that repeats a whole sentence of the other window was kept for
+    the pause it "covered" (a LibriVox clip after a 2 s pause, said twice in the subtitles)."""
     if any(w is None for w in windows):
         return None
     timed = [[Segment(min(s.start, b), min(s.end, b), s.text) for s in shifted(segs or [], a)]
@@ -78,7 +85,9 @@ def stitch_segments(windows: Sequence[Sequence[Segment] | None],
         # before: what is already taken is not found again)
         done = out[-1].end if out else -float("inf")
         late = [s for s in timed[k + 1] if s.end > done]
-        p, j = _seam(rest, late, max(spans_s[k + 1][0], done), spans_s[k][1])
+        loud = None if speech is None else _merged(
+            [(s + spans_s[w][0], e + spans_s[w][0]) for w in (k, k + 1) for s, e in speech[w]])
+        p, j = _seam(rest, late, max(spans_s[k + 1][0], done), spans_s[k][1], loud)
         out += rest[:p]
         rest = late[j:]
     out += rest
@@ -92,19 +101,21 @@ def stitch_segments(windows: Sequence[Sequence[Segment] | None],
     return fixed
 
 
-def _seam(early: Sequence[Segment], late: Sequence[Segment], a: float, b: float) -> tuple[int, int]:
-    """(p, j): keep ``early[:p]`` and ``late[j:]`` where the two windows share ``[a, b]``."""
+def _seam(early: Sequence[Segment], late: Sequence[Segment], a: float, b: float,
+          loud: list[tuple[float, float]] | None = None) -> tuple[int, int]:
+    """(p, j): keep ``early[:p]`` and ``late[j:]`` where the two windows share ``[a, b]`` (with
+    ``loud``, the speech there, sorted and disjoint: what is counted)."""
     must_p = sum(1 for s in early if s.start < a)  # (segments are in time order)
     firsts = [i for i, s in enumerate(late) if s.end > b]
     most_j = firsts[0] if firsts else len(late)
-    found = _covered(list(early) + list(late), a, b)
+    found = _covered(list(early) + list(late), a, b, loud)
     middle = (a + b) / 2
     best: tuple[float, int, int] | None = None
     for p in range(must_p, len(early) + 1):
-        kept_early = _covered(early[:p], a, b)
+        kept_early = _covered(early[:p], a, b, loud)
         for j in range(most_j + 1):
-            kept_late = _covered(late[j:], a, b)
-            kept = _covered(list(early[:p]) + list(late[j:]), a, b)
+            kept_late = _covered(late[j:], a, b, loud)
+            kept = _covered(list(early[:p]) + list(late[j:]), a, b, loud)
             missed, twice = found - kept, kept_early + kept_late - kept
             cut_at = (early[p - 1].end if p else a) if j == len(late) else late[j].start
             cost = 10 * missed + twice + 1e-3 * abs(cut_at - middle)
@@ -114,15 +125,36 @@ def _seam(early: Sequence[Segment], late: Sequence[Segment], a: float, b: float)
     return best[1], best[2]
 
 
-def _covered(segments: Sequence[Segment], a: float, b: float) -> float:
-    """Seconds of ``[a, b]`` that ``segments`` cover (overlaps counted once)."""
+_QUIET_WEIGHT = 0.05
+"""What a second without speech counts for at a seam, against 1 for a second of speech: little,
+but not nothing, so speech too quiet for the energy measure still keeps its segment."""
+
+
+def _covered(segments: Sequence[Segment], a: float, b: float, loud: list[tuple[float, float]] | None = None) -> float:
+    """Seconds of ``[a, b]`` that ``segments`` cover (overlaps counted once); with ``loud``,
+    seconds of speech, and each second without speech as :data:`_QUIET_WEIGHT`."""
     total, reach = 0.0, a
     for s in sorted(segments, key=lambda s: s.start):
         lo, hi = max(s.start, reach), min(s.end, b)
         if hi > lo:
-            total += hi - lo
+            if loud is None:
+                total += hi - lo
+            else:
+                speech = sum(max(0.0, min(hi, e) - max(lo, st)) for st, e in loud)
+                total += speech + _QUIET_WEIGHT * (hi - lo - speech)
             reach = hi
     return total
+
+
+def _merged(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``spans`` sorted, with overlapping ones joined."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def segment_records(segments: Sequence[Segment] | None) -> list[dict[str, Any]] | None:

@@ -37,6 +37,7 @@ from polyaccel.asr.audio import (
     prepare_waveform,  # noqa: F401  (tools/bench_asr.py times it through this module)
     quietest_point,
     speech_seconds,
+    speech_spans,
     stitch,
     stream_audio,
     stream_windows,
@@ -189,22 +190,28 @@ class _Window:
 
 @dataclasses.dataclass(slots=True)
 class _Decoded:
-    """A window's transcript, the seconds of speech in it, and whether it was re-decoded."""
+    """A window's transcript, the seconds of speech in it, whether it was re-decoded, and
+    ``head_s``: seconds at the window's start the transcript leaves out (re-decoded from the
+    pause that ends the audio the previous window holds)."""
 
     text: str
     speech_s: float
     redecoded: bool = False
+    head_s: float = 0.0
+    speech_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
 class _Pending:
     """An input whose windows are in flight: their texts so far, how many are out, whether
     its reader has submitted them all, and (streamed inputs) whether its header says it is
-    longer than one window."""
+    longer than one window; ``heads_s``: seconds at each window's start its text leaves out."""
 
     result: TranscriptResult
     texts: list[str | None] = dataclasses.field(default_factory=list)
     spans_s: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    heads_s: list[float] = dataclasses.field(default_factory=list)
+    speech: list[list[tuple[float, float]]] = dataclasses.field(default_factory=list)
     left: int = 0
     read: bool = True
     long: bool = False
@@ -213,8 +220,15 @@ class _Pending:
     def done(self) -> bool:
         return self.read and self.left == 0
 
+    @property
+    def text_spans_s(self) -> list[tuple[float, float]]:
+        """The stretch of the file each window's text covers: its span less its skipped head."""
+        return [(a + h, b) for (a, b), h in zip(self.spans_s, self.heads_s, strict=True)]
+
     def add(self, w: _Window, sample_rate: int) -> None:
         self.texts.append(None)
+        self.heads_s.append(0.0)
+        self.speech.append([])
         self.spans_s.append((w.start_s, w.start_s + len(w.audio) / sample_rate))
         self.left += 1
 
@@ -462,6 +476,8 @@ class Transcriber:
                     p.texts[win.win] = ""
                 else:
                     p.texts[win.win] = out.text
+                    p.heads_s[win.win] = out.head_s
+                    p.speech[win.win] = out.speech_spans
                     self._check_rate(p, win, out)
                 p.left -= 1
                 while next_out in pending and pending[next_out].done:
@@ -521,8 +537,8 @@ class Transcriber:
         r = p.result
         r.warnings.sort(key=lambda w: int(w.split()[1]))  # window order, whatever the finishing order
         if r.error is None:
-            r.text = stitch([t or "" for t in p.texts], p.spans_s) if len(p.texts) > 1 else (p.texts[0] or "").strip()
-            r.segments = segment_records(stitch_segments([segments_of(t) for t in p.texts], p.spans_s))
+            r.text = stitch([t or "" for t in p.texts], p.text_spans_s) if len(p.texts) > 1 else (p.texts[0] or "").strip()
+            r.segments = segment_records(stitch_segments([segments_of(t) for t in p.texts], p.spans_s, p.speech))
             m.audio_s += r.duration_s
         else:
             r.text = ""
@@ -795,14 +811,23 @@ def _plausible(w: _Window, text: str, recognize: Recognize, sample_rate: int) ->
     transcript of the window decoded again in pieces cut at pauses (if that has more words)."""
     if not isinstance(text, str):
         return text  # the pool reports it as a failure
+    out = _redecoded_if_short(w, text, recognize, sample_rate)
+    if w.long and isinstance(text, TimedText):  # where the seams count the speech segments cover
+        out.speech_spans = speech_spans(w.audio, sample_rate)
+    return out
+
+
+def _redecoded_if_short(w: _Window, text: str, recognize: Recognize, sample_rate: int) -> _Decoded:
+    """:func:`_plausible`'s transcript (its segments, if any, start where their speech does)."""
     speech = w.speech_s
     if w.long and isinstance(text, TimedText):  # with timestamps: seek past the last segment, as Whisper does
         text = decode_tail(w.audio, text, recognize, sample_rate)
     if not w.long or not _too_few_words(text, speech):
         return _Decoded(_trimmed(w, text, sample_rate), speech)
-    again = _decode_in_pieces(w.audio, recognize, sample_rate, skip_head_s=min(DEFAULT_OVERLAP_S, w.shared_s), depth=2)
+    again, head_s = _decode_in_pieces(w.audio, recognize, sample_rate, skip_head_s=min(DEFAULT_OVERLAP_S, w.shared_s),
+                                      depth=2)
     if len(again.split()) > len(text.split()):
-        return _Decoded(_trimmed(w, again, sample_rate), speech, redecoded=True)
+        return _Decoded(_trimmed(w, again, sample_rate), speech, redecoded=True, head_s=head_s)
     return _Decoded(_trimmed(w, text, sample_rate), speech)
 
 
@@ -821,8 +846,9 @@ def _too_few_words(text: str, speech_s: float) -> bool:
 
 
 def _decode_in_pieces(audio: np.ndarray, recognize: Recognize, sample_rate: int, *, skip_head_s: float,
-                      depth: int) -> str:
-    """Decode ``audio`` as two pieces split at its quietest point near the middle.
+                      depth: int) -> tuple[str, float]:
+    """Decode ``audio`` as two pieces split at its quietest point near the middle; (the text,
+    the seconds dropped at its head).
 
     The audio before the first pause in the first ``skip_head_s`` seconds (audio the previous
     window also holds: no more than the windows share) is dropped, so no piece starts in the
@@ -836,9 +862,9 @@ def _decode_in_pieces(audio: np.ndarray, recognize: Recognize, sample_rate: int,
     texts = recognize(pieces)
     for k, (piece, text) in enumerate(zip(pieces, texts)):
         if depth > 1 and len(piece) >= 10 * sample_rate and _too_few_words(text, speech_seconds(piece, sample_rate)):
-            again = _decode_in_pieces(piece, recognize, sample_rate, skip_head_s=0.0, depth=depth - 1)
+            again, _ = _decode_in_pieces(piece, recognize, sample_rate, skip_head_s=0.0, depth=depth - 1)
             texts[k] = again if len(again.split()) > len(text.split()) else text
-    return joined(texts, [(start + o) / sample_rate for o, _ in parts])  # segments: from the window's start
+    return joined(texts, [(start + o) / sample_rate for o, _ in parts]), start / sample_rate  # segments: from the window's start
 
 
 # ---- helpers ----------------------------------------------------------------------------------
