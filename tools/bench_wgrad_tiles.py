@@ -219,15 +219,21 @@ def run_case(name: str, only: str | None = None) -> list[dict]:
     # Adding into .grad, as every micro-batch after the first does: the tile read after the main
     # loop (shipped) or before it (GRAD_FIRST). Repeated calls keep adding, so not checked here
     # (the interpreter and GPU tests check both).
-    for grad_first in (False, True):
-        def accumulate(grad_first=grad_first):
-            gw.GRAD_FIRST = grad_first
+    def with_flag(flag: str, value: bool, accumulate: bool):  # noqa: ANN202
+        """grouped_mm_wgrad as shipped, with ``gw.<flag>`` set to ``value`` while it runs."""
+        def run():
+            saved = getattr(gw, flag)
+            setattr(gw, flag, value)
             try:
-                gw.grouped_mm_wgrad(dys, xs, offs, out=out, accumulate=True)
+                gw.grouped_mm_wgrad(dys, xs, offs, out=out, accumulate=accumulate)
             finally:
-                gw.GRAD_FIRST = False
+                setattr(gw, flag, saved)
+        return run
+
+    for grad_first in (False, True):
         out.zero_()
-        record("prod-acc-grad-first" if grad_first else "prod-acc", accumulate, check=False)
+        record("prod-acc-grad-first" if grad_first else "prod-acc", with_flag("GRAD_FIRST", grad_first, True),
+               check=False)
     dy_all, x_all = torch.cat(dys), torch.cat(xs)
     all_offs = sum(o.diff(prepend=o.new_zeros(1)) for o in offs).cumsum(0).to(torch.int32)
     record("cutlass-concat", lambda d=dy_all, x=x_all: torch._grouped_mm(d.t(), x, offs=all_offs), check=False)
@@ -245,14 +251,8 @@ def run_case(name: str, only: str | None = None) -> list[dict]:
                                             BLOCK_K=bk, BLOCK_T=bt, num_warps=w, num_stages=st))
     # The pointer kernel's persistent launch: as it would ship (autotuned), then at each entry.
     for acc in (False, True):
-        def persistent_prod(acc=acc):
-            gw.PERSISTENT = True
-            try:
-                gw.grouped_mm_wgrad(dys, xs, offs, out=out, accumulate=acc)
-            finally:
-                gw.PERSISTENT = False
         out.zero_()
-        record(f"prod-persistent{'-acc' if acc else ''}", persistent_prod, check=not acc)
+        record(f"prod-persistent{'-acc' if acc else ''}", with_flag("PERSISTENT", True, acc), check=not acc)
     flags = dict(SOURCES=S, ACCUMULATE=False, GRAD_FIRST=False, SQUARES=False)
     for cfg in gw.PERSISTENT_CONFIGS:
         record(f"ptr-pers{cfg}", lambda cfg=cfg: gw._launch_persistent(

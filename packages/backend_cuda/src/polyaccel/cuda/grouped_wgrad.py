@@ -300,11 +300,12 @@ def _launch(dys: list[torch.Tensor], xs: list[torch.Tensor], offs: list[torch.Te
         return
     pad = lambda ts: ts + [ts[0]] * (MAX_SOURCES - len(ts))  # noqa: E731  (unused slots: never read)
     rows = [min(d.shape[0], x.shape[0]) for d, x in zip(dys, xs, strict=True)]
+    rows_key = _rows_key(sum(t.shape[0] for t in dys))
     skinny = min(N, K) <= SKINNY
     flags = dict(SOURCES=n, ACCUMULATE=accumulate, GRAD_FIRST=GRAD_FIRST, SQUARES=sumsq is not None)
     if PERSISTENT and not skinny:
-        _launch_persistent((*pad(dys), *pad(xs), *pad(offs), *pad(rows)), out, _rows_key(sum(rows)),
-                           dys[0].stride(0), xs[0].stride(0), flags, sumsq)
+        _launch_persistent((*pad(dys), *pad(xs), *pad(offs), *pad(rows)), out, rows_key, dys[0].stride(0),
+                           xs[0].stride(0), flags, sumsq)
         return
     plain, tuned = _kernel()
 
@@ -312,8 +313,8 @@ def _launch(dys: list[torch.Tensor], xs: list[torch.Tensor], offs: list[torch.Te
         return cdiv(N, meta["BLOCK_N"]) * cdiv(K, meta["BLOCK_K"]), G
 
     sums = _tile_sums(sumsq, out, [c for c in CONFIGS if _skinny_tile(c[0], c[1]) == skinny] or CONFIGS)
-    args = (*pad(dys), *pad(xs), *pad(offs), *pad(rows), out, N, K,
-            _rows_key(sum(t.shape[0] for t in dys)), dys[0].stride(0), xs[0].stride(0), sums)
+    args = (*pad(dys), *pad(xs), *pad(offs), *pad(rows), out, N, K, rows_key, dys[0].stride(0), xs[0].stride(0),
+            sums)
     if dys[0].is_cuda:
         tuned[grid](*args, **flags)
     else:  # Triton's CPU interpreter (tests): no timing, the first tile shape

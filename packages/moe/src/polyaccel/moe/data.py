@@ -206,13 +206,7 @@ def build_dataset(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int =
             raise ConfigError(f"data.synthetic.vocab={vocab} exceeds the model's vocab_size={vocab_size}")
         return SyntheticDataset(vocab, seq_len, seed)
 
-    path = Path(cfg.jsonl or cfg.text)
-    try:
-        if not path.is_file():
-            why = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
-            raise ConfigError(f"data.{chosen[0]}: file {path} {why}", key=f"data.{chosen[0]}")
-    except OSError as e:  # a folder on its way this user may not enter
-        raise ConfigError(f"data.{chosen[0]}: cannot read {path} ({e.strerror or e})", key=f"data.{chosen[0]}") from None
+    path, key = Path(cfg.jsonl or cfg.text), f"data.{chosen[0]}"
     tokenizer = None
 
     def tok():
@@ -221,16 +215,20 @@ def build_dataset(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int =
             tokenizer = load_tokenizer(cfg.tokenizer or tokenizer_path)
         return tokenizer
 
+    # OSError: a folder on its way this user may not enter, a file it may not read, an I/O error
     try:
+        if not path.is_file():
+            why = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
+            raise ConfigError(f"{key}: file {path} {why}", key=key)
         docs = list(_jsonl_documents(path, cfg.field, tok, vocab_size) if cfg.jsonl else _text_documents(path, tok, vocab_size))
-    except OSError as e:  # not readable by this user (permissions), an I/O error
-        raise ConfigError(f"data.{chosen[0]}: cannot read {path} ({e.strerror or e})", key=f"data.{chosen[0]}") from None
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot read {path} ({e.strerror or e})", key=key) from None
     if not any(ids for ids, _ in docs):
-        raise ConfigError(f"data.{chosen[0]}: {path} is empty (no tokens after tokenization)")
+        raise ConfigError(f"{key}: {path} is empty (no tokens after tokenization)")
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     packed = PackedDataset.pack(docs, seq_len, pad_id=min(pad, vocab_size - 1))
     if not (packed.labels != IGNORE_INDEX).any():  # a run on it would train nothing and "succeed"
-        raise ConfigError(f"data.{chosen[0]}: {path} has no token to train on (every label is -100, or the "
+        raise ConfigError(f"{key}: {path} has no token to train on (every label is -100, or the "
                           "data is one token: the first token is never a target)")
     return packed
 
