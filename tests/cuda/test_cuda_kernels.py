@@ -175,6 +175,25 @@ def test_an_odd_vocabulary_runs_the_lm_head_gemms_at_an_aligned_width(monkeypatc
     assert rel_err(loss, ref) < 1e-6 and rel_err(grad_h, ref_h) < 1e-5 and rel_err(grad_w, ref_w) < 1e-5
 
 
+@pytest.mark.parametrize("V, reduction", [(509, "mean"), (512, "sum")])
+def test_logit_grads_run_at_an_aligned_width_and_return_the_real_columns(V, reduction):
+    """The one-chunk op behind a deferred LM-head weight gradient: the loss, the hidden gradient
+    and the logits' gradient (a V-wide view of aligned rows) equal autograd's."""
+    N, H = 40, 16
+    labels = torch.randint(0, V, (N,))
+    labels[:4] = V - 1
+    labels[4] = -100
+    h, w = torch.randn(N, H, requires_grad=True), (0.3 * torch.randn(V, H)).requires_grad_()
+    loss, grad_h, grad_logits = cross_entropy.linear_cross_entropy_logit_grads(h, w, labels, reduction=reduction)
+    assert grad_logits.shape == (N, V) and grad_logits.stride(0) == 512
+    logits = h @ w.T
+    logits.retain_grad()
+    ref = torch.nn.functional.cross_entropy(logits, labels, reduction=reduction)
+    ref.backward()
+    assert rel_err(loss, ref) < 1e-6 and rel_err(grad_h, h.grad) < 1e-5
+    assert rel_err(grad_logits, logits.grad) < 1e-5 and rel_err(grad_logits.t() @ h, w.grad) < 1e-5
+
+
 def test_chunk_rows():
     assert cross_entropy.chunk_rows(4096, 151936, 2, chunk_bytes=1 << 30) == 2048
     assert cross_entropy.chunk_rows(4096, 151936, 2, chunk_bytes=4 << 30) == 4096
