@@ -71,6 +71,17 @@ def swiglu(gate_up: torch.Tensor, num_valid: torch.Tensor | None = None) -> torc
 
 
 @registry.define
+def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learned MoE router's choice: ``softmax(logits)`` in fp32, its ``top_k`` largest per row
+    (weights fp32 [T, k], expert ids int64 [T, k], largest first), renormalised to sum 1 when
+    ``renormalize``. Differentiable in ``logits`` through the weights."""
+    w, idx = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, idx
+
+
+@registry.define
 def fused_qkv(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, num_heads: int,
               num_kv_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One projection for Q, K and V, split into heads.

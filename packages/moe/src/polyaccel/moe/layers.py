@@ -296,10 +296,7 @@ class TopKRouter(nn.Module):
             w, idx = balanced_routing(x, self.top_k, self.num_experts, self.noise)
             return None, w, idx
         logits = F.linear(x, self.weight if weight is None else weight)
-        probs = torch.softmax(logits.float(), dim=-1)
-        w, idx = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            w = w / w.sum(dim=-1, keepdim=True)
+        w, idx = ops.router_topk(logits, self.top_k, self.norm_topk_prob)
         return logits, w, idx
 
     def extra_repr(self) -> str:
