@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -409,31 +408,39 @@ def _text(rec: dict[str, Any], key: str, where: str) -> str:
     return rec[key]
 
 
-#: a blank line (nothing but spaces or tabs) between two documents of a text file
-_BLANK_LINE = re.compile(r"\n[^\S\n]*\n")
-
-
 def _text_documents(path: Path, tok, vocab_size: int) -> Iterator[tuple[list[int], list[bool]]]:
-    """One document per paragraph of a text file; blank or whitespace-only lines separate them
-    (token ids outside the vocabulary are named by the paragraph's first line)."""
-    raw = path.read_bytes()
-    raw = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line, col = raw.count(b"\n", 0, e.start) + 1, e.start - (raw.rfind(b"\n", 0, e.start) + 1)
-        raise ConfigError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {col} of the line)") from None
-    del raw  # a large file is then held once, not twice
-    if "\r" in text:  # Windows or old Mac line ends, as reading in text mode turned them
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-    start, line, counted = 0, 1, 0  # line: the number of the line at offset `counted`
-    for gap in [*_BLANK_LINE.finditer(text), None]:
-        end = gap.start() if gap else len(text)
-        para = text[start:end]
-        if para.strip():
-            t = tok()
-            first = start + len(para) - len(para.lstrip())
-            line, counted = line + text.count("\n", counted, first), first
-            ids = _in_vocab(_encode(t, para.strip()) + _eos(t), vocab_size, f"{path}:{line}")
-            yield ids, [True] * len(ids)
-        start = gap.end() if gap else end
+    """One document per paragraph of a text file, read line by line; blank or whitespace-only
+    lines separate them (token ids outside the vocabulary are named by the paragraph's first line)."""
+    para: list[str] = []
+    first = 0
+    for line_no, line in _text_lines(path):
+        if line.strip():
+            first = first if para else line_no
+            para.append(line)
+        elif para:
+            yield _paragraph(para, tok, vocab_size, f"{path}:{first}")
+            para = []
+    if para:
+        yield _paragraph(para, tok, vocab_size, f"{path}:{first}")
+
+
+def _paragraph(lines: list[str], tok, vocab_size: int, where: str) -> tuple[list[int], list[bool]]:
+    """The ``(token_ids, loss_mask)`` of one paragraph, ended with EOS."""
+    t = tok()
+    ids = _in_vocab(_encode(t, "\n".join(lines).strip()) + _eos(t), vocab_size, where)
+    return ids, [True] * len(ids)
+
+
+def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line_no, line)`` without its line end; ``\\r\\n`` and a lone ``\\r`` end lines too
+    (as reading in text mode turns them), and count as lines."""
+    line_no = 0
+    for _, raw_line in _lines(path):
+        if "\r" in raw_line:
+            raw_line = raw_line.replace("\r\n", "\n").replace("\r", "\n")
+        parts = raw_line.split("\n")
+        if raw_line.endswith("\n"):
+            parts.pop()
+        for part in parts:
+            line_no += 1
+            yield line_no, part
