@@ -121,6 +121,18 @@ def test_a_second_run_maps_the_cache_without_tokenizing_even_at_another_seq_len(
     assert len(list((tmp_path / "cache").iterdir())) == 2  # one cache and its lock file
 
 
+def test_a_cache_is_read_without_its_lock(tmp_path, encodes):
+    """A cache in a folder where no lock can be taken (copied read-only) is still used."""
+    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+    want = _batches(_build(f, tok, tmp_path / "cache"))
+    (lock,) = (tmp_path / "cache").glob("*.lock")
+    lock.unlink()
+    lock.mkdir()  # opening it to lock fails
+    encodes.clear()
+    got = _build(f, tok, tmp_path / "cache")
+    assert isinstance(got, MappedDataset) and encodes == [] and _same(_batches(got), want)
+
+
 @pytest.mark.parametrize("change", ["data", "tokenizer", "field", "vocab"])
 def test_a_change_that_changes_the_tokens_builds_another_cache(tmp_path, encodes, change):
     f, tok = _data(tmp_path, "jsonl"), _tokenizer(tmp_path / "tok")
@@ -174,7 +186,7 @@ def test_a_damaged_cache_is_rebuilt_never_trusted(tmp_path, encodes, caplog, dam
     with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
         got = _batches(_build(f, tok, tmp_path / "cache"))
     assert len(encodes) > 0 and _same(got, want)
-    assert re.search(r"data cache .* is not usable \(.+\); rebuilding it", caplog.text)
+    assert len(re.findall(r"data cache .* is not usable \(.+\); rebuilding it", caplog.text)) == 1
     encodes.clear()
     assert _same(_batches(_build(f, tok, tmp_path / "cache")), want) and encodes == []  # the rebuilt one is used
     assert sorted(p.name.endswith(".lock") for p in (tmp_path / "cache").iterdir()) == [False, True]
@@ -294,3 +306,37 @@ def test_a_finetune_run_keeps_its_cache_in_checkpoint_dir_and_a_resume_does_not_
     finetune(load_config(TINY, [*sets[:2], f"output_dir={tmp_path / 'only'}", "checkpoint.dir=null", *sets[4:],
                                 "train.max_steps=1"]))
     assert len(encodes) == 60 and not (tmp_path / "only" / ".data_cache").exists()
+
+
+_COUNT_ENCODES = '''
+import atexit, os
+if "RANK" in os.environ:  # the ranks, not the torchrun launcher
+    from polyaccel.moe import data as data_module
+    real, calls = data_module._encode, []
+    def counting(tokenizer, text):
+        calls.append(1)
+        return real(tokenizer, text)
+    data_module._encode = counting
+    atexit.register(lambda: open(os.environ["ENCODES"] + os.environ["RANK"], "w").write(str(len(calls))))
+'''
+
+
+@pytest.mark.slow
+def test_under_torchrun_one_rank_tokenizes_and_both_train_on_the_cache(tmp_path):
+    repo = Path(__file__).resolve().parents[2]
+    f, tok = _data(tmp_path, "jsonl"), _tokenizer(tmp_path / "tok")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_COUNT_ENCODES)
+    sources = [repo / "packages" / p / "src" for p in ("core", "backend_cuda", "moe", "asr")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", ENCODES=str(tmp_path / "encodes."),
+               PYTHONPATH=os.pathsep.join(map(str, [site, *sources])))
+    sets = [f"data.jsonl={f}", f"data.tokenizer={tok}", f"checkpoint.dir={tmp_path / 'ck'}",
+            f"output_dir={tmp_path / 'out'}", "train.seq_len=8", "train.max_steps=2", "log.progress_bar=false"]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "polyaccel.moe.cli", "finetune", str(TINY), *[a for s in sets for a in ("--set", s)]],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = sorted(int((tmp_path / f"encodes.{r}").read_text()) for r in (0, 1))
+    assert counts == [0, 60]  # one rank tokenized, the other mapped its cache
+    assert len([p for p in (tmp_path / "ck" / ".data_cache").iterdir() if p.is_dir()]) == 1

@@ -133,6 +133,9 @@ def open_cache(root: Path, key: str, documents: Documents, *, source: Path, voca
     ``pad_id()`` is asked once the documents are read; ``check(tokens, has_target)`` refuses data (raises)
     before a new cache is kept. Errors reading the data propagate; failing to write the cache
     is :class:`CacheUnwritable`. Neither leaves anything behind."""
+    found = _hit(root / key, key, warn=False)  # no lock needed to read a cache (nor a writable folder)
+    if found is not None:
+        return _use(found, check)
     made = missing_dirs(root)
     lock_path = root / f"{key}.lock"
     try:
@@ -143,23 +146,26 @@ def open_cache(root: Path, key: str, documents: Documents, *, source: Path, voca
         raise CacheUnwritable(f"cannot write {root} ({e.strerror or e})") from None
     try:
         with lock:
-            found = _hit(root / key, key)
-            if found is None:
-                _wait_for(lock, root / key)
-                found = _hit(root / key, key)
+            _wait_for(lock, root / key)
+            found = _hit(root / key, key, warn=True)
             if found is None:
                 return _build(root, key, documents, source=source, vocab_size=vocab_size, pad_id=pad_id,
                               check=check)
-            check(len(found.tokens), found.has_target)
-            for note in found.notes:
-                logger.warning("polyaccel.moe: %s", note)
-            return found
+            return _use(found, check)
     except BaseException:
         if made:  # a refused or interrupted first build: leave no folder it created
             with contextlib.suppress(OSError):
                 lock_path.unlink()
             remove_empty_dirs(made)
         raise
+
+
+def _use(found: TokenCache, check: Callable[[int, bool], None]) -> TokenCache:
+    """``found``, checked, after repeating the warnings reading its data gave."""
+    check(len(found.tokens), found.has_target)
+    for note in found.notes:
+        logger.warning("polyaccel.moe: %s", note)
+    return found
 
 
 def _wait_for(lock: Any, folder: Path) -> None:
@@ -171,14 +177,15 @@ def _wait_for(lock: Any, folder: Path) -> None:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
 
 
-def _hit(folder: Path, key: str) -> TokenCache | None:
-    """The cache in ``folder``, or None where there is none or it is damaged (said once)."""
+def _hit(folder: Path, key: str, *, warn: bool) -> TokenCache | None:
+    """The cache in ``folder``, or None where there is none or it is damaged (said if ``warn``)."""
     try:
         return load(folder, key)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        logger.warning("polyaccel.moe: data cache %s is not usable (%s); rebuilding it", folder, e)
+        if warn:
+            logger.warning("polyaccel.moe: data cache %s is not usable (%s); rebuilding it", folder, e)
         return None
 
 
