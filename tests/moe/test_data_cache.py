@@ -268,6 +268,22 @@ def test_a_cache_that_cannot_be_written_is_one_warning_and_the_data_is_tokenized
     assert "No space left on device" in caplog.text and not (tmp_path / "new").exists()  # nothing left behind
 
 
+def test_an_error_reading_the_data_while_building_is_a_data_error_not_a_cache_one(tmp_path, caplog, monkeypatch):
+    f, tok = _data(tmp_path, "jsonl"), _tokenizer(tmp_path / "tok")
+    real, calls = data_module._record, []
+
+    def failing(line, path, line_no):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(line, path, line_no)
+
+    monkeypatch.setattr(data_module, "_record", failing)
+    with pytest.raises(data_module.ConfigError, match=rf"data\.jsonl: cannot read {re.escape(str(f))} \(Input/output"):
+        _build(f, tok, tmp_path / "ck" / ".data_cache")
+    assert "data cache" not in caplog.text and not (tmp_path / "ck").exists() and len(calls) == 3
+
+
 @pytest.mark.parametrize("records,message", [
     ('{"text": "the cat"}\n{"body": "x"}\n', r":2: record has no 'text' field"),
     ('{"input_ids": [7]}\n', "has no token to train on"),

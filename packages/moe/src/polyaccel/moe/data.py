@@ -10,6 +10,8 @@ is taken; Transformers shifts labels inside the model). Sources:
   that every token but the very first is a loss target exactly once (the model shifts labels:
   a sample's first token is never one); the tail is padded and masked. Documents are packed
   without cross-document attention masking (full causal attention within a sample).
+- :class:`MappedDataset`: the same samples, cut on demand from the memory-mapped token cache
+  of a file (:mod:`polyaccel.moe.data_cache`), tokenized once for every process and resume.
 - :class:`SyntheticDataset`: uniform random tokens, an unbounded stream (benchmarks).
 
 :class:`Batches` turns a source into per-rank micro-batches. Global sample ``i`` (counting

@@ -264,29 +264,37 @@ def _build(root: Path, key: str, documents: Documents, *, source: Path, vocab_si
     """Tokenize into ``root/<key>.tmp-*``, ``check`` it, then rename it to ``root/<key>``
     (replacing a damaged one) and map it."""
     _remove_leftovers(root, key)
-    try:
+    with _unwritable(root):
         tmp = Path(tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=root))
-    except OSError as e:
-        raise CacheUnwritable(f"cannot write {root} ({e.strerror or e})") from None
     try:
         notes: list[str] = []
-        writer = _Writer(tmp, np.uint16 if vocab_size <= 2**16 else np.uint32)
+        with _unwritable(root):
+            writer = _Writer(tmp, np.uint16 if vocab_size <= 2**16 else np.uint32)
         with writer, _progress(source) as bar:
-            for ids, mask in documents(bar.update, notes):
-                writer.add(ids, mask)
+            for ids, mask in documents(bar.update, notes):  # an error reading the data is the caller's
+                with _unwritable(root):
+                    writer.add(ids, mask)
         meta = {"magic": MAGIC, "version": VERSION, "key": key, "dtype": writer.dtype.name,
                 "tokens": writer.tokens, "documents": writer.documents, "pad_id": pad_id(),
                 "has_target": writer.has_target, "crc32": writer.crc, "notes": notes}
         check(writer.tokens, writer.has_target)
-        _publish(tmp, root / key, json.dumps(meta).encode())
-    except OSError as e:
-        raise CacheUnwritable(f"cannot write {root} ({e.strerror or e})") from None
+        with _unwritable(root):
+            _publish(tmp, root / key, json.dumps(meta).encode())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     try:
         return load(root / key, key)
     except (OSError, ValueError) as e:
         raise CacheUnwritable(f"the cache just written to {root / key} does not read back ({e})") from None
+
+
+@contextlib.contextmanager
+def _unwritable(root: Path):
+    """An OSError inside becomes :class:`CacheUnwritable` naming ``root``."""
+    try:
+        yield
+    except OSError as e:
+        raise CacheUnwritable(f"cannot write {root} ({e.strerror or e})") from None
 
 
 def _remove_leftovers(root: Path, key: str) -> None:
@@ -315,7 +323,7 @@ class _Writer:
     """Appends documents to the cache files in ``folder`` in chunks, with their CRC-32s."""
 
     def __init__(self, folder: Path, dtype: Any):
-        self.dtype = np.dtype(dtype)
+        self.dtype, self.folder = np.dtype(dtype), folder
         self.files = {name: (folder / name).open("wb") for name in FILES}
         self.crc = dict.fromkeys(FILES, 0)
         self.tokens = self.documents = 0
@@ -357,13 +365,15 @@ class _Writer:
     def __exit__(self, kind, *_) -> None:
         try:
             if kind is None:
-                self._flush()
-                for f in self.files.values():
-                    f.flush()
-                    os.fsync(f.fileno())
+                with _unwritable(self.folder.parent):
+                    self._flush()
+                    for f in self.files.values():
+                        f.flush()
+                        os.fsync(f.fileno())
         finally:
             for f in self.files.values():
-                f.close()
+                with contextlib.suppress(OSError):  # a buffered write that fails again on close
+                    f.close()
 
 
 @contextlib.contextmanager
