@@ -3,6 +3,7 @@ trusted when damaged or cut off by a kill, and a fallback where it cannot be wri
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -356,3 +357,34 @@ def test_under_torchrun_one_rank_tokenizes_and_both_train_on_the_cache(tmp_path)
     counts = sorted(int((tmp_path / f"encodes.{r}").read_text()) for r in (0, 1))
     assert counts == [0, 60]  # one rank tokenized, the other mapped its cache
     assert len([p for p in (tmp_path / "ck" / ".data_cache").iterdir() if p.is_dir()]) == 1
+
+
+@pytest.mark.parametrize("vocab,dtype", [(2**16, "uint16"), (2**16 + 1, "uint32"), (151936, "uint32")])
+def test_token_ids_are_stored_in_the_narrowest_type_that_holds_the_vocabulary(tmp_path, vocab, dtype):
+    f = tmp_path / "d.jsonl"
+    ids = [0, 1, 255, 256, 65535, vocab - 1]
+    f.write_text(json.dumps({"input_ids": ids}) + "\n" + json.dumps({"input_ids": ids[::-1]}) + "\n")
+    cfg = DataConfig(jsonl=str(f))
+    mapped = build_dataset(cfg, seq_len=4, vocab_size=vocab, cache_dir=tmp_path / "cache")
+    memory = build_dataset(cfg, seq_len=4, vocab_size=vocab)
+    assert json.loads((_only_cache(tmp_path / "cache") / "meta.json").read_text())["dtype"] == dtype
+    assert _same(_batches(mapped, steps=3), _batches(memory, steps=3))
+    assert mapped.sample(1)[0].tolist() == memory.sample(1)[0].tolist() == [256, 65535, vocab - 1, vocab - 1]
+
+
+def test_building_shows_the_bytes_read_on_a_bar(tmp_path, monkeypatch):
+    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+    read: list[int] = []
+
+    class Bar:
+        def update(self, n):
+            read.append(n)
+
+    @contextlib.contextmanager
+    def progress(source):
+        assert source == f
+        yield Bar()
+
+    monkeypatch.setattr(data_cache, "_progress", progress)
+    _build(f, tok, tmp_path / "cache")
+    assert sum(read) == f.stat().st_size and len(read) > 30
