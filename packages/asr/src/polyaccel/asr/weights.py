@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from polyaccel.asr.ct2_convert import convert_ct2_whisper, source_files
+from polyaccel.core.files import is_regular
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,7 +135,8 @@ def convert_cached(name: str, sources: list[Path] | Path, assets: Path | None = 
     conversion of these very sources; return the directory.
 
     Each conversion carries a stamp of its sources (:data:`SOURCES_STAMP`): a replaced
-    ``model.bin``, an upgraded weights package or an entry without a stamp is converted again.
+    ``model.bin``, an upgraded weights package or an entry with another stamp is converted again;
+    an entry without one (a folder, file or link no conversion wrote) is left alone: ValueError.
     A conversion writes to a temporary directory next to the target, stamps it and renames it
     in (swapping out a stale entry), so readers see either nothing or a complete model; if two
     processes race, the first rename wins and the other's copy is discarded.
@@ -143,6 +145,7 @@ def convert_cached(name: str, sources: list[Path] | Path, assets: Path | None = 
     stamp = source_stamp(sources, assets)
     if _stamp_matches(target, stamp, cache):
         return target
+    _refuse_foreign(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(target.parent, name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
@@ -199,8 +202,23 @@ def _install(tmp: Path, target: Path, stamp: list[list], cache: str | os.PathLik
         except OSError:
             if _stamp_matches(target, stamp, cache):
                 return  # a concurrent process installed the same conversion
+        _refuse_foreign(target)
         _move_aside(target)
     raise OSError(f"cannot replace {target}: another process keeps writing it; remove it and run again")
+
+
+def _refuse_foreign(target: Path) -> None:
+    """ValueError unless ``target`` is missing, an empty folder, or a folder holding a conversion
+    stamp: anything else there (a user's own model folder, a file, a link) was not written by a
+    conversion, and replacing it would delete it."""
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode) and (is_regular(target / SOURCES_STAMP) or not any(os.scandir(target))):
+        return
+    raise ValueError(f"{target} is not a conversion polyaccel made (no {SOURCES_STAMP} in it), so it is left "
+                     f"as it is and not replaced: move it elsewhere, or set POLYACCEL_CACHE to another folder")
 
 
 def _move_aside(target: Path) -> None:
