@@ -217,8 +217,10 @@ def _refuse_foreign(target: Path) -> None:
         return
     if stat.S_ISDIR(st.st_mode) and (is_regular(target / SOURCES_STAMP) or not any(os.scandir(target))):
         return
-    raise ValueError(f"{target} is not a conversion polyaccel made (no {SOURCES_STAMP} in it), so it is left "
-                     f"as it is and not replaced: move it elsewhere, or set POLYACCEL_CACHE to another folder")
+    what = ("a link" if stat.S_ISLNK(st.st_mode) else f"a folder without {SOURCES_STAMP}"
+            if stat.S_ISDIR(st.st_mode) else "a file")
+    raise ValueError(f"{target} is {what}, not a conversion polyaccel made, so it is left as it is and not "
+                     f"replaced: move it elsewhere, or set POLYACCEL_CACHE to another folder")
 
 
 def _move_aside(target: Path) -> None:
