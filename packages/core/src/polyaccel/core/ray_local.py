@@ -344,6 +344,7 @@ def connect(address: str | None = None, **kwargs: Any) -> Any:
     target = check_address(address)
     if target == "local":
         return init_local(**kwargs)
+    _warn_if_open_job_cluster()  # before auth_env sets this process's mode
     env = auth_env(force=False)
     if is_loopback_address(target):
         env.update(LOOPBACK_ENV)
@@ -352,6 +353,23 @@ def connect(address: str | None = None, **kwargs: Any) -> Any:
     with _keeping_sigterm_handler():
         ray.init(address=target, **kwargs)
     return ray
+
+
+JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+"""Set by Ray for the driver of a ``ray job submit`` job, which otherwise inherits the head's
+environment (``RAY_AUTH_MODE`` included)."""
+
+
+def _warn_if_open_job_cluster() -> None:
+    """A warning when this process is a Ray job's driver whose head runs without token
+    authentication (started without ``eval "$(python -m polyaccel.core.ray_local env)"``):
+    whoever reaches that cluster's ports can submit jobs to it, that is run code."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if JOB_ENV in os.environ and (mode or "").lower() != "token":
+        log.warning("this Ray job's cluster was started without token authentication (RAY_AUTH_MODE=%s in the "
+                    "job's environment, which is the head's): anyone who reaches its ports can run code on it. "
+                    "Start the head after eval \"$(python -m polyaccel.core.ray_local env)\" (docs/asr.md, Ray)",
+                    mode or "unset")
 
 
 class PortTakenError(RuntimeError):
