@@ -63,3 +63,15 @@ def test_an_export_edited_since_is_kept_aside(tmp_path: Path) -> None:
     (aside,) = subs.glob("talk.txt.bak-*")
     assert aside.read_text() == "first take, corrected by hand\n"
     assert (subs / "talk.txt").read_text() == "second take\n"
+
+
+def test_without_a_home_folder_every_file_is_kept_aside_and_nothing_fails(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("POLYACCEL_CACHE")
+    monkeypatch.setattr(Path, "home", classmethod(lambda cls: (_ for _ in ()).throw(RuntimeError("no home"))))
+    subs = tmp_path / "subs"
+    assert main(["export", str(_results(tmp_path, "first take")), "-f", "txt", "-d", str(subs), "-q"]) == 0
+    assert main(["export", str(_results(tmp_path, "second take")), "-f", "txt", "-d", str(subs), "-q",
+                 "--overwrite"]) == 0
+    assert (subs / "talk.txt").read_text() == "second take\n"
+    assert [p.read_text() for p in subs.glob("talk.txt.bak-*")] == ["first take\n"]

@@ -421,13 +421,18 @@ class _Exported:
     def __init__(self) -> None:
         from polyaccel.asr.weights import cache_dir
 
-        self.path = os.path.join(cache_dir().parent, "exports_sha256.json")
+        try:
+            self.path: str | None = os.path.join(cache_dir().parent, "exports_sha256.json")
+        except RuntimeError:  # no home folder to find (a container user without one)
+            self.path = None
         self.known = self._read()
         self.new: dict[str, str] = {}
 
     def _read(self) -> dict[str, str]:
         import json
 
+        if self.path is None:
+            return {}
         try:
             data = json.loads(read_regular(self.path, 64 << 20) or b"{}")
         except (ValueError, RecursionError):
@@ -456,7 +461,7 @@ class _Exported:
         import fcntl
         import json
 
-        if not self.new:
+        if not self.new or self.path is None:
             return
         with contextlib.suppress(OSError):
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
