@@ -29,10 +29,9 @@ import re
 import shutil
 import stat
 import tempfile
-import time
 from pathlib import Path
 
-from polyaccel.asr.ct2_convert import convert_ct2_whisper, source_files
+from polyaccel.asr.ct2_convert import STALE_TEMP_S, convert_ct2_whisper, source_files, stale_temp
 from polyaccel.core.files import is_regular
 
 
@@ -124,10 +123,6 @@ SOURCES_STAMP = "polyaccel-sources.json"
 was converted from. A folder whose stamp does not match its sources now is converted again;
 sources at other paths with the same bytes (the same weights package installed in another
 virtualenv) match by their sha256, so two installations do not convert in turn over each other."""
-
-STALE_TEMP_S = 30 * 60
-"""A ``.<name>.*`` temporary folder untouched this long was left by a killed conversion."""
-
 
 def convert_cached(name: str, sources: list[Path] | Path, assets: Path | None = None, *,
                    cache: str | os.PathLike | None = None) -> Path:
@@ -245,22 +240,10 @@ def remove_stale_temps(parent: Path, name: str, *, older_than_s: float = STALE_T
     except OSError:
         return removed
     for e in entries:
-        if pattern.fullmatch(e.name) and _stale_temp(Path(e.path), older_than_s):
+        if pattern.fullmatch(e.name) and stale_temp(Path(e.path), older_than_s):
             shutil.rmtree(e.path, ignore_errors=True)  # does not follow symlinks inside
             removed.append(Path(e.path))
     return removed
-
-
-def _stale_temp(path: Path, older_than_s: float) -> bool:
-    """A real folder of ours whose newest entry (or itself) changed over ``older_than_s`` ago."""
-    try:
-        st = os.lstat(path)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            return False
-        newest = max([st.st_mtime, *(os.lstat(e.path).st_mtime for e in os.scandir(path))])
-    except OSError:
-        return False
-    return time.time() - newest > older_than_s
 
 
 def resolve_model(path_or_name: str | os.PathLike, *, cache: str | os.PathLike | None = None) -> Path:
