@@ -21,7 +21,7 @@ counter) trains ``--warmup + --steps`` optimizer steps of ``--accum`` micro-batc
 ``--profile`` also runs one more optimizer step of each plain-loop entry under torch.profiler
 and adds its kernel time by category (``profile_ms``: GEMMs, grouped GEMMs, attention, routing,
 norms, loss, optimizer, copies, the rest) to the row; the full kernel table goes to
-``profile_<shape>_<entry>.txt`` in ``$OUT`` (else ``--out-dir``).
+``profile_<shape>_<entry>[_<variant>].txt`` in ``$OUT`` (else ``--out-dir``).
 
 The peak (``peak_gib``) is the whole run's, warm-up (compilation, autotuning, graph capture)
 included; plain-loop rows also give ``peak_after_warmup_gib``, the measured steps' alone.
@@ -30,7 +30,12 @@ One JSON line per row on stdout (and ``--out``), then a table with tokens/s, pea
 against the measured dense bf16 rate (790 TFLOP/s) and the H200 spec (989), and the ratio to
 ``hf-compile``.
 
+``--variant NAME:KEY=VALUE[,KEY=VALUE...]`` (repeatable) also runs each of our entries (not the
+``hf*`` peers) with those environment variables set in its process, right after the row
+without them, so an A/B of a switch shares one machine and one run (rows say ``variant``).
+
   python tools/bench_moe_users.py --shapes qwen3-30b-a3b-L8 --out moe_users.jsonl
+  python tools/bench_moe_users.py --entries hf-compile,cli,loop --variant persistent:POLYACCEL_WGRAD_PERSISTENT=1
   python tools/bench_moe_users.py --shapes olmoe-1b-7b,mixtral-8x7b-L4 --entries hf,hf-compile,cli,trainer,loop
   python tools/bench_moe_users.py --shapes qwen3-moe-tiny --device cpu --seq 64 --steps 2 --warmup 1  # dry run
 """
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -130,7 +136,7 @@ def plain_loop(entry: str, config, a) -> tuple[list[float], float]:
         _sync(a.device)
         times.append(time.perf_counter() - t0)
     if a.profile:
-        a.profile_ms = profile_categories(one_step, a, f"profile_{a.one[0]}_{entry}.txt")
+        a.profile_ms = profile_categories(one_step, a, "_".join(["profile", a.one[0], entry, *([a.row_variant] if a.row_variant else [])]) + ".txt")
     return times[a.warmup:], float(loss)
 
 
@@ -314,20 +320,54 @@ def table(rows: list[dict]) -> str:
     out = [f"{'shape':<20} {'entry':<20} {'tok/s':>9} {'GiB':>7} {'MFU790':>7} {'x hf-compile':>12} {'x hf':>6}"]
     for shape in dict.fromkeys(r["shape"] for r in rows):
         mine = [r for r in rows if r["shape"] == shape]
-        ref = {r["entry"]: r.get("tokens_per_s") for r in mine}
+        ref = {r["entry"]: r.get("tokens_per_s") for r in mine if not r.get("variant")}
         for r in mine:
+            label = r["entry"] + (f"/{r['variant']}" if r.get("variant") else "")
             if "error" in r:
-                out.append(f"{shape:<20} {r['entry']:<20} error: {r['error'][:80]}")
+                out.append(f"{shape:<20} {label:<20} error: {r['error'][:80]}")
                 continue
-            out.append(f"{shape:<20} {r['entry']:<20} {r['tokens_per_s']:>9,.0f} {r['peak_gib'] or 0:>7.2f} "
+            out.append(f"{shape:<20} {label:<20} {r['tokens_per_s']:>9,.0f} {r['peak_gib'] or 0:>7.2f} "
                        f"{r['mfu_dense']:>7.1%} {_ratio(r, ref, 'hf-compile'):>12} {_ratio(r, ref, 'hf'):>6}")
     return "\n".join(out)
+
+
+def _variant_arg(text: str) -> tuple[str, dict[str, str]]:
+    """``NAME:KEY=VALUE[,KEY=VALUE...]`` -> (NAME, {KEY: VALUE})."""
+    name, sep, rest = text.partition(":")
+    pairs = [item.partition("=") for item in rest.split(",")] if rest else []
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not pairs or any(
+            not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) for key, eq, _ in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: NAME:KEY=VALUE[,KEY=VALUE...] (NAME of letters, digits, "
+                                         "'.', '_', '-'; KEY an environment variable name)")
+    return name, {key: value for key, _, value in pairs}
+
+
+def _runs(entry: str, variants: list[tuple[str, dict[str, str]]]) -> list[tuple[str | None, dict[str, str]]]:
+    """(variant name, extra environment) of each row of ``entry``: the plain row first, then one
+    per variant for our entries (the ``hf*`` peers run once)."""
+    return [(None, {})] + ([] if entry.startswith("hf") else variants)
 
 
 def _window_arg(text: str) -> str:
     if text != "auto" and not (text.isdigit() and int(text) >= 1):
         raise argparse.ArgumentTypeError(f"{text!r}: auto or a whole number >= 1")
     return text
+
+
+def _row(shape: str, entry: str, variant: str | None, env: dict[str, str], passthrough: list[str],
+         timeout: float) -> dict:
+    """One row in its own process (with ``env`` added to its environment); its JSON record."""
+    cmd = [sys.executable, __file__, "--one", shape, entry, *passthrough, *([f"--row-variant={variant}"] if variant else [])]
+    named = {"variant": variant, "env": env} if variant else {}
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
+                             env={**os.environ, **env} if env else None)
+        found = [ln[len(_MARK):] for ln in out.stdout.splitlines() if ln.startswith(_MARK)]
+        rec = json.loads(found[-1]) if found else {"shape": shape, "entry": entry,
+                                                   "error": (out.stderr or out.stdout)[-2000:]}
+    except subprocess.TimeoutExpired:
+        rec = {"shape": shape, "entry": entry, "error": f"timed out after {timeout:.0f} s"}
+    return {**rec, **named}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,7 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="profile one extra step of each plain-loop entry: kernel time by category in the row")
     p.add_argument("--out-dir", default=None, help="Trainer output folders (default: a new private temporary folder)")
+    p.add_argument("--variant", action="append", default=[], type=_variant_arg, metavar="NAME:KEY=VALUE[,...]",
+                   help="also run each of our entries with these environment variables (repeatable)")
     p.add_argument("--one", nargs=2, metavar=("SHAPE", "ENTRY"), help=argparse.SUPPRESS)
+    p.add_argument("--row-variant", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.out_dir is None:  # never a predictable name in a shared /tmp
         a.out_dir = tempfile.mkdtemp(prefix="polyaccel-moe-users-")
@@ -365,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [e for e in entries if e not in ENTRIES]
     if bad:
         p.error(f"unknown entries {bad}; choose from {', '.join(ENTRIES)}")
+    names = [name for name, _ in a.variant]
+    if len(set(names)) != len(names):
+        p.error(f"--variant names repeat: {names}")
     rows = []
     passthrough = [f"--seq={a.seq}", f"--accum={a.accum}", f"--steps={a.steps}", f"--warmup={a.warmup}",
                    f"--device={a.device}", f"--out-dir={a.out_dir}", f"--wgrad-window={a.wgrad_window}", f"--wgrad-tiles={a.wgrad_tiles}"]
@@ -373,20 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     passthrough += ["--profile"] if a.profile else []
     for shape in a.shapes.split(","):
         for entry in entries:
-            cmd = [sys.executable, __file__, "--one", shape, entry, *passthrough]
-            try:
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, check=False)
-                found = [ln[len(_MARK):] for ln in out.stdout.splitlines() if ln.startswith(_MARK)]
-                rec = json.loads(found[-1]) if found else {"shape": shape, "entry": entry,
-                                                           "error": (out.stderr or out.stdout)[-2000:]}
-            except subprocess.TimeoutExpired:
-                rec = {"shape": shape, "entry": entry, "error": f"timed out after {a.timeout:.0f} s"}
-            rows.append(rec)
-            line = json.dumps(rec)
-            print(line, flush=True)
-            if a.out:
-                with open(a.out, "a") as f:
-                    f.write(line + "\n")
+            for variant, env in _runs(entry, a.variant):
+                rec = _row(shape, entry, variant, env, passthrough, a.timeout)
+                rows.append(rec)
+                line = json.dumps(rec)
+                print(line, flush=True)
+                if a.out:
+                    with open(a.out, "a") as f:
+                        f.write(line + "\n")
     print(table(rows), flush=True)
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -266,6 +266,25 @@ def test_linear_cross_entropy_grads_are_autograds(gen, reduction):
     assert none_h is None and rel_err(only_w, Wr.grad) < 1e-5
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_logit_grads_give_autograds_logits_gradient(gen, reduction):
+    """The logits' gradient [N, V] is autograd's (zero on ignored rows); ``g.T @ h`` is the
+    weight's gradient and the hidden gradient is ``g @ W``."""
+    h, W = rnd(gen, 9, 8), rnd(gen, 13, 8)
+    labels = torch.tensor([1, 2, -100, 10, 0, 3, 12, -100, 5])
+    hr, Wr = h.clone().requires_grad_(), W.clone().requires_grad_()
+    logits = torch.nn.functional.linear(hr, Wr)
+    logits.retain_grad()
+    ref = torch.nn.functional.cross_entropy(logits, labels, reduction=reduction)
+    ref.backward()
+    loss, gh, g = ops.linear_cross_entropy_logit_grads(h, W, labels, reduction=reduction)
+    assert abs(loss.item() - ref.item()) < 1e-5 and g.shape == (9, 13)
+    assert rel_err(g, logits.grad) < 1e-5 and not g[labels == -100].any()
+    assert rel_err(gh, hr.grad) < 1e-5 and rel_err(g.t() @ h, Wr.grad) < 1e-5
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
+        ops.linear_cross_entropy_logit_grads(h, W, labels, reduction="none")
+
+
 def test_add_scaled_reads_a_tensor_scale(gen):
     out, x = rnd(gen, 5, 3, dtype=torch.bfloat16), rnd(gen, 5, 3, dtype=torch.bfloat16)
     expected = (out.float() + 0.37 * x.float()).to(torch.bfloat16)

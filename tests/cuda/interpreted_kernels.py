@@ -27,6 +27,7 @@ from polyaccel.cuda import (  # noqa: E402
     grouped_lowrank,
     grouped_wgrad,
     moe_permute,
+    router,
     swiglu,
     triton_rmsnorm,
 )
@@ -428,6 +429,40 @@ def check_grouped_lowrank():
     assert torch.equal(buffer[8:], before[8:]), "rows past the output were written"
 
 
+def tie_broken_topk(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest per row, equal values by the lower index first (a stable descending sort)."""
+    return torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def check_router_topk():
+    """Softmax and top-k in one pass: the ids of a stable descending sort (ties at the lower
+    expert id, as aten keeps them), its weights renormalised or not, the probabilities; the
+    gradient equals autograd's through softmax, gather and renormalisation; rows not a
+    multiple of the block, k from 1 to E, logits rounded so that many tie."""
+    router.ENABLED = True
+    for T, E, k, renorm, dtype in ((37, 128, 8, True, torch.float32), (5, 60, 4, False, torch.float16),
+                                   (19, 8, 2, True, torch.float32), (3, 16, 16, True, torch.float32),
+                                   (9, 64, 1, False, torch.float32)):
+        logits = (torch.randn(T, E) * 4).round() / 4  # coarse: ties within most rows
+        logits = logits.to(dtype).requires_grad_()
+        w, idx = router.router_topk(logits, k, renorm)
+        probs = torch.softmax(logits.detach().float(), dim=-1)
+        want_idx = tie_broken_topk(probs, k)
+        assert torch.equal(idx, want_idx), f"router_topk ids T={T} E={E} k={k}"
+        ref = logits.detach().clone().requires_grad_()
+        ref_w = torch.softmax(ref.float(), dim=-1).gather(1, want_idx)
+        if renorm:
+            ref_w = ref_w / ref_w.sum(dim=-1, keepdim=True)
+        err = rel_err(w, ref_w)
+        assert err < 1e-6, f"router_topk weights {err}"
+        dw = torch.randn(T, k)
+        (g,) = torch.autograd.grad(w, logits, dw)
+        (g_ref,) = torch.autograd.grad(ref_w, ref, dw)
+        err = rel_err(g, g_ref)
+        assert err < 1e-5, f"router_topk gradient {err}"
+        print(f"router_topk T={T} E={E} k={k} renorm={renorm} {dtype}: ids equal, grad err {err:.1e}")
+
+
 def check_rows_to_fp8():
     """Rows in e4m3 with their scales: whole rows in one block or several rows a program, a
     width not a power of two, a zero row, strided rows; without a prologue the same bits as
@@ -453,6 +488,7 @@ def main() -> None:
     check_permute_unpermute()
     check_dropped_copies()
     check_swiglu_skips_dropped_rows()
+    check_router_topk()
     labels = torch.randint(0, 300, (19,))
     labels[3] = -100
     check_fwd_bwd("linear_cross_entropy fp32", lambda h, w: linear_cross_entropy(h, w, labels),

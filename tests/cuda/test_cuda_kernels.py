@@ -175,6 +175,76 @@ def test_an_odd_vocabulary_runs_the_lm_head_gemms_at_an_aligned_width(monkeypatc
     assert rel_err(loss, ref) < 1e-6 and rel_err(grad_h, ref_h) < 1e-5 and rel_err(grad_w, ref_w) < 1e-5
 
 
+@pytest.mark.parametrize("V, reduction", [(509, "mean"), (512, "sum")])
+def test_logit_grads_run_at_an_aligned_width_and_return_the_real_columns(V, reduction):
+    """The one-chunk op behind a deferred LM-head weight gradient: the loss, the hidden gradient
+    and the logits' gradient (a V-wide view of aligned rows) equal autograd's."""
+    N, H = 40, 16
+    labels = torch.randint(0, V, (N,))
+    labels[:4] = V - 1
+    labels[4] = -100
+    h, w = torch.randn(N, H, requires_grad=True), (0.3 * torch.randn(V, H)).requires_grad_()
+    loss, grad_h, grad_logits = cross_entropy.linear_cross_entropy_logit_grads(h, w, labels, reduction=reduction)
+    assert grad_logits.shape == (N, V) and grad_logits.stride(0) == 512
+    logits = h @ w.T
+    logits.retain_grad()
+    ref = torch.nn.functional.cross_entropy(logits, labels, reduction=reduction)
+    ref.backward()
+    assert rel_err(loss, ref) < 1e-6 and rel_err(grad_h, h.grad) < 1e-5
+    assert rel_err(grad_logits, logits.grad) < 1e-5 and rel_err(grad_logits.t() @ h, w.grad) < 1e-5
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_topk_op_gradient_is_autograds_through_softmax_and_topk(monkeypatch, renormalize):
+    """The router op's own backward (the softmax backward of the weights' gradient scattered to
+    the picked experts, renormalisation included) equals autograd's through core's reference;
+    switched off, the op is that reference."""
+    from polyaccel.cuda import router
+
+    logits = torch.randn(11, 24, dtype=torch.float64)  # continuous: no ties
+    dw = torch.randn(11, 5, dtype=torch.float64)
+    ref_logits = logits.clone().requires_grad_()
+    ref_w, ref_idx = ops.router_topk.reference(ref_logits, 5, renormalize)
+    (ref_g,) = torch.autograd.grad(ref_w, ref_logits, dw)
+    monkeypatch.setattr(router, "ENABLED", True)
+    x = logits.clone().requires_grad_()
+    w, idx = router.router_topk(x, 5, renormalize)
+    (g,) = torch.autograd.grad(w, x, dw)
+    assert torch.equal(idx, ref_idx) and rel_err(w, ref_w) < 1e-6 and rel_err(g, ref_g) < 1e-6
+    monkeypatch.setattr(router, "ENABLED", False)
+    monkeypatch.setattr(torch.ops.polyaccel_cuda, "router_topk", None)
+    w_off, idx_off = router.router_topk(logits, 5, renormalize)
+    assert torch.equal(idx_off, ref_idx) and torch.equal(w_off, ref_w.detach())
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T, E, k, renormalize", [(4096, 128, 8, True), (4096, 64, 8, False), (1000, 8, 2, True),
+                                                   (333, 160, 6, True)])
+def test_gpu_router_topk_keeps_the_experts_torch_topk_keeps(monkeypatch, T, E, k, renormalize):
+    """On CUDA, bf16 logits rounded so that many tie: the fused router picks the same set of
+    experts per token as torch's softmax + top-k (the tie rule it assumes: the lower expert id
+    first), in descending weight order, with the same weights and gradient within fp32 rounding."""
+    from polyaccel.cuda import router
+
+    monkeypatch.setattr(router, "ENABLED", True)
+    logits = ((torch.randn(T, E, device="cuda") * 4).round() / 4).bfloat16()
+    x, ref_x = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    w, idx = router.router_topk(x, k, renormalize)
+    ref_w, ref_idx = ops.router_topk.reference(ref_x, k, renormalize)
+    assert torch.equal(idx.sort(dim=-1).values, ref_idx.sort(dim=-1).values), "another expert set"
+    assert (w[:, :-1] >= w[:, 1:]).all()
+
+    def by_expert(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # equal weights may come in another order
+        return torch.zeros(T, E, device="cuda").scatter(1, ids, t.detach().float())
+
+    assert rel_err(by_expert(w, idx), by_expert(ref_w, ref_idx)) < 1e-6
+    dw = torch.randn(T, E, device="cuda")  # an upstream gradient per expert
+    (g,) = torch.autograd.grad(w, x, dw.gather(1, idx))
+    (ref_g,) = torch.autograd.grad(ref_w, ref_x, dw.gather(1, ref_idx))
+    assert rel_err(g, ref_g) < 1e-2
+
+
 def test_chunk_rows():
     assert cross_entropy.chunk_rows(4096, 151936, 2, chunk_bytes=1 << 30) == 2048
     assert cross_entropy.chunk_rows(4096, 151936, 2, chunk_bytes=4 << 30) == 4096
@@ -197,6 +267,9 @@ def test_opcheck_cpu():
         (torch.ops.polyaccel_cuda.linear_cross_entropy,
          (torch.randn(20, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True),
           torch.randint(0, 30, (20,)), -100, "mean", 8, True)),
+        (torch.ops.polyaccel_cuda.linear_cross_entropy_logits,
+         (torch.randn(20, 8), torch.randn(30, 8), torch.randint(0, 30, (20,)), -100, "sum")),
+        (torch.ops.polyaccel_cuda.router_topk, (torch.randn(10, 12, requires_grad=True), 3, True)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -216,7 +289,8 @@ def test_register_all_registers_every_op_for_cuda():
 
     if has_triton():
         assert {"rms_norm", "swiglu", "moe_unpermute", "linear_cross_entropy", "linear_cross_entropy_grads",
-                "add_scaled_", "grouped_mm_wgrad", "adamw_step_", "decode_attention"} <= set(seen)
+                "linear_cross_entropy_logit_grads", "router_topk", "add_scaled_", "grouped_mm_wgrad", "adamw_step_",
+                "decode_attention"} <= set(seen)
 
 
 # ---------------------------------------------------------------------------------------

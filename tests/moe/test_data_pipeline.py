@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 from collections import Counter
 from pathlib import Path
@@ -307,3 +308,35 @@ def test_a_record_missing_a_field_is_named_with_what_it_lacks(tmp_path, record, 
 def test_a_pretty_printed_json_file_given_as_jsonl_says_so(tmp_path, content):
     with pytest.raises(ConfigError, match=r"data\.jsonl:1: not valid JSON .*one whole JSON object per line"):
         _build(tmp_path, "jsonl", content)
+
+
+def _paragraphs_before(text: str) -> list[tuple[int, str]]:
+    """The paragraphs (first line, text) as the whole-file reader found them."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    out, start, line, counted = [], 0, 1, 0
+    for gap in [*re.finditer(r"\n[^\S\n]*\n", text), None]:
+        end = gap.start() if gap else len(text)
+        para = text[start:end]
+        if para.strip():
+            first = start + len(para) - len(para.lstrip())
+            line, counted = line + text.count("\n", counted, first), first
+            out.append((line, para.strip()))
+        start = gap.end() if gap else end
+    return out
+
+
+def test_text_read_line_by_line_gives_the_paragraphs_the_whole_file_reader_gave(tmp_path, monkeypatch):
+    """Paragraphs, their text and first line, as reading the whole file found them (CR, CRLF,
+    blank lines of any whitespace, whitespace that is no line end)."""
+    rng = random.Random(1)
+    f = tmp_path / "t.text"
+    seen: list[tuple[str, str]] = []
+    monkeypatch.setattr(data_module, "_paragraph",
+                        lambda lines, tok, vocab_size, where: seen.append((where, "\n".join(lines).strip())))
+    for _ in range(300):
+        text = "".join(rng.choice(["a", "b c", " ", "\t", "\n", "\n", "\r", "\r\n", "\x0b", "\u00a0", "\x1c"])
+                       for _ in range(rng.randint(0, 30)))
+        f.write_text(text, newline="")
+        seen.clear()
+        list(data_module._text_documents(f, lambda: None, 32))
+        assert seen == [(f"{f}:{line}", para) for line, para in _paragraphs_before(text)], repr(text)

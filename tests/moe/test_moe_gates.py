@@ -225,6 +225,62 @@ def test_fused_weight_gradient_is_added_into_grad(monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lm_head_weight_gradient_formed_in_the_backward_by_one_gemm_into_grad(monkeypatch, dtype):
+    """``POLYACCEL_LM_HEAD_WGRAD=backward``: the forward keeps the logits' gradient, the backward
+    adds ``grad_logits.T @ (hidden * upstream)`` into the existing ``.grad`` (no ``add_scaled_``
+    pass; the first one, with no ``.grad`` yet, returns it to autograd): gradients equal
+    autograd's through the plain loss, with upstream gradients other than 1."""
+    from polyaccel.core import ops
+    from polyaccel.moe import layers
+
+    monkeypatch.setattr(layers, "LM_HEAD_WGRAD", "backward")
+    monkeypatch.setattr(ops, "add_scaled_", lambda *a: pytest.fail("add_scaled_ ran"))
+    calls = []
+    logit_grads = ops.linear_cross_entropy_logit_grads
+    monkeypatch.setattr(ops, "linear_cross_entropy_logit_grads", lambda *a: calls.append(1) or logit_grads(*a))
+    torch.manual_seed(1)
+    N, H, V = 19, 8, 30
+    y = torch.randint(0, V, (N,))
+    y[4] = -100
+    w = torch.nn.Parameter((0.3 * torch.randn(V, H)).to(dtype))
+    w_ref = torch.nn.Parameter(w.detach().double())
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # of the norm: bf16 rounds the logits' gradient
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+        return ((got.double() - want).norm() / want.norm()).item() < tol
+
+    for step, upstream in enumerate((0.5, 0.125, 3.0)):
+        h = torch.randn(N, H, dtype=dtype, requires_grad=True)
+        h_ref = h.detach().double().requires_grad_()
+        linear_cross_entropy_sum(h, w, y, chunk=7, fuse_weight_grad=True).backward(torch.tensor(upstream))
+        F.cross_entropy(F.linear(h_ref, w_ref), y, ignore_index=-100, reduction="sum").backward(
+            torch.tensor(upstream, dtype=torch.float64))
+        assert close(h.grad, h_ref.grad) and close(w.grad, w_ref.grad), f"step {step}"
+    assert len(calls) == 3
+
+
+def test_lm_head_weight_gradient_over_the_size_limit_stays_in_the_forward(monkeypatch):
+    """A logits' gradient larger than ``LM_HEAD_DEFER_BYTES`` is not kept: the chunked forward
+    path and ``add_scaled_`` run as by default; an unknown setting is refused by name."""
+    from polyaccel.core import ops
+    from polyaccel.moe import layers
+
+    monkeypatch.setattr(layers, "LM_HEAD_WGRAD", "backward")
+    monkeypatch.setattr(layers, "LM_HEAD_DEFER_BYTES", 19 * 30 * 4 - 1)
+    monkeypatch.setattr(ops, "linear_cross_entropy_logit_grads", lambda *a: pytest.fail("kept the logits"))
+    calls = []
+    add = ops.add_scaled_
+    monkeypatch.setattr(ops, "add_scaled_", lambda *a: calls.append(1) or add(*a))
+    w = torch.nn.Parameter(torch.randn(30, 8))
+    w.grad = torch.zeros_like(w)
+    linear_cross_entropy_sum(torch.randn(19, 8), w, torch.randint(0, 30, (19,)), fuse_weight_grad=True).backward()
+    assert calls == [1]
+    monkeypatch.setattr(layers, "LM_HEAD_WGRAD", "sideways")
+    with pytest.raises(ValueError, match="POLYACCEL_LM_HEAD_WGRAD='sideways'"):
+        linear_cross_entropy_sum(torch.randn(19, 8), w, torch.randint(0, 30, (19,)), fuse_weight_grad=True)
+
+
 def test_router_jitter_multiplies_the_input_by_uniform_noise_in_training_only():
     """Mixtral's ``router_jitter_noise`` j: in training the block sees ``x * U(1-j, 1+j)``
     drawn from the torch RNG (as Transformers does), in eval ``x`` unchanged."""

@@ -4,6 +4,7 @@ profiled step reports its time by category and writes the profiler's table."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import types
 from pathlib import Path
 
@@ -104,3 +105,46 @@ def test_config_overrides_reach_every_entrys_model(bench, tmp_path, monkeypatch)
     assert bench.main(["--entries", "hf", "--device", "cpu", "--config", "num_experts=6", "--config",
                        "hidden_size=48", "--out-dir", str(tmp_path)]) == 0
     assert seen and all("--config=num_experts=6" in c and "--config=hidden_size=48" in c for c in seen)
+
+
+def test_variants_rerun_our_entries_with_their_environment_beside_the_plain_row(bench, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """``--variant NAME:KEY=VALUE``: each of our entries runs again right after its plain row with
+    the variable set in that row's process only (the peers once), and the rows and table say
+    which variant each is."""
+    seen = []
+
+    def fake_run(cmd, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        env = kwargs.get("env") or {}
+        seen.append((cmd[cmd.index("--one") + 2], env.get("POLYACCEL_X"), env.get("POLYACCEL_Y")))
+        row = {"shape": "s", "entry": cmd[cmd.index("--one") + 2], "tokens_per_s": 100.0 + len(seen),
+               "peak_gib": 1.0, "mfu_dense": 0.1}
+        return types.SimpleNamespace(stdout=bench._MARK + json.dumps(row) + "\n", stderr="", returncode=0)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.delenv("POLYACCEL_X", raising=False)
+    out = tmp_path / "rows.jsonl"
+    assert bench.main(["--entries", "hf-compile,loop", "--device", "cpu", "--out-dir", str(tmp_path),
+                       "--out", str(out), "--variant", "x:POLYACCEL_X=1,POLYACCEL_Y=a=b"]) == 0
+    assert seen == [("hf-compile", None, None), ("loop", None, None), ("loop", "1", "a=b")]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r.get("variant") for r in rows] == [None, None, "x"]
+    assert rows[2]["env"] == {"POLYACCEL_X": "1", "POLYACCEL_Y": "a=b"}
+    table = capsys.readouterr().out.splitlines()
+    assert any("loop/x" in line and "1.02" in line for line in table)  # against the plain hf-compile row
+
+
+@pytest.mark.parametrize("bad", ["x", "x:", ":K=1", "x:K", "x:1K=2", "a b:K=1"])
+def test_a_malformed_variant_is_refused_before_any_row_runs(bench, tmp_path, monkeypatch, bad):
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: pytest.fail("a row ran"))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--entries", "loop", "--device", "cpu", "--out-dir", str(tmp_path), "--variant", bad])
+    assert e.value.code == 2
+
+
+def test_repeated_variant_names_are_refused(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: pytest.fail("a row ran"))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--entries", "loop", "--device", "cpu", "--out-dir", str(tmp_path),
+                    "--variant", "x:A=1", "--variant", "x:A=2"])
+    assert e.value.code == 2

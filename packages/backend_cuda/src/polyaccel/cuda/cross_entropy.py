@@ -129,17 +129,12 @@ def linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, labels: 
     """(loss fp32 scalar, d loss/d hidden [N, H], d loss/d weight [V, H]); empty grads without
     ``compute_grad``. ``reduction`` is ``"mean"`` (over non-ignored labels) or ``"sum"``."""
     N = hidden.shape[0]
-    counted = (labels != ignore_index).sum()
-    if reduction == "mean":
-        scale = 1.0 / counted.clamp_min(1).float()
-    else:
-        scale = torch.ones((), device=hidden.device, dtype=torch.float32)
-    scale = scale.reshape(1)
+    scale = _loss_scale(labels, ignore_index, reduction)
     loss_rows = torch.empty(N, device=hidden.device, dtype=torch.float32)
     grad_h = torch.empty_like(hidden) if compute_grad else hidden.new_empty(0)
     V = weight.shape[0]
     padded = padded_vocab(V)
-    w = torch.nn.functional.pad(weight, (0, 0, 0, padded - V)) if padded != V else weight
+    w = _padded_weight(weight)
     grad_w_acc = None
     for s in range(0, N, chunk):
         h = hidden[s:s + chunk]
@@ -162,6 +157,40 @@ def linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, labels: 
     if padded != V:  # a copy of the first V rows: no view of the wider tensor is returned
         return loss, grad_h, grad_w_acc[:V].to(weight.dtype, copy=True)
     return loss, grad_h, grad_w_acc.to(weight.dtype)
+
+
+def _loss_scale(labels: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """[1] fp32 on the labels' device: 1 / the counted labels for ``mean``, 1 for ``sum``."""
+    if reduction == "mean":
+        return (1.0 / (labels != ignore_index).sum().clamp_min(1).float()).reshape(1)
+    return torch.ones(1, device=labels.device, dtype=torch.float32)
+
+
+def _padded_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` with zero rows up to :func:`padded_vocab` rows (itself when none are needed)."""
+    V = weight.shape[0]
+    padded = padded_vocab(V)
+    return torch.nn.functional.pad(weight, (0, 0, 0, padded - V)) if padded != V else weight
+
+
+@torch.library.custom_op(f"{_LIB}::linear_cross_entropy_logits", mutates_args=())
+def linear_cross_entropy_logits_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                   ignore_index: int, reduction: str
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss fp32 scalar, d loss/d hidden [N, H], d loss/d logits [N, padded V]): one chunk, the
+    logits' gradient kept for the caller's weight-gradient GEMM (its columns past V are zero)."""
+    scale = _loss_scale(labels, ignore_index, reduction)
+    loss_rows = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
+    w = _padded_weight(weight)
+    logits = torch.mm(hidden, w.t())
+    _loss_and_grad_rows(logits[:, :weight.shape[0]], labels, loss_rows, scale, ignore_index, True)
+    return loss_rows.sum() * scale[0], torch.mm(logits, w), logits
+
+
+@linear_cross_entropy_logits_op.register_fake
+def _(hidden, weight, labels, ignore_index, reduction):
+    return (hidden.new_empty((), dtype=torch.float32), torch.empty_like(hidden),
+            hidden.new_empty(hidden.shape[0], padded_vocab(weight.shape[0])))
 
 
 @linear_cross_entropy_op.register_fake
@@ -226,3 +255,20 @@ def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, label
         loss, grad_h, grad_w = torch.ops.polyaccel_cuda.linear_cross_entropy(
             hidden, weight, labels, ignore_index, reduction, rows, grad_hidden or grad_weight)
     return loss, grad_h if grad_hidden else None, grad_w if grad_weight else None
+
+
+def linear_cross_entropy_logit_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                     ignore_index: int = -100, reduction: str = "mean"
+                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Core ``linear_cross_entropy_logit_grads`` on CUDA: the LM-head GEMM on the aligned
+    vocabulary, the loss and the logits' gradient in place by one Triton pass per row, and
+    ``d loss/d hidden``; returns the logits' gradient as the first V columns of its aligned
+    rows (a view). Unfused reductions take core's reference."""
+    if reduction not in ("mean", "sum"):
+        from polyaccel.core.ops import linear_cross_entropy_logit_grads as core_op
+
+        return core_op.reference(hidden, weight, labels, ignore_index, reduction)
+    with torch.no_grad():
+        loss, grad_h, grad_logits = torch.ops.polyaccel_cuda.linear_cross_entropy_logits(
+            hidden, weight, labels, ignore_index, reduction)
+    return loss, grad_h, grad_logits[:, :weight.shape[0]]

@@ -9,6 +9,8 @@
 | ``grouped_mm_wgrad`` | Triton K-grouped GEMM over one or several micro-batches, accumulating into ``.grad`` (:mod:`.grouped_wgrad`) |
 | ``moe_permute`` / ``moe_unpermute`` | device sort + Triton gather-combine that skips dropped copies, no host sync (:mod:`.moe_permute`) |
 | ``linear_cross_entropy`` / ``linear_cross_entropy_grads`` | chunked LM head + CE with in-forward gradients (:mod:`.cross_entropy`) |
+| ``router_topk`` | softmax and top-k in one Triton pass, off until timed (:mod:`.router`) |
+| ``linear_cross_entropy_logit_grads`` | the same in one chunk, the logits' gradient returned (:mod:`.cross_entropy`) |
 | ``add_scaled_`` | one Triton pass, the scale read from device memory (:mod:`.add_scaled`) |
 | ``attention`` | ``F.scaled_dot_product_attention`` (flash / cuDNN / mem-efficient) (:mod:`.attention`) |
 | ``causal_attention`` | FlashAttention-4's CuTe kernels on Hopper/Blackwell, registered only where ``flash-attn-4`` is installed (:mod:`.flash_attention`) |
@@ -35,7 +37,11 @@ from polyaccel.cuda.adamw import adamw_step_
 from polyaccel.cuda.add_scaled import add_scaled_
 from polyaccel.cuda.attention import attention
 from polyaccel.cuda.conv_subsample import conv2d_subsample
-from polyaccel.cuda.cross_entropy import linear_cross_entropy, linear_cross_entropy_grads
+from polyaccel.cuda.cross_entropy import (
+    linear_cross_entropy,
+    linear_cross_entropy_grads,
+    linear_cross_entropy_logit_grads,
+)
 from polyaccel.cuda.decode_attention import decode_attention
 from polyaccel.cuda.depthwise_conv import depthwise_conv1d
 from polyaccel.cuda.flash_attention import causal_attention, fa4_installed
@@ -51,6 +57,7 @@ from polyaccel.cuda.fused_decode import (
 from polyaccel.cuda.grouped_lowrank import grouped_lowrank_add_
 from polyaccel.cuda.grouped_wgrad import grouped_mm_wgrad
 from polyaccel.cuda.moe_permute import moe_permute, moe_unpermute
+from polyaccel.cuda.router import router_topk
 from polyaccel.cuda.swiglu import swiglu
 from polyaccel.cuda.triton_rmsnorm import rms_norm
 
@@ -66,8 +73,12 @@ def register_all(registry) -> None:
                           impl="chunked+triton", backend=BACKEND)
         registry.register("linear_cross_entropy_grads", "cuda", linear_cross_entropy_grads,
                           impl="chunked+triton", backend=BACKEND)
+        registry.register("linear_cross_entropy_logit_grads", "cuda", linear_cross_entropy_logit_grads,
+                          impl="triton", backend=BACKEND)
         registry.register("add_scaled_", "cuda", add_scaled_, impl="triton", backend=BACKEND)
         registry.register("moe_unpermute", "cuda", moe_unpermute, impl="triton", backend=BACKEND)
+        registry.register("router_topk", "cuda", router_topk, impl="triton (POLYACCEL_FUSED_ROUTER=1)",
+                          backend=BACKEND)
         registry.register("adamw_step_", "cuda", adamw_step_, impl="triton", backend=BACKEND)
         registry.register("grouped_mm_wgrad", "cuda", grouped_mm_wgrad, impl="triton", backend=BACKEND)
         registry.register("grouped_lowrank_add_", "cuda", grouped_lowrank_add_, impl="triton", backend=BACKEND)

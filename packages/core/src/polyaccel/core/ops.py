@@ -71,6 +71,17 @@ def swiglu(gate_up: torch.Tensor, num_valid: torch.Tensor | None = None) -> torc
 
 
 @registry.define
+def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learned MoE router's choice: ``softmax(logits)`` in fp32, its ``top_k`` largest per row
+    (weights fp32 [T, k], expert ids int64 [T, k], largest first), renormalised to sum 1 when
+    ``renormalize``. Differentiable in ``logits`` through the weights."""
+    w, idx = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, idx
+
+
+@registry.define
 def fused_qkv(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, num_heads: int,
               num_kv_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One projection for Q, K and V, split into heads.
@@ -451,30 +462,17 @@ def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, label
     once). For callers that scale and place the gradients themselves. ``reduction``: ``"mean"``
     (over non-ignored labels) or ``"sum"``; backends may pick their own chunking.
     """
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"linear_cross_entropy_grads: reduction must be 'mean' or 'sum', got {reduction!r}")
+    scale = _ce_scale("linear_cross_entropy_grads", labels, ignore_index, reduction)
     N = hidden.shape[0]
-    scale = None
-    if reduction == "mean":
-        scale = 1.0 / (labels != ignore_index).sum().clamp_min(1).float()
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_h = torch.empty_like(hidden) if grad_hidden else None
     grad_w = None
     for start in range(0, N, chunk):
         h, y = hidden[start:start + chunk], labels[start:start + chunk]
-        logits = F.linear(h, weight).float()  # [c, V]
-        valid = y != ignore_index
-        y_safe = torch.where(valid, y, torch.zeros_like(y))
-        lse = torch.logsumexp(logits, dim=-1)
-        target = logits.gather(1, y_safe[:, None]).squeeze(1)
-        total = total + torch.where(valid, lse - target, torch.zeros_like(lse)).sum()
-        if not (grad_hidden or grad_weight):
+        loss_sum, g = _ce_rows(F.linear(h, weight).float(), y, ignore_index, scale, grad_hidden or grad_weight)
+        total = total + loss_sum
+        if g is None:
             continue
-        g = logits.sub_(lse[:, None]).exp_()  # softmax, in place
-        g.scatter_add_(1, y_safe[:, None], -torch.ones_like(lse)[:, None])
-        g = g * valid[:, None]
-        if scale is not None:
-            g = g * scale
         g = g.to(hidden.dtype)
         if grad_hidden:
             grad_h[start:start + chunk] = g @ weight
@@ -488,6 +486,46 @@ def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, label
         grad_w = torch.zeros_like(weight)
     loss = total if scale is None else total * scale
     return loss, grad_h, grad_w.to(weight.dtype) if grad_w is not None else None
+
+
+@registry.define
+def linear_cross_entropy_logit_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                     ignore_index: int = -100, reduction: str = "mean"
+                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`linear_cross_entropy`'s loss, ``d loss/d hidden`` [N, H] and ``d loss/d logits``
+    [N, V] (in ``hidden``'s dtype) for an upstream gradient of 1, the [N, V] block formed at
+    once. For callers that form the weight's gradient later themselves
+    (``grad_logits.T @ hidden``, times the upstream gradient once it is known: added straight
+    into ``weight.grad`` by the GEMM instead of through a separate pass over a [V, H] tensor).
+    """
+    scale = _ce_scale("linear_cross_entropy_logit_grads", labels, ignore_index, reduction)
+    total, g = _ce_rows(F.linear(hidden, weight).float(), labels, ignore_index, scale, True)
+    g = g.to(hidden.dtype)
+    return (total if scale is None else total * scale), g @ weight, g
+
+
+def _ce_scale(op: str, labels: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor | None:
+    """1 / the counted labels for ``mean`` (a device tensor), None for ``sum``."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"{op}: reduction must be 'mean' or 'sum', got {reduction!r}")
+    return 1.0 / (labels != ignore_index).sum().clamp_min(1).float() if reduction == "mean" else None
+
+
+def _ce_rows(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, scale: torch.Tensor | None,
+             grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(summed loss of the fp32 ``logits`` rows, their gradient times ``scale`` or None): the
+    logits are overwritten."""
+    valid = labels != ignore_index
+    y_safe = torch.where(valid, labels, torch.zeros_like(labels))
+    lse = torch.logsumexp(logits, dim=-1)
+    target = logits.gather(1, y_safe[:, None]).squeeze(1)
+    total = torch.where(valid, lse - target, torch.zeros_like(lse)).sum()
+    if not grad:
+        return total, None
+    g = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+    g.scatter_add_(1, y_safe[:, None], -torch.ones_like(lse)[:, None])
+    g = g * valid[:, None]
+    return total, g if scale is None else g * scale
 
 
 @registry.define

@@ -10,6 +10,8 @@ is taken; Transformers shifts labels inside the model). Sources:
   that every token but the very first is a loss target exactly once (the model shifts labels:
   a sample's first token is never one); the tail is padded and masked. Documents are packed
   without cross-document attention masking (full causal attention within a sample).
+- :class:`MappedDataset`: the same samples, cut on demand from the memory-mapped token cache
+  of a file (:mod:`polyaccel.moe.data_cache`), tokenized once for every process and resume.
 - :class:`SyntheticDataset`: uniform random tokens, an unbounded stream (benchmarks).
 
 :class:`Batches` turns a source into per-rank micro-batches. Global sample ``i`` (counting
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,39 @@ class PackedDataset:
         return cls(t_ids, t_ids.masked_fill(~t_mask, IGNORE_INDEX))
 
 
+class MappedDataset:
+    """The samples :meth:`PackedDataset.pack` would make, cut on demand from a memory-mapped
+    token stream (:class:`polyaccel.moe.data_cache.TokenCache`): resident memory does not grow
+    with the data. Sample ``i`` covers stream positions ``[i * (seq_len - 1), ... + seq_len)``,
+    the tail padded with ``cache.pad_id`` and masked."""
+
+    def __init__(self, cache: Any, seq_len: int):
+        if seq_len < 2:
+            raise ConfigError(f"train.seq_len must be >= 2 for packed data (a sample of {seq_len} token "
+                              "has no next token to predict)")
+        self.cache, self.seq_len, self.stride = cache, seq_len, seq_len - 1
+        total = len(cache.tokens)
+        padded = total + (-(total - 1) % self.stride if total > 1 else self.stride)
+        self.n = (padded - 1) // self.stride
+
+    def __len__(self) -> int:
+        return self.n
+
+    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample ``index`` in storage order: (input_ids [S], labels [S]), int64."""
+        if not 0 <= index < self.n:
+            raise IndexError(f"sample {index} of {self.n}")
+        start = index * self.stride
+        ids = np.full(self.seq_len, self.cache.pad_id, dtype=np.int64)
+        mask = np.zeros(self.seq_len, dtype=bool)
+        part = self.cache.tokens[start:start + self.seq_len]
+        ids[:len(part)] = part
+        mask[:len(part)] = self.cache.mask[start:start + self.seq_len]
+        mask[0] = False  # the previous sample's last target (or the stream's first token)
+        t_ids = torch.from_numpy(ids)
+        return t_ids, t_ids.masked_fill(torch.from_numpy(~mask), IGNORE_INDEX)
+
+
 class SyntheticDataset:
     """Uniform random token ids in ``[0, vocab)``; sample ``i`` depends only on (seed, i)."""
 
@@ -112,7 +146,7 @@ class SyntheticDataset:
 class Batches:
     """This rank's micro-batches, step by step, from a deterministic global sample order.
 
-    :param source: a :class:`PackedDataset` or :class:`SyntheticDataset`.
+    :param source: a :class:`PackedDataset`, :class:`MappedDataset` or :class:`SyntheticDataset`.
     :param micro_batch: sequences per micro-batch per rank.
     :param grad_accum: micro-batches per optimizer step.
     :param dp_rank, dp_size: this rank's place among the data-parallel ranks.
@@ -120,7 +154,7 @@ class Batches:
     :param shuffle: permute finite sources each epoch.
     """
 
-    def __init__(self, source: PackedDataset | SyntheticDataset, *, micro_batch: int, grad_accum: int,
+    def __init__(self, source: PackedDataset | MappedDataset | SyntheticDataset, *, micro_batch: int, grad_accum: int,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True):
         self.source, self.micro_batch, self.grad_accum = source, micro_batch, grad_accum
         self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
@@ -190,8 +224,13 @@ class Batches:
 # --------------------------------------------------------------------------------------------
 
 def build_dataset(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int = 0,
-                  tokenizer_path: str | None = None) -> PackedDataset | SyntheticDataset:
+                  tokenizer_path: str | None = None,
+                  cache_dir: str | Path | None = None) -> PackedDataset | MappedDataset | SyntheticDataset:
     """The dataset ``cfg`` describes, checked against the model's ``vocab_size``.
+
+    With ``cache_dir`` (and ``cfg.cache``), a file's tokens come from a token cache there,
+    built once (:mod:`polyaccel.moe.data_cache`) and memory-mapped; where it cannot be
+    written, one warning, and the data is tokenized in memory as without ``cache_dir``.
 
     Raises :class:`ConfigError` for a missing file, an unusable record, a missing tokenizer
     or token ids outside ``[0, vocab_size)``.
@@ -207,30 +246,75 @@ def build_dataset(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int =
         return SyntheticDataset(vocab, seq_len, seed)
 
     path, key = Path(cfg.jsonl or cfg.text), f"data.{chosen[0]}"
-    tokenizer = None
+    tok = _LazyTokenizer(cfg.tokenizer or tokenizer_path)
 
-    def tok():
-        nonlocal tokenizer
-        if tokenizer is None:
-            tokenizer = load_tokenizer(cfg.tokenizer or tokenizer_path)
-        return tokenizer
+    def documents(progress=None, notes=None) -> Iterator[tuple[list[int], list[bool]]]:
+        if cfg.jsonl:
+            return _jsonl_documents(path, cfg.field, tok, vocab_size, progress, notes)
+        return _text_documents(path, tok, vocab_size, progress)
 
     # OSError: a folder on its way this user may not enter, a file it may not read, an I/O error
     try:
         if not path.is_file():
             why = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
             raise ConfigError(f"{key}: file {path} {why}", key=key)
-        docs = list(_jsonl_documents(path, cfg.field, tok, vocab_size) if cfg.jsonl else _text_documents(path, tok, vocab_size))
+        if cache_dir is not None and cfg.cache:
+            mapped = _mapped_dataset(cfg, path, key, tok, documents, Path(cache_dir), seq_len, vocab_size)
+            if mapped is not None:
+                return mapped
+        docs = list(documents())
     except OSError as e:
         raise ConfigError(f"{key}: cannot read {path} ({e.strerror or e})", key=key) from None
     if not any(ids for ids, _ in docs):
         raise ConfigError(f"{key}: {path} is empty (no tokens after tokenization)")
-    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
-    packed = PackedDataset.pack(docs, seq_len, pad_id=min(pad, vocab_size - 1))
+    packed = PackedDataset.pack(docs, seq_len, pad_id=tok.pad_id(vocab_size))
     if not (packed.labels != IGNORE_INDEX).any():  # a run on it would train nothing and "succeed"
-        raise ConfigError(f"{key}: {path} has no token to train on (every label is -100, or the "
-                          "data is one token: the first token is never a target)")
+        raise _nothing_to_train(key, path)
     return packed
+
+
+def _nothing_to_train(key: str, path: Path) -> ConfigError:
+    return ConfigError(f"{key}: {path} has no token to train on (every label is -100, or the "
+                       "data is one token: the first token is never a target)")
+
+
+def _mapped_dataset(cfg: DataConfig, path: Path, key: str, tok: _LazyTokenizer, documents, cache_dir: Path,
+                    seq_len: int, vocab_size: int) -> MappedDataset | None:
+    """The data from its token cache in ``cache_dir`` (built first when missing or damaged), or
+    None, after one warning, where the cache cannot be written."""
+    from polyaccel.moe import data_cache
+
+    def check(tokens: int, has_target: bool) -> None:
+        if not tokens:
+            raise ConfigError(f"{key}: {path} is empty (no tokens after tokenization)")
+        if not has_target:
+            raise _nothing_to_train(key, path)
+
+    try:
+        cache = data_cache.open_cache(cache_dir, data_cache.cache_key(cfg, path, tok.path, vocab_size), documents,
+                                      source=path, vocab_size=vocab_size, pad_id=lambda: tok.pad_id(vocab_size),
+                                      check=check)
+    except data_cache.CacheUnwritable as e:
+        logger.warning("polyaccel.moe: data cache: %s; tokenizing %s in memory instead (data.cache)", e, path)
+        return None
+    return MappedDataset(cache, seq_len)
+
+
+class _LazyTokenizer:
+    """The tokenizer of ``path``, loaded on the first call (pre-tokenized data never loads it)."""
+
+    def __init__(self, path: str | None):
+        self.path, self.loaded = path, None
+
+    def __call__(self):
+        if self.loaded is None:
+            self.loaded = load_tokenizer(self.path)
+        return self.loaded
+
+    def pad_id(self, vocab_size: int) -> int:
+        """The padding id: the tokenizer's, where one was loaded and has one, else 0."""
+        pad = self.loaded.pad_token_id if self.loaded is not None and self.loaded.pad_token_id is not None else 0
+        return min(pad, vocab_size - 1)
 
 
 #: files of which a tokenizer folder holds at least one (fast, SentencePiece, BPE or WordPiece)
@@ -327,10 +411,13 @@ def _token_labels(rec: dict[str, Any], ids: list[int], where: str) -> list[bool]
     return [label != IGNORE_INDEX for label in labels]
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """``(line_no, text)`` of a UTF-8 file read line by line (a leading byte order mark dropped)."""
+def _lines(path: Path, progress=None) -> Iterator[tuple[int, str]]:
+    """``(line_no, text)`` of a UTF-8 file read line by line (a leading byte order mark dropped);
+    ``progress(n)``, when given, is told the bytes of each line read."""
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, 1):
+            if progress is not None:
+                progress(len(raw))
             try:
                 line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as e:
@@ -338,11 +425,13 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
             yield line_no, line
 
 
-def _jsonl_documents(path: Path, field: str, tok, vocab_size: int) -> Iterator[tuple[list[int], list[bool]]]:
+def _jsonl_documents(path: Path, field: str, tok, vocab_size: int, progress=None,
+                     notes: list[str] | None = None) -> Iterator[tuple[list[int], list[bool]]]:
     """``(token_ids, loss_mask)`` per record; records with nothing to train on (an empty or
-    whitespace-only text, prompt and completion, or ``input_ids``) are skipped with a warning."""
+    whitespace-only text, prompt and completion, or ``input_ids``) are skipped with a warning
+    (also appended to ``notes``, when given)."""
     skipped: list[int] = []
-    for line_no, line in _lines(path):
+    for line_no, line in _lines(path, progress):
         if not line.strip():
             continue
         doc = _record_document(_record(line, path, line_no), field, tok, vocab_size, f"{path}:{line_no}")
@@ -351,8 +440,11 @@ def _jsonl_documents(path: Path, field: str, tok, vocab_size: int) -> Iterator[t
         else:
             yield doc
     if skipped:
-        logger.warning("polyaccel.moe: %s: skipped %d empty records (lines %s)", path, len(skipped),
-                       ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10 else ""))
+        note = (f"{path}: skipped {len(skipped)} empty records (lines "
+                + ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10 else "") + ")")
+        logger.warning("polyaccel.moe: %s", note)
+        if notes is not None:
+            notes.append(note)
 
 
 def _record(line: str, path: Path, line_no: int) -> dict[str, Any]:
@@ -409,31 +501,39 @@ def _text(rec: dict[str, Any], key: str, where: str) -> str:
     return rec[key]
 
 
-#: a blank line (nothing but spaces or tabs) between two documents of a text file
-_BLANK_LINE = re.compile(r"\n[^\S\n]*\n")
+def _text_documents(path: Path, tok, vocab_size: int, progress=None) -> Iterator[tuple[list[int], list[bool]]]:
+    """One document per paragraph of a text file, read line by line; blank or whitespace-only
+    lines separate them (token ids outside the vocabulary are named by the paragraph's first line)."""
+    para: list[str] = []
+    first = 0
+    for line_no, line in _text_lines(path, progress):
+        if line.strip():
+            first = first if para else line_no
+            para.append(line)
+        elif para:
+            yield _paragraph(para, tok, vocab_size, f"{path}:{first}")
+            para = []
+    if para:
+        yield _paragraph(para, tok, vocab_size, f"{path}:{first}")
 
 
-def _text_documents(path: Path, tok, vocab_size: int) -> Iterator[tuple[list[int], list[bool]]]:
-    """One document per paragraph of a text file; blank or whitespace-only lines separate them
-    (token ids outside the vocabulary are named by the paragraph's first line)."""
-    raw = path.read_bytes()
-    raw = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line, col = raw.count(b"\n", 0, e.start) + 1, e.start - (raw.rfind(b"\n", 0, e.start) + 1)
-        raise ConfigError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {col} of the line)") from None
-    del raw  # a large file is then held once, not twice
-    if "\r" in text:  # Windows or old Mac line ends, as reading in text mode turned them
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-    start, line, counted = 0, 1, 0  # line: the number of the line at offset `counted`
-    for gap in [*_BLANK_LINE.finditer(text), None]:
-        end = gap.start() if gap else len(text)
-        para = text[start:end]
-        if para.strip():
-            t = tok()
-            first = start + len(para) - len(para.lstrip())
-            line, counted = line + text.count("\n", counted, first), first
-            ids = _in_vocab(_encode(t, para.strip()) + _eos(t), vocab_size, f"{path}:{line}")
-            yield ids, [True] * len(ids)
-        start = gap.end() if gap else end
+def _paragraph(lines: list[str], tok, vocab_size: int, where: str) -> tuple[list[int], list[bool]]:
+    """The ``(token_ids, loss_mask)`` of one paragraph, ended with EOS."""
+    t = tok()
+    ids = _in_vocab(_encode(t, "\n".join(lines).strip()) + _eos(t), vocab_size, where)
+    return ids, [True] * len(ids)
+
+
+def _text_lines(path: Path, progress=None) -> Iterator[tuple[int, str]]:
+    """``(line_no, line)`` without its line end; ``\\r\\n`` and a lone ``\\r`` end lines too
+    (as reading in text mode turns them), and count as lines."""
+    line_no = 0
+    for _, raw_line in _lines(path, progress):
+        if "\r" in raw_line:
+            raw_line = raw_line.replace("\r\n", "\n").replace("\r", "\n")
+        parts = raw_line.split("\n")
+        if raw_line.endswith("\n"):
+            parts.pop()
+        for part in parts:
+            line_no += 1
+            yield line_no, part

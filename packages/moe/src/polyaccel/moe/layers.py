@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -295,10 +296,7 @@ class TopKRouter(nn.Module):
             w, idx = balanced_routing(x, self.top_k, self.num_experts, self.noise)
             return None, w, idx
         logits = F.linear(x, self.weight if weight is None else weight)
-        probs = torch.softmax(logits.float(), dim=-1)
-        w, idx = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            w = w / w.sum(dim=-1, keepdim=True)
+        w, idx = ops.router_topk(logits, self.top_k, self.norm_topk_prob)
         return logits, w, idx
 
     def extra_repr(self) -> str:
@@ -570,33 +568,74 @@ def load_balancing_loss(router_logits: Sequence[torch.Tensor | None], num_expert
     return (counts / rows * (prob_sum / rows)).sum() * num_experts
 
 
+LM_HEAD_WGRAD = os.environ.get("POLYACCEL_LM_HEAD_WGRAD", "forward").strip().lower()
+"""Where a fused LM head's weight gradient (``fuse_weight_grad``) is formed: ``forward`` (the
+default) forms it with the loss and adds it, scaled by the upstream gradient, into
+``weight.grad`` in the backward (``ops.add_scaled_``: one more pass over the [V, H] gradient
+and ``.grad``); ``backward`` keeps the logits' gradient ([N, V], up to
+:data:`LM_HEAD_DEFER_BYTES`) until the backward, where one GEMM adds ``grad_logits.T @ (hidden
+* upstream)`` into ``weight.grad`` (no [V, H] temporary, no extra pass; the logits' gradient
+outlives the forward by the time to the backward's first op). Not timed on a GPU yet, so off
+by default: ``POLYACCEL_LM_HEAD_WGRAD=backward`` (read at import, or set the attribute)."""
+
+LM_HEAD_DEFER_BYTES = 2 << 30
+"""The largest [N, V] logits' gradient :data:`LM_HEAD_WGRAD` ``backward`` keeps; larger ones
+take the chunked forward path."""
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ weight.T`` whose gradients ``ops.linear_cross_entropy_grads``
     forms during the forward (chunked: the [N, V] fp32 logits never exist); the backward only
     scales them by the upstream gradient. With ``into_grad`` the weight's is added into
     ``weight.grad`` in one pass there (``ops.add_scaled_``) instead of being returned for
-    autograd to scale and add (two more passes over a [V, H] tensor per micro-batch)."""
+    autograd to scale and add (two more passes over a [V, H] tensor per micro-batch), or, with
+    :data:`LM_HEAD_WGRAD` ``backward``, formed there by one GEMM adding into ``weight.grad``."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index: int, chunk: int, need_h: bool, need_w: bool,  # noqa: ANN001
                 into_grad: bool):
+        ctx.weight = weight if into_grad and need_w else None
+        ctx.deferred = ctx.weight is not None and _defers_lm_head_wgrad(hidden, weight)
+        if ctx.deferred:
+            loss, grad_h, grad_logits = ops.linear_cross_entropy_logit_grads(hidden, weight, labels, ignore_index,
+                                                                             "sum")
+            ctx.save_for_backward(grad_h if need_h else None, grad_logits, hidden)
+            return loss.float()
         loss, grad_h, grad_w = ops.linear_cross_entropy_grads(hidden, weight, labels, ignore_index, "sum", chunk,
                                                               grad_hidden=need_h, grad_weight=need_w)
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight = weight if into_grad and need_w else None
         return loss.float()
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001
-        grad_h, grad_w = ctx.saved_tensors
         w = ctx.weight
+        if ctx.deferred:
+            grad_h, grad_logits, hidden = ctx.saved_tensors
+            scaled = (hidden.float() * grad_out.float()).to(hidden.dtype)  # [N, H]: the upstream scale here
+            if w.grad is not None:
+                w.grad.addmm_(grad_logits.t(), scaled)
+                grad_w = None
+            else:  # (no .grad yet: autograd's)
+                grad_w = (grad_logits.t() @ scaled).to(w.dtype)
+            grad_h = torch._foreach_mul([grad_h], grad_out.float())[0] if grad_h is not None else None
+            return grad_h, grad_w, None, None, None, None, None, None
+        grad_h, grad_w = ctx.saved_tensors
         if grad_w is not None and w is not None and w.grad is not None:  # (no .grad yet: autograd's)
             ops.add_scaled_(w.grad, grad_w, grad_out)
             grad_w = None
         # (a foreach multiply reads the 0-dim scale on the device and stays vectorized)
-        scaled = iter(torch._foreach_mul([t for t in (grad_h, grad_w) if t is not None], grad_out.float()))
+        kept = [t for t in (grad_h, grad_w) if t is not None]
+        scaled = iter(torch._foreach_mul(kept, grad_out.float()) if kept else ())
         return (next(scaled) if grad_h is not None else None, next(scaled) if grad_w is not None else None,
                 None, None, None, None, None, None)
+
+
+def _defers_lm_head_wgrad(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the LM head's weight gradient is formed in the backward (:data:`LM_HEAD_WGRAD`)."""
+    if LM_HEAD_WGRAD not in ("forward", "backward"):
+        raise ValueError(f"POLYACCEL_LM_HEAD_WGRAD={LM_HEAD_WGRAD!r}: use forward or backward")
+    return LM_HEAD_WGRAD == "backward" and hidden.shape[0] * weight.shape[0] * hidden.element_size() <= \
+        LM_HEAD_DEFER_BYTES
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -777,7 +777,20 @@ def check_run(cfg: FinetuneConfig, *, world_size: int, device: torch.device | No
     if resume_from is not None and cfg.lora is None:  # no weights load here to name differing tensors
         check_resume_settings(cfg, model_config, resume_from, shape=True)
     build_dataset(cfg.data, seq_len=cfg.train.seq_len, vocab_size=model_config.vocab_size, seed=cfg.train.seed,
-                  tokenizer_path=cfg.model.path)
+                  tokenizer_path=cfg.model.path, cache_dir=data_cache_dir(cfg))
+
+
+#: the folder of ``checkpoint.dir`` holding the run's token caches
+DATA_CACHE = ".data_cache"
+
+
+def data_cache_dir(cfg: FinetuneConfig) -> Path | None:
+    """Where the run's token cache goes (:mod:`polyaccel.moe.data_cache`): ``.data_cache`` in
+    ``checkpoint.dir``, which resuming reads anyway; None without it (``output_dir`` stays
+    unmade until the final save: a pre-empted run or a failed save leaves none) or with
+    ``data.cache: false``."""
+    folder = cfg.checkpoint.dir
+    return Path(folder) / DATA_CACHE if folder and cfg.data.cache else None
 
 
 def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> TrainResult:
@@ -801,7 +814,7 @@ def _finetune(cfg: FinetuneConfig, rt: Runtime, stop_after: int | None) -> Train
     # Told before the output is written over (docs allow it), found before this run prunes checkpoints.
     replaced = _foreign_output(cfg, resume_from) if cfg.output_dir and rt.rank == 0 else None
     source = build_dataset(cfg.data, seq_len=t.seq_len, vocab_size=model_config.vocab_size, seed=t.seed,
-                           tokenizer_path=cfg.model.path)
+                           tokenizer_path=cfg.model.path, cache_dir=data_cache_dir(cfg))
     batches = Batches(source, micro_batch=t.micro_batch, grad_accum=t.grad_accum, dp_rank=rt.rank,
                       dp_size=rt.world_size, seed=t.seed, shuffle=cfg.data.shuffle)
 
@@ -2006,7 +2019,7 @@ def _replacement(out: Path, written: Sequence[str]) -> str:
     which it overwrites (those of the same names), which it deletes (the earlier weight files
     it does not write) and which it keeps (all others), named for a warning."""
     present = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir()
-                     if p.name not in (_STAGING, _RECORD) and not _is_run_lock(p))
+                     if p.name not in (_STAGING, _RECORD, DATA_CACHE) and not _is_run_lock(p))
     overwritten = [n for n in present if n in written]
     deleted = [n for n in present if n not in written and _WEIGHT_FILE.match(n)]
     kept = [n for n in present if n not in overwritten and n not in deleted]

@@ -98,6 +98,10 @@ class DataConfig:
         tokenizer: tokenizer directory; defaults to ``model.path`` (loaded offline).
         synthetic: random tokens (``synthetic: {}`` or ``synthetic: true``).
         shuffle: shuffle packed samples each epoch (seeded by ``train.seed``).
+        cache: tokenize a ``jsonl``/``text`` file once into a token cache in
+            ``checkpoint.dir/.data_cache`` and train from its memory map
+            (:mod:`polyaccel.moe.data_cache`); ``false`` (or no ``checkpoint.dir``): every
+            process tokenizes the file in memory at every start.
     """
 
     jsonl: str | None = None
@@ -106,6 +110,7 @@ class DataConfig:
     tokenizer: str | None = None
     synthetic: SyntheticConfig | None = None
     shuffle: bool = True
+    cache: bool = True
 
 
 @dataclass(kw_only=True, slots=True)

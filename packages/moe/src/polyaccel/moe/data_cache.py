@@ -1,0 +1,390 @@
+"""The token cache of a data file: tokenized once, then memory-mapped by every process and resume.
+
+A cache is a folder ``<root>/<key>/`` (``root``: ``<checkpoint.dir>/.data_cache``, see
+:func:`polyaccel.moe.train.data_cache_dir`) holding the document stream of the file, as
+:func:`polyaccel.moe.data.build_dataset` reads it, unpacked:
+
+- ``tokens.bin``: every token id, documents one after the other (``uint16`` where the model's
+  vocabulary fits, else ``uint32``);
+- ``mask.bin``: one byte a token, 1 where it is a loss target;
+- ``offsets.bin``: ``int64`` start of each document, and the end;
+- ``meta.json``: :data:`MAGIC`, :data:`VERSION`, the key, the counts, the padding id, a CRC-32
+  of each file, and the warnings reading the data gave (repeated when the cache is used).
+
+The key hashes what decides the tokens: the data file's bytes (SHA-256 of all of them: at
+~1.7 GB/s a few percent of the time reading even pre-tokenized data takes, and no edit is missed), its format and
+``data.field``, the tokenizer's files and the Transformers/tokenizers versions, and the
+model's vocabulary size (ids are checked against it). ``train.seq_len`` is not part of it:
+packing happens when samples are read, so another ``seq_len`` maps the same cache.
+
+A cache is written in a fresh ``<key>.tmp-*`` folder, each file synced, ``meta.json`` last,
+then renamed to ``<key>`` in one step: a kill leaves a ``.tmp-*`` folder, never a ``<key>``
+that is used. A ``<key>`` whose ``meta.json`` is missing or wrong, or whose files have
+another length or CRC, is rebuilt, never used. Under several processes the first to take
+``<key>.lock`` (``flock``) builds; the others wait for it, then map its cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from polyaccel.core.files import fsync_dir, missing_dirs, remove_empty_dirs
+
+logger = logging.getLogger("polyaccel.moe")
+
+MAGIC = "polyaccel-moe-token-cache"
+VERSION = 1
+FILES = ("tokens.bin", "mask.bin", "offsets.bin")
+_CHUNK = 1 << 20  # tokens buffered before a write
+_READ = 4 << 20  # bytes per read while hashing or checking
+
+
+class CacheUnwritable(Exception):
+    """The cache could not be written (a read-only folder, a full disk...): the data is then
+    tokenized in memory. The message says where and why."""
+
+
+@dataclass
+class TokenCache:
+    """A mapped cache: ``tokens`` and ``mask`` are read-only arrays over memory maps."""
+
+    folder: Path
+    tokens: np.ndarray
+    mask: np.ndarray
+    documents: int
+    pad_id: int
+    has_target: bool
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# The key
+# --------------------------------------------------------------------------------------------
+
+#: tokenizer files whose bytes decide the tokens (besides ``tokenizer*``)
+_TOKENIZER_NAMES = frozenset({"vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
+                              "special_tokens_map.json", "added_tokens.json", "config.json"})
+
+
+def cache_key(data: Any, path: Path, tokenizer_path: str | None, vocab_size: int) -> str:
+    """The cache key of data file ``path`` read as ``data`` (a ``DataConfig``) describes, with
+    the tokenizer in ``tokenizer_path``, for a model of ``vocab_size`` tokens."""
+    import tokenizers
+    import transformers
+
+    material = {"magic": MAGIC, "version": VERSION, "kind": "jsonl" if data.jsonl else "text",
+                "field": data.field if data.jsonl else None, "vocab_size": vocab_size,
+                "data": file_sha256(path), "tokenizer": _tokenizer_fingerprint(tokenizer_path),
+                "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of all of ``path``'s bytes, read in chunks."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_READ):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _tokenizer_fingerprint(folder: str | None) -> list[Any] | None:
+    """Names and SHA-256 of the tokenizer files in ``folder`` (None without one; a file that
+    cannot be read is named so: loading the tokenizer then says why)."""
+    if folder is None or not Path(folder).is_dir():
+        return None
+    out = []
+    for p in sorted(Path(folder).iterdir()):
+        if (p.name.startswith("tokenizer") or p.name in _TOKENIZER_NAMES) and p.is_file():
+            try:
+                out.append([p.name, file_sha256(p)])
+            except OSError as e:
+                out.append([p.name, f"unreadable: {e.strerror or e}"])
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Opening: map, or build under the lock and map
+# --------------------------------------------------------------------------------------------
+
+Documents = Callable[..., Iterator[tuple[list[int], list[bool]]]]
+
+
+def open_cache(root: Path, key: str, documents: Documents, *, source: Path, vocab_size: int,
+               pad_id: Callable[[], int], check: Callable[[int, bool], None]) -> TokenCache:
+    """The cache ``key`` in ``root``, mapped; built first from ``documents(progress, notes)``
+    when missing or damaged (by the first process to lock it; the others wait, then map).
+    ``pad_id()`` is asked once the documents are read; ``check(tokens, has_target)`` refuses data (raises)
+    before a new cache is kept. Errors reading the data propagate; failing to write the cache
+    is :class:`CacheUnwritable`. Neither leaves anything behind."""
+    found = _hit(root / key, key, warn=False)  # no lock needed to read a cache (nor a writable folder)
+    if found is not None:
+        return _use(found, check)
+    made = missing_dirs(root)
+    lock_path = root / f"{key}.lock"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = lock_path.open("ab")
+    except OSError as e:
+        remove_empty_dirs(made)
+        raise CacheUnwritable(f"cannot write {root} ({e.strerror or e})") from None
+    try:
+        with lock:
+            _wait_for(lock, root / key)
+            found = _hit(root / key, key, warn=True)
+            if found is None:
+                return _build(root, key, documents, source=source, vocab_size=vocab_size, pad_id=pad_id,
+                              check=check)
+            return _use(found, check)
+    except BaseException:
+        if made:  # a refused or interrupted first build: leave no folder it created
+            with contextlib.suppress(OSError):
+                lock_path.unlink()
+            remove_empty_dirs(made)
+        raise
+
+
+def _use(found: TokenCache, check: Callable[[int, bool], None]) -> TokenCache:
+    """``found``, checked, after repeating the warnings reading its data gave."""
+    check(len(found.tokens), found.has_target)
+    for note in found.notes:
+        logger.warning("polyaccel.moe: %s", note)
+    return found
+
+
+def _wait_for(lock: Any, folder: Path) -> None:
+    """Take the lock; say so when another process holds it (it is building ``folder``)."""
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        logger.info("polyaccel.moe: waiting for another process to build the data cache %s", folder)
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+
+
+def _hit(folder: Path, key: str, *, warn: bool) -> TokenCache | None:
+    """The cache in ``folder``, or None where there is none or it is damaged (said if ``warn``)."""
+    try:
+        return load(folder, key)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        if warn:
+            logger.warning("polyaccel.moe: data cache %s is not usable (%s); rebuilding it", folder, e)
+        return None
+
+
+def load(folder: Path, key: str) -> TokenCache:
+    """Map the cache in ``folder`` after checking it: FileNotFoundError where there is none,
+    ValueError (what is wrong) where its metadata, a file's length or a CRC is not right."""
+    try:
+        meta = json.loads((folder / "meta.json").read_bytes())
+    except FileNotFoundError:
+        if os.path.lexists(folder):
+            raise ValueError("it has no meta.json") from None
+        raise
+    except UnicodeDecodeError as e:
+        raise ValueError(f"meta.json is not text ({e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"meta.json is not JSON ({e.msg})") from None
+    _check_meta(meta, key)
+    dtype = np.dtype(meta["dtype"])
+    n, docs = meta["tokens"], meta["documents"]
+    for name, size in zip(FILES, (n * dtype.itemsize, n, (docs + 1) * 8), strict=True):
+        _check_file(folder / name, size, meta["crc32"][name])
+    tokens, mask = _map(folder / "tokens.bin", dtype, n), _map(folder / "mask.bin", np.dtype(np.uint8), n)
+    return TokenCache(folder, tokens, mask, docs, meta["pad_id"], meta["has_target"], list(meta["notes"]))
+
+
+def _map(path: Path, dtype: np.dtype, n: int) -> np.ndarray:
+    """``path`` as a read-only array of ``n`` items, mapped for random access: samples are
+    drawn shuffled, and the kernel's read-ahead around each would map pages no sample needs."""
+    if not n:
+        return np.zeros(0, dtype)
+    with path.open("rb") as f:
+        mm = mmap.mmap(f.fileno(), n * dtype.itemsize, access=mmap.ACCESS_READ)
+    with contextlib.suppress(AttributeError, OSError):  # advice only
+        mm.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mm, dtype=dtype, count=n)
+
+
+def _check_meta(meta: Any, key: str) -> None:
+    """A ValueError naming the first field of ``meta`` that is missing or wrong."""
+    if not isinstance(meta, dict) or meta.get("magic") != MAGIC:
+        raise ValueError("meta.json is not a token cache's")
+    if meta.get("version") != VERSION:
+        raise ValueError(f"version {meta.get('version')!r}, this polyaccel reads {VERSION}")
+    if meta.get("key") != key:
+        raise ValueError(f"key {meta.get('key')!r} is not its folder's")
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        raise ValueError(f"dtype {meta.get('dtype')!r}")
+    for name in ("tokens", "documents", "pad_id"):
+        if not isinstance(meta.get(name), int) or isinstance(meta[name], bool) or meta[name] < 0:
+            raise ValueError(f"{name} {meta.get(name)!r}")
+    if not isinstance(meta.get("has_target"), bool) or not isinstance(meta.get("notes"), list):
+        raise ValueError("has_target or notes missing")
+    crc = meta.get("crc32")
+    if not isinstance(crc, dict) or any(not isinstance(crc.get(n), int) for n in FILES):
+        raise ValueError("crc32 missing")
+
+
+def _check_file(path: Path, size: int, crc: int) -> None:
+    """A ValueError where ``path`` is not ``size`` bytes of CRC-32 ``crc``."""
+    if (actual := path.stat().st_size) != size:
+        raise ValueError(f"{path.name} is {actual} bytes, its metadata says {size}")
+    value = 0
+    with path.open("rb") as f:
+        while chunk := f.read(_READ):
+            value = zlib.crc32(chunk, value)
+    if value != crc:
+        raise ValueError(f"{path.name} does not match its CRC-32")
+
+
+# --------------------------------------------------------------------------------------------
+# Building
+# --------------------------------------------------------------------------------------------
+
+def _build(root: Path, key: str, documents: Documents, *, source: Path, vocab_size: int,
+           pad_id: Callable[[], int], check: Callable[[int, bool], None]) -> TokenCache:
+    """Tokenize into ``root/<key>.tmp-*``, ``check`` it, then rename it to ``root/<key>``
+    (replacing a damaged one) and map it."""
+    _remove_leftovers(root, key)
+    with _unwritable(root):
+        tmp = Path(tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=root))
+    try:
+        notes: list[str] = []
+        with _unwritable(root):
+            writer = _Writer(tmp, np.uint16 if vocab_size <= 2**16 else np.uint32)
+        with writer, _progress(source) as bar:
+            for ids, mask in documents(bar.update, notes):  # an error reading the data is the caller's
+                with _unwritable(root):
+                    writer.add(ids, mask)
+        meta = {"magic": MAGIC, "version": VERSION, "key": key, "dtype": writer.dtype.name,
+                "tokens": writer.tokens, "documents": writer.documents, "pad_id": pad_id(),
+                "has_target": writer.has_target, "crc32": writer.crc, "notes": notes}
+        check(writer.tokens, writer.has_target)
+        with _unwritable(root):
+            _publish(tmp, root / key, json.dumps(meta).encode())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        return load(root / key, key)
+    except (OSError, ValueError) as e:
+        raise CacheUnwritable(f"the cache just written to {root / key} does not read back ({e})") from None
+
+
+@contextlib.contextmanager
+def _unwritable(root: Path):
+    """An OSError inside becomes :class:`CacheUnwritable` naming ``root``."""
+    try:
+        yield
+    except OSError as e:
+        raise CacheUnwritable(f"cannot write {root} ({e.strerror or e})") from None
+
+
+def _remove_leftovers(root: Path, key: str) -> None:
+    """Remove the ``<key>.tmp-*`` folders of builds a kill cut off (this process holds the lock)."""
+    for p in root.glob(f"{key}.tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _publish(tmp: Path, final: Path, meta: bytes) -> None:
+    """Write ``meta.json`` last, sync, and rename ``tmp`` to ``final`` (a damaged ``final``
+    first moved aside and removed)."""
+    with (tmp / "meta.json").open("wb") as f:
+        f.write(meta)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    if final.exists() or final.is_symlink():
+        aside = Path(tempfile.mkdtemp(prefix=f"{final.name}.damaged-", dir=final.parent))
+        os.rename(final, aside / "old")
+        shutil.rmtree(aside, ignore_errors=True)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+
+
+class _Writer:
+    """Appends documents to the cache files in ``folder`` in chunks, with their CRC-32s."""
+
+    def __init__(self, folder: Path, dtype: Any):
+        self.dtype, self.folder = np.dtype(dtype), folder
+        self.files = {name: (folder / name).open("wb") for name in FILES}
+        self.crc = dict.fromkeys(FILES, 0)
+        self.tokens = self.documents = 0
+        self.has_target = False
+        self._ids: list[np.ndarray] = []
+        self._mask: list[np.ndarray] = []
+        self._offsets: list[int] = [0]
+        self._pending = 0
+
+    def add(self, ids: list[int], mask: list[bool]) -> None:
+        """Append one document (its ids are in the vocabulary, checked by the reader)."""
+        a, m = np.asarray(ids, dtype=self.dtype), np.asarray(mask, dtype=np.uint8)
+        # the stream's very first token is never a target (the model shifts labels)
+        self.has_target = self.has_target or bool(m[1 if self.tokens == 0 else 0:].any())
+        self._ids.append(a)
+        self._mask.append(m)
+        self.tokens += len(a)
+        self.documents += 1
+        self._offsets.append(self.tokens)
+        self._pending += len(a)
+        if self._pending >= _CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._ids:
+            self._write("tokens.bin", np.concatenate(self._ids))
+            self._write("mask.bin", np.concatenate(self._mask))
+        self._write("offsets.bin", np.asarray(self._offsets, dtype=np.int64))
+        self._ids, self._mask, self._offsets, self._pending = [], [], [], 0
+
+    def _write(self, name: str, array: np.ndarray) -> None:
+        data = memoryview(np.ascontiguousarray(array)).cast("B")
+        self.files[name].write(data)
+        self.crc[name] = zlib.crc32(data, self.crc[name])
+
+    def __enter__(self) -> _Writer:
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        try:
+            if kind is None:
+                with _unwritable(self.folder.parent):
+                    self._flush()
+                    for f in self.files.values():
+                        f.flush()
+                        os.fsync(f.fileno())
+        finally:
+            for f in self.files.values():
+                with contextlib.suppress(OSError):  # a buffered write that fails again on close
+                    f.close()
+
+
+@contextlib.contextmanager
+def _progress(source: Path):
+    """A byte-count bar on stderr for reading ``source``, shown once it takes over a second."""
+    from tqdm.auto import tqdm
+
+    try:
+        total = source.stat().st_size
+    except OSError:
+        total = None
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing {source.name}", delay=1.0,
+              file=sys.stderr, dynamic_ncols=True) as bar:
+        yield bar
