@@ -1,5 +1,5 @@
 """The conversion cache (``weights.convert_cached``) follows its sources: a replaced
-``model.bin``, an upgraded weights package or an entry without a stamp is converted again (and
+``model.bin``, an upgraded weights package or an entry with another stamp is converted again (and
 its ``weights_sha256`` changes with it); temporary folders left by killed conversions are
 removed when they are old and ours, never through a symlink.
 
@@ -94,9 +94,13 @@ def test_an_entry_without_a_matching_stamp_is_not_trusted(tmp_path: Path, fake_c
     src = _ct2_dir(tmp_path, b"new weights")
     stale = weights.cache_dir(tmp_path) / "m"
     _fake_convert(_ct2_dir(tmp_path / "old", b"old weights"), stale)  # written before stamps existed
+    with pytest.raises(ValueError, match="not a conversion polyaccel made"):  # or a user's own folder: kept
+        weights.convert_cached("m", src, cache=tmp_path)
+    assert (stale / "model.safetensors").read_bytes() == b"old weights" and not fake_convert
+    (stale / weights.SOURCES_STAMP).write_text("[]")  # a stamp of other sources
     out = weights.convert_cached("m", src, cache=tmp_path)
     assert out == stale and (out / "model.safetensors").read_bytes() == b"new weights"
-    (out / weights.SOURCES_STAMP).write_text("[]")  # a stamp of other sources
+    (out / weights.SOURCES_STAMP).write_text("[]")
     weights.convert_cached("m", src, cache=tmp_path)
     assert len(fake_convert) == 2
 

@@ -408,7 +408,9 @@ def test_an_export_file_cut_short_by_a_write_error_is_not_left_behind(tmp_path: 
     assert status == 3 and "cannot write" in capsys.readouterr().err
     assert {p.name: p.read_text() for p in subs.iterdir()} == ({"a.txt": "old words\n"} if overwrite else {})
     assert main(["export", str(res), "-f", "txt", "-d", str(subs), "-q", *extra]) == 0
-    assert [p.name for p in subs.iterdir()] == ["a.txt"]
+    assert [p.name for p in subs.iterdir() if ".bak-" not in p.name] == ["a.txt"]
+    # "old words" was not written by export: --overwrite keeps it aside (test_redteam_s33_export_keeps_user_files)
+    assert [p.read_text() for p in subs.glob("a.txt.bak-*")] == (["old words\n"] if overwrite else [])
     assert (subs / "a.txt").read_text() == text.strip() + "\n"
 
 

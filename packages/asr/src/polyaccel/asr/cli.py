@@ -181,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(t)
     t.add_argument("--refs", help="reference texts: JSONL {path|id, text} or Sphinx '<s> text </s> (id)' lines")
     t.add_argument("--overwrite", action="store_true",
-                   help="start the results file afresh instead of resuming (replaced when the first result "
-                        "arrives)")
+                   help="start the results file afresh instead of resuming (replaced when the first file is "
+                        "transcribed: a run in which every file fails leaves it as it was)")
     t.add_argument("--overlap", type=number(0), default=3.0, help="seconds of overlap between long-audio windows (default: 3; at most half a window, 15 s for Whisper)")
     t.add_argument("--no-speech-threshold", type=number(0), default=None, metavar="P",
                    help="Whisper: a window whose no-speech probability is above P (0-1; e.g. 0.6) gets no text, "
@@ -321,7 +321,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         if skipped and not args.quiet:
             print(f"resuming {printable(args.output)}: {skipped} of {len(items)} already done", file=sys.stderr)
         start = time.perf_counter()
-        counts = _run(todo, args, out, kept)
+        counts = _run(todo, args, out, kept, keep_earlier=args.overwrite and bool(previous))
     return _report(args, counts, skipped, time.perf_counter() - start)
 
 
@@ -430,19 +430,24 @@ class _Counts:
     failed: int = 0
     audio_s: float = 0.0
     stopped: str | None = None  # why the run ended early (a write error)
+    held: list[dict[str, Any]] | None = None  # failed records not written: --overwrite kept the earlier file
 
 
-def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[str, Any]]) -> _Counts:
+def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[str, Any]], *,
+         keep_earlier: bool = False) -> _Counts:
     """Transcribe ``todo`` and write its records to ``out``. The writer (which repairs, or with
     --overwrite truncates, the file) opens only when the first record is in hand, so a model or
     backend that fails to load leaves the file as it was; so does a resume whose ``kept`` records
-    were made another way (another model, timestamps on or off, ...): a usage error."""
+    were made another way (another model, timestamps on or off, ...): a usage error.
+    ``keep_earlier`` (--overwrite of a file with records): failed records are held until a file
+    is transcribed, so a run in which every file fails leaves the earlier results (``held``)."""
     from polyaccel.asr.ray_job import ActorsFailed, RowsLost  # (no Ray needed to import it)
     from polyaccel.asr.results_file import ResultsWriter, path_key
     from polyaccel.core.runtime import ReplicaStartError
 
     c = _Counts()
     writer = bar = None
+    held: list[dict[str, Any]] = []
     start = time.perf_counter()
     # Records are matched to inputs by path, never by position: after a row a Ray job lost,
     # the rows behind it still come back (ray_job.exactly_once_indexed), one place early.
@@ -458,12 +463,17 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[st
                 raise RowsLost(f"a result came back for {rec.get('path')!r}, which is not an input of this "
                                "run, or came twice")
             rec = _finish(rec, item)
-            if writer is None:
-                clash = _made_differently(kept, rec, args.timestamps)
-                if clash:
-                    raise UsageError(_made_differently_message(args.output, clash))
-                writer = ResultsWriter(out, resume=not args.overwrite, retried=retried)
-            writer.write(rec)
+            if writer is None and keep_earlier and rec.get("error"):
+                held.append(rec)
+            else:
+                if writer is None:
+                    clash = _made_differently(kept, rec, args.timestamps)
+                    if clash:
+                        raise UsageError(_made_differently_message(args.output, clash))
+                    writer = ResultsWriter(out, resume=not args.overwrite, retried=retried)
+                    for earlier in held:
+                        writer.write(earlier)
+                writer.write(rec)
             if rec.get("error"):
                 c.failed += 1
             else:
@@ -489,6 +499,8 @@ def _run(todo: list[Any], args: argparse.Namespace, out: str, kept: list[dict[st
             bar.close()
         if writer is not None:
             writer.close()
+        elif held:
+            c.held = held
     return c
 
 
@@ -620,10 +632,13 @@ def _report(args: argparse.Namespace, c: _Counts, skipped: int, wall: float) -> 
 
     _say(f"{c.ok} ok, {c.failed} failed, {skipped} skipped; {c.audio_s:.1f} s of audio in {wall:.1f} s: "
          f"RTFx {c.audio_s / wall if wall > 0 else 0:.1f} (end to end, feature extraction included)")
-    records = load_results(args.output)
+    records = load_results(args.output) if c.held is None else c.held
     for rec in records if c.failed and not args.quiet else []:
         if rec.get("error"):
             _say(printable(f"  failed: {rec['path']}: {rec['error']}"))
+    if c.held is not None:
+        _say(f"{printable(args.output)} left as it was: no file was transcribed, and --overwrite replaces the earlier "
+             "results only once a file is transcribed")
     with_refs = [r for r in records if r.get("ref") is not None and not r.get("error")]
     if with_refs:
         from polyaccel.asr.wer import wer_counts

@@ -50,7 +50,9 @@ import json
 import os
 import re
 import shutil
+import stat
 import struct
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -456,6 +458,22 @@ def source_files(src: str | os.PathLike | Sequence[str | os.PathLike], *,
     return [*_model_bin_parts(src), *extra]
 
 
+STALE_TEMP_S = 30 * 60
+"""A hidden temporary folder of a conversion untouched this long was left by a killed one."""
+
+
+def stale_temp(path: Path, older_than_s: float) -> bool:
+    """A real folder of ours whose newest entry (or itself) changed over ``older_than_s`` ago."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        newest = max([st.st_mtime, *(os.lstat(e.path).st_mtime for e in os.scandir(path))])
+    except OSError:
+        return False
+    return time.time() - newest > older_than_s
+
+
 def _check_new_dir(out: Path) -> None:
     """Refuse an ``out`` that exists and is not an empty folder (a symbolic link even to one:
     the new folder would be renamed over the link): converting never replaces files."""
@@ -467,6 +485,19 @@ def _check_new_dir(out: Path) -> None:
     if os.path.lexists(out):
         what = "is a folder that is not empty" if out.is_dir() else "exists and is not a folder"
         raise FileExistsError(f"{out} {what}; converting writes a new folder and replaces nothing")
+
+
+def _remove_killed_conversions(out: Path) -> None:
+    """Remove the ``.OUT.<12 hex>`` folders beside ``out`` that killed conversions to it left
+    (:func:`stale_temp`: real folders of this user, untouched for :data:`STALE_TEMP_S`)."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.[0-9a-f]{{12}}")
+    try:
+        entries = list(os.scandir(out.parent))
+    except OSError:
+        return
+    for e in entries:
+        if pattern.fullmatch(e.name) and stale_temp(Path(e.path), STALE_TEMP_S):
+            shutil.rmtree(e.path, ignore_errors=True)  # does not follow symlinks inside
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -491,6 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_new_dir(out)
         out.absolute().parent.mkdir(parents=True, exist_ok=True)
+        _remove_killed_conversions(out.absolute())
         tmp = out.absolute().parent / f".{out.absolute().name}.{secrets.token_hex(6)}"
         tmp.mkdir(0o777)  # the umask applies (mkdtemp's 0700 would hide the model from other users)
         convert_ct2_whisper(src, tmp, assets_dir=a.assets_dir)

@@ -11,6 +11,9 @@ text (audio or other binary data: a relative input path read from another direct
 input, but the audio is still not text); a new one is created exclusively
 (``O_EXCL``), a replaced one written next to it and renamed over it. The temporary a kill
 left beside a file (``a.srt.<12 hex>.tmp``) is removed by the rerun that has that file.
+Export remembers the sha256 of each file it writes (:class:`_Exported`); ``--overwrite``
+replaces such a file unchanged since, and keeps any other one (a user's own ``talk.srt``, an
+export edited since) as ``<name>.bak-<time>`` first, saying so.
 
 A file that already holds exactly what would be written counts as done (a rerun succeeds); a
 ``-d`` folder the run created is removed again if nothing was written into it.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import re
 import stat
@@ -32,7 +36,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from polyaccel.core.files import NAME_MAX, create_file, fit_name, replace_file
+from polyaccel.core.files import NAME_MAX, create_file, fit_name, is_regular, read_regular, replace_file
 
 FORMATS = ("srt", "vtt", "txt")
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_NOTHING_DONE = 0, 1, 2, 3
@@ -139,6 +143,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         created = _missing_dirs(args.dir)
         out_dir = _out_dir(args.dir)
         leftovers = _killed_writes(out_dir)
+        exported = _Exported()
     except ExportUsageError as e:
         _say(f"polyaccel-asr export: error: {e}")
         return EXIT_USAGE
@@ -173,25 +178,37 @@ def cmd_export(args: argparse.Namespace) -> int:
             problems += 1
             _say(f"  skipped {shown}: {_show(target)} does not hold text (audio?); never replaced")
             continue
+        data, aside = body.encode("utf-8"), None
         try:
+            if args.overwrite and _kept_by_overwrite(target, data, exported):
+                aside = _keep_aside(target)
             _write(target, body, args.overwrite)
         except FileExistsError:
-            if _holds_exactly(target, body.encode("utf-8")):  # a rerun: this very file is there
+            if _holds_exactly(target, data):  # a rerun: this very file is there
                 same += 1
+                exported.remember(target, data)
                 _remove(leftovers.pop(os.path.basename(target), ()))
                 continue
             problems += 1
-            _say(f"  skipped {shown}: {_show(target)} exists with other content (--overwrite replaces it)")
+            kept = "" if exported.wrote(target) else "; it keeps this file as <name>.bak-<time>"
+            _say(f"  skipped {shown}: {_show(target)} exists with other content (--overwrite replaces it){kept}")
             continue
         except OSError as e:
+            if aside is not None and os.path.lexists(target):  # not replaced: the file keeps its one name
+                _remove([aside])
             problems += 1
             _say(f"  failed {shown}: cannot write {_show(target)}: {e.strerror or e}")
             continue
         written += 1
+        exported.remember(target, data)
+        if aside is not None:
+            _say(f"  {shown}: {_show(target)} was not written by export (or was edited since): kept as "
+                 f"{_show(os.path.basename(aside))}")
         _remove(leftovers.pop(os.path.basename(target), ()))
         if not args.quiet and os.path.basename(target) != _name(path, args.format):
             why = "name cut to fit" if len(_name(path, args.format)) > NAME_MAX else "name taken by another input"
             _say(f"  {shown} -> {_show(target)} ({why})")
+    exported.save()
     if not written:
         for d in reversed(created):  # no empty folders left by a run that wrote nothing
             with contextlib.suppress(OSError):
@@ -360,6 +377,107 @@ def _holds_text(path: bytes, probe: int = 1 << 16) -> bool:
     except UnicodeDecodeError:
         return False
     return b"\0" not in head
+
+
+def _kept_by_overwrite(target: bytes, data: bytes, exported: _Exported) -> bool:
+    """Whether ``--overwrite`` must keep the regular file at ``target`` before replacing it: its
+    only name (a file with other hard links stays under those), not what this run writes, nor a
+    file export wrote and nobody changed since."""
+    try:
+        st = os.lstat(target)
+    except OSError:
+        return False
+    return (stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and not _holds_exactly(target, data)
+            and not exported.wrote(target))
+
+
+def _keep_aside(target: bytes) -> bytes:
+    """Give ``target``'s file a second name ``<name>.bak-<time>[-N]`` (a hard link, never over an
+    existing file; a rename where there are none): the replace that follows keeps it. Returns it."""
+    import time
+
+    stamp = time.strftime("%Y%m%d-%H%M%S").encode()
+    for n in range(1, 1000):
+        aside = target + b".bak-" + stamp + (b"-%d" % n if n > 1 else b"")
+        try:
+            os.link(target, aside)
+            return aside
+        except FileExistsError:
+            continue
+        except OSError:  # a file system without hard links
+            if os.path.lexists(aside):
+                continue
+            os.rename(target, aside)
+            return aside
+    raise FileExistsError(errno.EEXIST, "no free name to keep the file under", os.fsdecode(target))
+
+
+class _Exported:
+    """The sha256 of each file export wrote, by real path, kept in ``exports_sha256.json`` in
+    the cache root (``$POLYACCEL_CACHE``, else ``~/.cache/polyaccel``): a file holding what export
+    wrote there is export's to replace. Unreadable or missing: every file counts as not export's
+    (kept by ``--overwrite``, never lost)."""
+
+    def __init__(self) -> None:
+        from polyaccel.asr.weights import cache_dir
+
+        try:
+            self.path: str | None = os.path.join(cache_dir().parent, "exports_sha256.json")
+        except RuntimeError:  # no home folder to find (a container user without one)
+            self.path = None
+        self.known = self._read()
+        self.new: dict[str, str] = {}
+
+    def _read(self) -> dict[str, str]:
+        import json
+
+        if self.path is None:
+            return {}
+        try:
+            data = json.loads(read_regular(self.path, 64 << 20) or b"{}")
+        except (ValueError, RecursionError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def wrote(self, target: bytes) -> bool:
+        """Whether ``target`` is a regular file holding what export last wrote there."""
+        real = os.fsdecode(os.path.realpath(target))
+        sha = self.new.get(real) or self.known.get(real)
+        if not isinstance(sha, str) or not is_regular(target):
+            return False
+        try:
+            with open(target, "rb") as f:
+                return _sha256(f.read()) == sha
+        except OSError:
+            return False
+
+    def remember(self, target: bytes, data: bytes) -> None:
+        self.new[os.fsdecode(os.path.realpath(target))] = _sha256(data)
+
+    def save(self) -> None:
+        """Add this run's files to the index (under a lock, merged with what other runs added;
+        entries of files gone are dropped). A cache that cannot be written only means that a
+        later ``--overwrite`` keeps those files aside."""
+        import fcntl
+        import json
+
+        if not self.new or self.path is None:
+            return
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                merged = {k: v for k, v in {**self._read(), **self.new}.items() if os.path.lexists(k)}
+                replace_file(self.path, json.dumps(merged).encode())
+            finally:
+                os.close(fd)
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
 
 
 def _write(target: bytes, body: str, overwrite: bool) -> None:

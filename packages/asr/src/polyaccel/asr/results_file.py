@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from polyaccel.core.clitools import json_safe
+from polyaccel.core.clitools import json_safe, printable  # noqa: F401  (printable: imported from here too)
 from polyaccel.core.files import NAME_MAX, fit_name, replace_file
 
 MAX_LINE_BYTES = 16 << 20  # far above any real line (a 2 h transcript is ~100 kB)
@@ -60,22 +60,6 @@ def file_name_problem(path: str) -> str | None:
     except UnicodeEncodeError:
         return "holds a lone surrogate that is no byte of a file name"
     return None
-
-
-def printable(text: object) -> str:
-    """``text`` (a path, or a message quoting one) safe on one line of a terminal: undecodable
-    bytes as ``\\xNN`` (as in a record's ``path``), control and other unprintable characters
-    escaped the way Python writes them (``\\n``, ``\\x1b``, ``\\u202e``). For messages only:
-    records keep the exact path."""
-    if not isinstance(text, bytes):
-        text = str(text)
-        try:
-            text = text.encode("utf-8", "surrogateescape")
-        except UnicodeEncodeError:  # a surrogate that is no file name's byte: escaped below
-            pass
-    if isinstance(text, bytes):
-        text = text.decode("utf-8", "backslashreplace")
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 _PATH_FIELDS = ("path", "cwd")

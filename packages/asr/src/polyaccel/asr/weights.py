@@ -29,10 +29,10 @@ import re
 import shutil
 import stat
 import tempfile
-import time
 from pathlib import Path
 
-from polyaccel.asr.ct2_convert import convert_ct2_whisper, source_files
+from polyaccel.asr.ct2_convert import STALE_TEMP_S, convert_ct2_whisper, source_files, stale_temp
+from polyaccel.core.files import is_regular
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -124,17 +124,14 @@ was converted from. A folder whose stamp does not match its sources now is conve
 sources at other paths with the same bytes (the same weights package installed in another
 virtualenv) match by their sha256, so two installations do not convert in turn over each other."""
 
-STALE_TEMP_S = 30 * 60
-"""A ``.<name>.*`` temporary folder untouched this long was left by a killed conversion."""
-
-
 def convert_cached(name: str, sources: list[Path] | Path, assets: Path | None = None, *,
                    cache: str | os.PathLike | None = None) -> Path:
     """Convert a CTranslate2 model into ``cache_dir(cache)/name`` unless it already holds a
     conversion of these very sources; return the directory.
 
     Each conversion carries a stamp of its sources (:data:`SOURCES_STAMP`): a replaced
-    ``model.bin``, an upgraded weights package or an entry without a stamp is converted again.
+    ``model.bin``, an upgraded weights package or an entry with another stamp is converted again;
+    an entry without one (a folder, file or link no conversion wrote) is left alone: ValueError.
     A conversion writes to a temporary directory next to the target, stamps it and renames it
     in (swapping out a stale entry), so readers see either nothing or a complete model; if two
     processes race, the first rename wins and the other's copy is discarded.
@@ -143,6 +140,7 @@ def convert_cached(name: str, sources: list[Path] | Path, assets: Path | None = 
     stamp = source_stamp(sources, assets)
     if _stamp_matches(target, stamp, cache):
         return target
+    _refuse_foreign(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(target.parent, name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
@@ -199,8 +197,25 @@ def _install(tmp: Path, target: Path, stamp: list[list], cache: str | os.PathLik
         except OSError:
             if _stamp_matches(target, stamp, cache):
                 return  # a concurrent process installed the same conversion
+        _refuse_foreign(target)
         _move_aside(target)
     raise OSError(f"cannot replace {target}: another process keeps writing it; remove it and run again")
+
+
+def _refuse_foreign(target: Path) -> None:
+    """ValueError unless ``target`` is missing, an empty folder, or a folder holding a conversion
+    stamp: anything else there (a user's own model folder, a file, a link) was not written by a
+    conversion, and replacing it would delete it."""
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode) and (is_regular(target / SOURCES_STAMP) or not any(os.scandir(target))):
+        return
+    what = ("a link" if stat.S_ISLNK(st.st_mode) else f"a folder without {SOURCES_STAMP}"
+            if stat.S_ISDIR(st.st_mode) else "a file")
+    raise ValueError(f"{target} is {what}, not a conversion polyaccel made, so it is left as it is and not "
+                     f"replaced: move it elsewhere, or set POLYACCEL_CACHE to another folder")
 
 
 def _move_aside(target: Path) -> None:
@@ -225,22 +240,10 @@ def remove_stale_temps(parent: Path, name: str, *, older_than_s: float = STALE_T
     except OSError:
         return removed
     for e in entries:
-        if pattern.fullmatch(e.name) and _stale_temp(Path(e.path), older_than_s):
+        if pattern.fullmatch(e.name) and stale_temp(Path(e.path), older_than_s):
             shutil.rmtree(e.path, ignore_errors=True)  # does not follow symlinks inside
             removed.append(Path(e.path))
     return removed
-
-
-def _stale_temp(path: Path, older_than_s: float) -> bool:
-    """A real folder of ours whose newest entry (or itself) changed over ``older_than_s`` ago."""
-    try:
-        st = os.lstat(path)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            return False
-        newest = max([st.st_mtime, *(os.lstat(e.path).st_mtime for e in os.scandir(path))])
-    except OSError:
-        return False
-    return time.time() - newest > older_than_s
 
 
 def resolve_model(path_or_name: str | os.PathLike, *, cache: str | os.PathLike | None = None) -> Path:

@@ -1,7 +1,7 @@
 """What the ``polyaccel``, ``polyaccel-moe`` and ``polyaccel-asr`` command lines share: strict
 JSON output, a quiet exit when the reader of their output goes away (``... | head``), an
 error for a broken pipe that is not stdout, SIGTERM ended like Ctrl-C, and a second Ctrl-C
-that ends the process at once."""
+that ends the process at once; text from files made safe for one terminal line (`printable`)."""
 
 from __future__ import annotations
 
@@ -112,6 +112,22 @@ def interrupt_status(e: KeyboardInterrupt) -> tuple[int, str]:
     if signum is None:
         return EXIT_INTERRUPTED, "interrupted"
     return (EXIT_HUNG_UP, "hung up") if signum == _SIGHUP else (EXIT_TERMINATED, "terminated")
+
+
+def printable(text: object) -> str:
+    """``text`` (a path, or a message quoting one) safe on one line of a terminal: undecodable
+    bytes as ``\\xNN`` (as in a record's ``path``), control and other unprintable characters
+    escaped the way Python writes them (``\\n``, ``\\x1b``, ``\\u202e``). For messages only:
+    records keep the exact path."""
+    if not isinstance(text, bytes):
+        text = str(text)
+        try:
+            text = text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate that is no file name's byte: escaped below
+            pass
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def json_safe(obj: Any) -> Any:

@@ -69,19 +69,34 @@ def ensure_token(path: Path | None = None) -> Path:
 
     The token is written to a private temporary file and linked into place, so ``path`` never
     holds a partial token; an empty one (left by an older version killed mid-write; Ray
-    refuses it) is replaced."""
+    refuses it) is replaced, and so is one that group or others could read or write (they may
+    know it, or have written one of theirs there), with a warning."""
     path = Path(path or default_token_path())
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     _make_private(path.parent, 0o700)  # nobody else may swap the file for one whose token they know
     if path.exists() and path.stat().st_size:
-        _make_private(path, 0o600)
+        if not _make_private(path, 0o600):
+            return path
+        log.warning("the Ray token file %s could be read or written by others: replaced with a new token (a "
+                    "cluster started with the old one must be restarted to be joined)", path)
+        _write_token(path, replace=True)
         return path
+    _write_token(path, replace=False)
+    return path
+
+
+def _write_token(path: Path, *, replace: bool) -> None:
+    """A new random token into ``path`` through a private, synced temporary file: renamed over
+    ``path`` (``replace``), else linked in, never over a token another process made meanwhile."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # 0600
     try:
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
             f.flush()
             os.fsync(f.fileno())
+        if replace:
+            os.replace(tmp, path)
+            return
         try:
             os.link(tmp, path)  # never replaces a token another process made meanwhile
         except FileExistsError:
@@ -90,18 +105,20 @@ def ensure_token(path: Path | None = None) -> Path:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-    return path
 
 
-def _make_private(path: Path, mode: int) -> None:
+def _make_private(path: Path, mode: int) -> bool:
     """Take every access of group and others off ``path`` (to ``mode``); refuse one that another
-    user owns (they know the token it holds, or can swap the file in the folder)."""
+    user owns (they know the token it holds, or can swap the file in the folder). Returns
+    whether group or others had any access."""
     st = path.stat()
     if st.st_uid != os.getuid():
         raise PermissionError(f"{path} belongs to another user (uid {st.st_uid}): it cannot hold your Ray token; "
                               "set XDG_CONFIG_HOME or RAY_AUTH_TOKEN_PATH to a place of your own")
     if stat.S_IMODE(st.st_mode) & 0o077:
         path.chmod(mode)
+        return True
+    return False
 
 
 def auth_env(env: MutableMapping[str, str] | None = None, *, force: bool = True) -> dict[str, str]:
@@ -327,6 +344,7 @@ def connect(address: str | None = None, **kwargs: Any) -> Any:
     target = check_address(address)
     if target == "local":
         return init_local(**kwargs)
+    _warn_if_open_job_cluster()  # before auth_env sets this process's mode
     env = auth_env(force=False)
     if is_loopback_address(target):
         env.update(LOOPBACK_ENV)
@@ -335,6 +353,23 @@ def connect(address: str | None = None, **kwargs: Any) -> Any:
     with _keeping_sigterm_handler():
         ray.init(address=target, **kwargs)
     return ray
+
+
+JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+"""Set by Ray for the driver of a ``ray job submit`` job, which otherwise inherits the head's
+environment (``RAY_AUTH_MODE`` included)."""
+
+
+def _warn_if_open_job_cluster() -> None:
+    """A warning when this process is a Ray job's driver whose head runs without token
+    authentication (started without ``eval "$(python -m polyaccel.core.ray_local env)"``):
+    whoever reaches that cluster's ports can submit jobs to it, that is run code."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if JOB_ENV in os.environ and (mode or "").lower() != "token":
+        log.warning("this Ray job's cluster was started without token authentication (RAY_AUTH_MODE=%s in the "
+                    "job's environment, which is the head's): anyone who reaches its ports can run code on it. "
+                    "Start the head after eval \"$(python -m polyaccel.core.ray_local env)\" (docs/asr.md, Ray)",
+                    mode or "unset")
 
 
 class PortTakenError(RuntimeError):

@@ -49,7 +49,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    from polyaccel.core.clitools import dumps
+    from polyaccel.core.clitools import dumps, printable
     from polyaccel.moe.train_config import ConfigError, load_config
 
     ray_only = [flag for flag, value in (("--workers", args.workers), ("--address", args.address),
@@ -81,10 +81,10 @@ def _finetune(args: argparse.Namespace) -> int:
     try:
         result = finetune(cfg)
     except NonFiniteError as e:
-        print(f"polyaccel-moe: error: {e}", file=sys.stderr)
+        print(f"polyaccel-moe: error: {printable(e)}", file=sys.stderr)
         return EXIT_NONFINITE
     except SaveError as e:
-        print(f"polyaccel-moe: error: {e}", file=sys.stderr)
+        print(f"polyaccel-moe: error: {printable(e)}", file=sys.stderr)
         return EXIT_SAVE
     if int(os.environ.get("RANK", "0")) == 0:
         print(dumps(result.summary()))
@@ -92,7 +92,7 @@ def _finetune(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from polyaccel.core.clitools import dumps
+    from polyaccel.core.clitools import dumps, printable
     from polyaccel.moe.train import NonFiniteError, benchmark
     from polyaccel.moe.train_config import load_config
 
@@ -103,7 +103,7 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         result = benchmark(cfg, steps=args.steps, warmup=args.warmup)
     except NonFiniteError as e:
-        print(f"polyaccel-moe: error: {e}", file=sys.stderr)
+        print(f"polyaccel-moe: error: {printable(e)}", file=sys.stderr)
         return EXIT_NONFINITE
     print(dumps(result))
     return 0
@@ -171,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from polyaccel.core.clitools import (
         broken_pipe,
         interrupt_status,
+        printable,
         second_ctrl_c_ends_at_once,
         sigterm_as_interrupt,
     )
@@ -183,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with sigterm_as_interrupt(), second_ctrl_c_ends_at_once():
             return args.fn(args)
     except (ConfigError, NotImplementedError) as e:
-        print(f"polyaccel-moe: error: {e}", file=sys.stderr)
+        print(f"polyaccel-moe: error: {printable(e)}", file=sys.stderr)  # data text may hold escape sequences
         return EXIT_CONFIG
     except BrokenPipeError as e:  # `polyaccel-moe presets | head`: the reader left; no traceback
         return broken_pipe(e, "polyaccel-moe")
