@@ -463,3 +463,59 @@ def test_a_segment_over_speech_too_quiet_to_measure_is_still_kept():
     w1 = [Segment(0.0, 5.0, "q"), Segment(5.0, 30.0, "c")]
     got = stitch_segments([w0, w1], [(0.0, 30.0), (20.0, 50.0)], [[(0.0, 20.0)], [(5.0, 30.0)]])
     assert [s.text for s in got] == ["a", "b", "q", "c"]
+
+
+# ---- a sentence said twice, once outside the audio two windows share -------------------------------
+
+C3 = "Had he married a more amiable woman, he might have been made still more respectable than he was."
+C4 = "He might even have been made amiable himself."
+
+
+def _timed(*segs: tuple[float, float, str]) -> TimedText:
+    return TimedText(" ".join(t for *_, t in segs), [Segment(*s) for s in segs])
+
+
+def test_seam_searches_words_said_twice_only_in_the_shared_audio():
+    """tiny.en's windows [15, 45] and [30, 60] s of the LibriVox clips in the order 0 1 2 3 4 4 3
+    2 1 0 2 0 4 with 3 s pauses, at ``--overlap 15``. Both windows say clip 3 ("Had he married
+    ... he was.", 18 words), at 25-34 s and at 46-55 s, both outside the shared 30-45 s; the
+    seam guessed from the lengths that 37 and 33 words could lie there, took the two copies
+    for the overlap and lost the two clip-4 sentences between them and the second clip 3. The
+    words. times say 19 and 16 (with a second of slack)."""
+    from polyaccel.asr.audio import stitch
+    from polyaccel.asr.timestamps import seam_word_counts
+
+    left = _timed((1.38, 9.8, "Unless to be rather cold-hearted and rather selfish is to be ill-disposed."),
+                  (9.8, 14.64, C3[:C3.index(" he was.")]), (14.64, 18.76, "he was."), (18.76, 25.04, C4),
+                  (25.04, 27.64, C4[3:]))
+    right = _timed((0.0, 10.0, C4), (10.0, 16.4, C4), (16.4, 25.32, C3),
+                   (25.32, 30.04, "unless to be rather cold-hearted and rather selfish, is to be ill-disposed."))
+    spans = [(15.0, 45.0), (30.0, 60.0)]
+    counts = seam_word_counts([left, right], spans)
+    assert counts == [(19, 16)]
+    text = stitch([left, right], spans, counts)
+    assert text.count("respectable") == 2 and text.count("amiable himself") == 2, text  # as in 25-60 s
+    assert text.endswith(f"{C4} {C3} unless to be rather cold-hearted and rather selfish, is to be ill-disposed.")
+    assert seam_word_counts(["plain", "text"], spans) is None  # without timestamps: the old guess
+
+
+@pytest.mark.slow
+def test_a_sentence_said_twice_far_apart_keeps_its_words_at_overlap_15(one_thread):
+    """The LibriVox clips in the order 0 1 2 3 4 4 3 2 with 3 s pauses (60.4 s), tiny.en,
+    ``--overlap 15 --timestamps``: the text lost both clip-4 sentences and the second clip 3
+    (see the test above; of the 95 s file that goes on 1 0 2 0 4, 35 of 184 words); now each
+    clip is there as often as it is said."""
+    from polyaccel.asr.transcriber import Transcriber
+
+    clips = _clips()
+    order = [0, 1, 2, 3, 4, 4, 3, 2]
+    pause = np.zeros(3 * SR, np.float32)
+    audio = np.concatenate([x for i in order for x in (clips[i], pause)][:-1])
+    with Transcriber.from_pretrained("whisper-tiny.en", backend="cpu", replicas=1, batch_size=4,
+                                     timestamps=True, overlap_s=15.0) as tr:
+        (r,) = tr.transcribe([audio])
+    assert r.ok and r.windows == 4
+    said = r.text.lower()
+    for phrase, times in [("dashwood", 1), ("young man", 1), ("rather selfish", 2), ("respectable", 2),
+                          ("amiable himself", 2)]:
+        assert said.count(phrase) == times, (phrase, r.text)

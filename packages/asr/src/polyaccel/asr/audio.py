@@ -886,12 +886,16 @@ def _words_in(text: str, part_s: float, whole_s: float) -> int:
     return math.ceil(n * min(1.0, part_s / max(whole_s, 1e-9)) * 1.25) + 3
 
 
-def stitch(texts: Sequence[str], spans_s: Sequence[tuple[float, float]] | None = None) -> str:
+def stitch(texts: Sequence[str], spans_s: Sequence[tuple[float, float]] | None = None,
+           seam_words: Sequence[tuple[int, int] | None] | None = None) -> str:
     """Merge the transcripts of consecutive overlapping windows into one text.
 
     ``spans_s[k]`` is window k's (start, end) in seconds; it tells each seam how many words
     on either side can be in the shared audio. Without it, windows are taken to be 30 s long
-    and to overlap by :data:`DEFAULT_OVERLAP_S`.
+    and to overlap by :data:`DEFAULT_OVERLAP_S`. ``seam_words[k - 1]``, where given, is that
+    count for the seam between windows k - 1 and k, (words at the end of the left text, words
+    at the start of the right one), known from the words' times
+    (:func:`~polyaccel.asr.timestamps.seam_word_counts`) instead of guessed from the lengths.
     """
     if spans_s is None:
         hop = 30.0 - DEFAULT_OVERLAP_S
@@ -901,8 +905,9 @@ def stitch(texts: Sequence[str], spans_s: Sequence[tuple[float, float]] | None =
         (a0, a1), (b0, b1) = spans_s[k - 1], spans_s[k]
         shared = max(0.0, a1 - b0)
         right = texts[k].strip()
-        out = merge_overlap(out, right, _words_in(texts[k - 1], shared, a1 - a0),
-                            _words_in(right, shared, b1 - b0)) if out else right
+        known = seam_words[k - 1] if seam_words is not None else None
+        left_n, right_n = known or (_words_in(texts[k - 1], shared, a1 - a0), _words_in(right, shared, b1 - b0))
+        out = merge_overlap(out, right, left_n, right_n) if out else right
     return out
 
 

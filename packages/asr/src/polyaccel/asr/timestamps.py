@@ -52,6 +52,57 @@ def joined(texts: Sequence[str], offsets_s: Sequence[float]) -> str:
     return TimedText(text, segs)
 
 
+SEAM_SLACK_S = 1.0
+"""How far outside the audio two windows share a word's estimated time may lie and the word
+still be searched for at their seam (times within a segment are estimated, see
+:func:`word_times`)."""
+
+
+def word_times(text: str, offset_s: float = 0.0) -> list[tuple[float, float]] | None:
+    """(start, end) seconds of each word of ``text`` (``text.split()``), ``offset_s`` added:
+    each segment's time shared among its words by their lengths. None for a plain string, or
+    when the segments' words are not the text's."""
+    segs = segments_of(text)
+    if segs is None:
+        return None
+    out: list[tuple[float, float]] = []
+    for s in segs:
+        words = s.text.split()
+        total = sum(len(w) + 1 for w in words)
+        pos = 0
+        for w in words:
+            a = s.start + (s.end - s.start) * pos / total
+            pos += len(w) + 1
+            out.append((a + offset_s, s.start + (s.end - s.start) * pos / total + offset_s))
+    return out if len(out) == len(text.split()) else None
+
+
+def seam_word_counts(texts: Sequence[str], spans_s: Sequence[tuple[float, float]], *,
+                     slack_s: float = SEAM_SLACK_S) -> list[tuple[int, int] | None] | None:
+    """For each seam of consecutive windows (``spans_s[k]``: window k's (start, end) in the
+    file), (words at the end of the left text, words at the start of the right one) that lie in
+    the audio the two windows share, give or take ``slack_s``, by the words' times
+    (:func:`word_times`); at least 1 each. None for a seam whose windows share no audio or
+    whose words have no times; None overall for texts without segments.
+
+    :func:`~polyaccel.asr.audio.stitch` otherwise guesses the count from the text's length (a
+    proportional share, with room): at ``--overlap 15`` that reached a sentence said again
+    outside the shared audio, took it for the overlap and lost the words between."""
+    if not any(isinstance(t, TimedText) for t in texts):
+        return None
+    times = [word_times(t, a) for t, (a, _) in zip(texts, spans_s, strict=True)]
+    out: list[tuple[int, int] | None] = []
+    for k in range(1, len(texts)):
+        lo, hi = spans_s[k][0], spans_s[k - 1][1]
+        left, right = times[k - 1], times[k]
+        if hi <= lo or left is None or right is None:
+            out.append(None)
+            continue
+        out.append((max(1, sum(1 for _, e in left if e > lo - slack_s)),
+                    max(1, sum(1 for a, _ in right if a < hi + slack_s))))
+    return out
+
+
 def stitch_segments(windows: Sequence[Sequence[Segment] | None],
                     spans_s: Sequence[tuple[float, float]],
                     speech: Sequence[Sequence[tuple[float, float]]] | None = None) -> list[Segment] | None:

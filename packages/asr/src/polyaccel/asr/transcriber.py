@@ -50,6 +50,7 @@ from polyaccel.asr.timestamps import (
     TimedText,
     decode_tail,
     joined,
+    seam_word_counts,
     segment_records,
     segments_of,
     stitch_segments,
@@ -537,7 +538,9 @@ class Transcriber:
         r = p.result
         r.warnings.sort(key=lambda w: int(w.split()[1]))  # window order, whatever the finishing order
         if r.error is None:
-            r.text = stitch([t or "" for t in p.texts], p.text_spans_s) if len(p.texts) > 1 else (p.texts[0] or "").strip()
+            texts = [t or "" for t in p.texts]
+            r.text = (stitch(texts, p.text_spans_s, seam_word_counts(texts, p.spans_s)) if len(texts) > 1
+                      else texts[0].strip())
             r.segments = segment_records(stitch_segments([segments_of(t) for t in p.texts], p.spans_s, p.speech))
             m.audio_s += r.duration_s
         else:
