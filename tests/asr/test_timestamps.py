@@ -519,3 +519,59 @@ def test_a_sentence_said_twice_far_apart_keeps_its_words_at_overlap_15(one_threa
     for phrase, times in [("dashwood", 1), ("young man", 1), ("rather selfish", 2), ("respectable", 2),
                           ("amiable himself", 2)]:
         assert said.count(phrase) == times, (phrase, r.text)
+
+
+# ---- subtitles over long pauses --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_cue_ends_with_its_speech_not_at_the_next_speech_after_a_long_pause(one_thread):
+    """LibriVox clips 2, 3, 4 with 10 s pauses (34.6 s), tiny.en: Whisper ended clip 3's segment
+    at 31.64 s, just after clip 4 starts (31.35 s), so the subtitle stayed on screen over the
+    whole 10 s pause after its speech (which ends at 21.35 s), and clip 2's at 7.0 s (its speech
+    ends at 5.3 s). Now each cue ends within a second after its clip's speech."""
+    from polyaccel.asr.transcriber import Transcriber
+
+    clips = [_clips()[i] for i in (2, 3, 4)]
+    pause = np.zeros(10 * SR, np.float32)
+    audio = np.concatenate([clips[0], pause, clips[1], pause, clips[2]])
+    ends = np.cumsum([len(c) / SR + 10 for c in clips]) - 10  # 5.3, 21.35, 34.64
+    with Transcriber.from_pretrained("whisper-tiny.en", backend="cpu", replicas=1, batch_size=4,
+                                     timestamps=True) as tr:
+        (r,) = tr.transcribe([audio])
+    segs = r.segments
+    for last_words, end in zip(["ill-disposed.", "he was.", "himself."], ends):
+        (cue,) = [s for s in segs if s["text"].endswith(last_words)]
+        assert end - 0.5 <= cue["end"] <= end + 1.0, (cue, end)
+    assert all(s["start"] <= s["end"] for s in segs)
+    assert all(x["end"] <= y["start"] for x, y in zip(segs, segs[1:]))
+
+
+def test_clip_ends_to_speech_rules():
+    """Ends move back to half a second after the voice only over 1.5 s or more without voice; a
+    short sound at a segment's end after such a pause is the next speech's start; a segment with
+    no voice, or one whose pauses are short, keeps its end; no end goes before its start."""
+    from polyaccel.asr.timestamps import clip_ends_to_speech
+
+    voice = [(0.5, 3.0), (13.0, 13.4), (20.0, 22.0), (22.8, 24.0), (40.0, 45.0), (50.0, 51.5)]
+    segs = [Segment(0.0, 13.4, "a"), Segment(13.4, 19.0, "b"), Segment(19.5, 25.0, "c"),
+            Segment(30.0, 38.0, "quiet"), Segment(39.0, 51.5, "d"), Segment(52.0, 60.0, "e")]
+    got = clip_ends_to_speech(segs, voice)
+    assert [(s.start, s.end) for s in got] == [(0.0, 3.5), (13.4, 19.0), (19.5, 25.0), (30.0, 38.0),
+                                                (39.0, 51.5), (52.0, 60.0)]
+    assert clip_ends_to_speech([Segment(2.9, 9.0, "x")], [(0.0, 3.0)]) == [Segment(2.9, 3.5, "x")]
+    assert clip_ends_to_speech([Segment(2.99, 9.0, "x")], [(0.0, 3.0)])[0].end >= 2.99
+
+
+def test_voice_is_measured_against_the_audio_s_own_noise_floor():
+    """Hiss at -40 dBFS (above the -46 dBFS the word-rate check calls speech) is not voice; tones
+    15 dB and more above it are. So is everything when the hiss is as loud as they are."""
+    from polyaccel.asr.audio import voice_spans
+
+    rng = np.random.default_rng(0)
+    audio = 0.01 * rng.standard_normal(20 * SR).astype(np.float32)
+    t = np.arange(2 * SR) / SR
+    audio[5 * SR:7 * SR] += 0.1 * np.sin(2 * np.pi * 200 * t).astype(np.float32)
+    audio[12 * SR:14 * SR] += 0.08 * np.sin(2 * np.pi * 300 * t).astype(np.float32)
+    assert voice_spans(audio, SR) == [(5.0, 7.0), (12.0, 14.0)]
+    assert voice_spans(audio + 0.1 * rng.standard_normal(len(audio)).astype(np.float32), SR) == [(0.0, 20.0)]

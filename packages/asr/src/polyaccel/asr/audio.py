@@ -803,6 +803,25 @@ def speech_spans(audio: np.ndarray, sample_rate: int) -> list[tuple[float, float
     return [(round(float(a) * frame_s, 3), round(float(b) * frame_s, 3)) for a, b in zip(edges[::2], edges[1::2])]
 
 
+def voice_frames(audio: np.ndarray, sample_rate: int) -> tuple[np.ndarray, float]:
+    """(whether each 20 ms frame of ``audio`` holds voice, the frame length in seconds): its RMS
+    is 12 dB above the audio's own noise floor (its 10th-percentile frame) and above -60 dBFS, or
+    at least half the loud level (the 95th-percentile frame) whatever the floor: a noise floor
+    near the speech's level (a music bed) makes everything voice, so what this finds silent is."""
+    rms = _frame_rms(audio, sample_rate)
+    if not len(rms):
+        return np.zeros(0, bool), _FRAME_S
+    noise, loud = np.percentile(rms, [10, 95])
+    return rms > min(max(4.0 * float(noise), 1e-3), 0.5 * float(loud)), _FRAME_S
+
+
+def voice_spans(audio: np.ndarray, sample_rate: int) -> list[tuple[float, float]]:
+    """(start, end) seconds of each run of 20 ms frames :func:`voice_frames` finds voiced."""
+    loud, frame_s = voice_frames(audio, sample_rate)
+    edges = np.flatnonzero(np.diff(np.r_[0, loud.astype(np.int8), 0]))
+    return [(round(float(a) * frame_s, 3), round(float(b) * frame_s, 3)) for a, b in zip(edges[::2], edges[1::2])]
+
+
 def quietest_point(audio: np.ndarray, sample_rate: int, lo_s: float, hi_s: float) -> int:
     """The sample index in [``lo_s``, ``hi_s``) seconds where the 100 ms around it are
     quietest: a pause, where cutting splits no word."""

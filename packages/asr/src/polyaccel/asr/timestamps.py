@@ -235,6 +235,35 @@ def trim_silent_starts(audio: Any, text: TimedText, sample_rate: int, *, min_gap
     return TimedText(str(text), segs) if moved else text
 
 
+def clip_ends_to_speech(segments: Sequence[Segment], voice: Sequence[tuple[float, float]], *,
+                        min_pause_s: float = 1.5, onset_s: float = 1.0, pad_s: float = 0.5) -> list[Segment]:
+    """``segments`` with each one that runs on over ``min_pause_s`` or more without voice after
+    its speech ending ``pad_s`` after that speech. ``voice``: (start, end) seconds that hold
+    voice, in the segments' time (:func:`~polyaccel.asr.audio.voice_spans`). Whisper ends a
+    segment where the next speech starts, so a subtitle stayed on screen over a 10 s pause; a
+    sound shorter than ``onset_s`` at the end of a segment, after such a pause, is taken for
+    that next speech's start and not counted. Ends only move earlier, never before their start;
+    a segment without voice in it (speech too quiet to measure) is left as it is."""
+    voice = _merged(voice)
+    out = []
+    for s in segments:
+        runs: list[tuple[float, float]] = []
+        for a, b in voice:
+            a, b = max(a, s.start), min(b, s.end)
+            if b <= a:
+                continue
+            if runs and a - runs[-1][1] < min_pause_s:
+                runs[-1] = (runs[-1][0], b)
+            else:
+                runs.append((a, b))
+        if len(runs) > 1 and runs[-1][1] - runs[-1][0] < onset_s:
+            runs.pop()
+        if runs and s.end - runs[-1][1] >= min_pause_s:
+            s = Segment(s.start, round(max(s.start, runs[-1][1] + pad_s), 3), s.text)
+        out.append(s)
+    return out
+
+
 def decode_tail(audio: Any, text: TimedText, recognize: Any, sample_rate: int, *, min_gap_s: float = 1.0,
                 min_speech_s: float = 0.5, rounds: int = 3) -> TimedText:
     """Whisper's seek, inside one window of long audio: Whisper often ends a window at its last

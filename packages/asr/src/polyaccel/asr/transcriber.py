@@ -41,6 +41,7 @@ from polyaccel.asr.audio import (
     stitch,
     stream_audio,
     stream_windows,
+    voice_spans,
     waveform_from_array,
     window_bounds,
 )
@@ -48,6 +49,7 @@ from polyaccel.asr.manifest import InputItem
 from polyaccel.asr.results_file import printable
 from polyaccel.asr.timestamps import (
     TimedText,
+    clip_ends_to_speech,
     decode_tail,
     joined,
     seam_word_counts,
@@ -200,6 +202,7 @@ class _Decoded:
     redecoded: bool = False
     head_s: float = 0.0
     speech_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    voice_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -213,6 +216,7 @@ class _Pending:
     spans_s: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     heads_s: list[float] = dataclasses.field(default_factory=list)
     speech: list[list[tuple[float, float]]] = dataclasses.field(default_factory=list)
+    voice: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     left: int = 0
     read: bool = True
     long: bool = False
@@ -479,6 +483,7 @@ class Transcriber:
                     p.texts[win.win] = out.text
                     p.heads_s[win.win] = out.head_s
                     p.speech[win.win] = out.speech_spans
+                    p.voice += [(a + win.start_s, b + win.start_s) for a, b in out.voice_spans]
                     self._check_rate(p, win, out)
                 p.left -= 1
                 while next_out in pending and pending[next_out].done:
@@ -541,7 +546,8 @@ class Transcriber:
             texts = [t or "" for t in p.texts]
             r.text = (stitch(texts, p.text_spans_s, seam_word_counts(texts, p.spans_s)) if len(texts) > 1
                       else texts[0].strip())
-            r.segments = segment_records(stitch_segments([segments_of(t) for t in p.texts], p.spans_s, p.speech))
+            segs = stitch_segments([segments_of(t) for t in p.texts], p.spans_s, p.speech)
+            r.segments = segment_records(None if segs is None else clip_ends_to_speech(segs, p.voice))
             m.audio_s += r.duration_s
         else:
             r.text = ""
@@ -817,6 +823,8 @@ def _plausible(w: _Window, text: str, recognize: Recognize, sample_rate: int) ->
     out = _redecoded_if_short(w, text, recognize, sample_rate)
     if w.long and isinstance(text, TimedText):  # where the seams count the speech segments cover
         out.speech_spans = speech_spans(w.audio, sample_rate)
+    if isinstance(text, TimedText):  # where the segments' ends are clipped to
+        out.voice_spans = voice_spans(w.audio, sample_rate)
     return out
 
 
