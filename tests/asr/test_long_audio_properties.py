@@ -152,7 +152,9 @@ def _ms(h: str, m: str, s: str, ms: str) -> int:
 
 def _check_subtitles(segs: list[dict]) -> None:
     """Every cue of SRT and VTT parses, is numbered 1.., ends no earlier than it starts, and
-    matches its segment's times to the millisecond."""
+    matches its segment's times to the millisecond, but for the end of a segment shorter than
+    half a second: half a second after its start, or the next cue's start if that is sooner
+    (and later than this one's start)."""
     cues = [s for s in segs if s["text"].strip()]
     srt = to_srt(segs)
     blocks = srt.split("\n\n")
@@ -162,7 +164,12 @@ def _check_subtitles(segs: list[dict]) -> None:
         assert m, block
         assert int(m[1]) == i
         a, b = _ms(*m.group(2, 3, 4, 5)), _ms(*m.group(6, 7, 8, 9))
-        assert a == round(s["start"] * 1000) and b == max(a, round(s["end"] * 1000))
+        end = max(a, round(s["end"] * 1000))
+        if end - a < 500:
+            later = [round(c["start"] * 1000) for c in cues[i:] if round(c["start"] * 1000) > a]
+            end = max(end, min([a + 500] + later[:1]))
+        assert a == round(s["start"] * 1000) and b == end, (s, block)
+        assert b > a
     vtt = to_vtt(segs)
     assert vtt.startswith("WEBVTT\n\n")
     vblocks = vtt[len("WEBVTT\n\n"):].split("\n\n")

@@ -328,14 +328,15 @@ def test_decode_tail_seeks_three_times_with_absolute_times() -> None:
 
 def test_subtitle_clock_past_a_day_and_cues_never_end_before_they_start() -> None:
     """Hours keep counting past 24 (a 25 h recording's cue is not at 01:00:00), and a segment
-    whose end is before its start (a malformed or hand-edited record) ends where it starts."""
+    whose end is before its start (a malformed or hand-edited record) ends no earlier than it
+    starts: the shortest cue's half second after it (a zero-length cue is never shown)."""
     from polyaccel.asr.export import to_srt, to_vtt
 
     segs = [{"start": 90000.25, "end": 90001.5, "text": "late"}, {"start": 5.0, "end": 4.0, "text": "back"}]
     assert to_srt(segs) == ("1\n25:00:00,250 --> 25:00:01,500\nlate\n\n"
-                            "2\n00:00:05,000 --> 00:00:05,000\nback\n\n")
+                            "2\n00:00:05,000 --> 00:00:05,500\nback\n\n")
     assert to_vtt(segs) == ("WEBVTT\n\n25:00:00.250 --> 25:00:01.500\nlate\n\n"
-                            "00:00:05.000 --> 00:00:05.000\nback\n\n")
+                            "00:00:05.000 --> 00:00:05.500\nback\n\n")
 
 
 def test_export_takes_the_good_record_after_a_failed_one(tmp_path: Path) -> None:

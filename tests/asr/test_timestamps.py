@@ -575,3 +575,38 @@ def test_voice_is_measured_against_the_audio_s_own_noise_floor():
     audio[12 * SR:14 * SR] += 0.08 * np.sin(2 * np.pi * 300 * t).astype(np.float32)
     assert voice_spans(audio, SR) == [(5.0, 7.0), (12.0, 14.0)]
     assert voice_spans(audio + 0.1 * rng.standard_normal(len(audio)).astype(np.float32), SR) == [(0.0, 20.0)]
+
+
+# ---- cues that cannot be shown, or say nothing ---------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_one_sample_file_gets_a_cue_that_can_be_shown_and_a_lone_full_stop_none(one_thread):
+    """tiny.en with timestamps on one sample of silence says "you" from 0.0 to 0.0 s (times are
+    kept within the audio), which was the cue 00:00:00,000 --> 00:00:00,000 that no player
+    shows; on 16 samples of a constant it says "." (0.0-0.001 s), which was a cue of a full stop.
+    Now the first lasts half a second and the second is no cue (the record keeps both)."""
+    from polyaccel.asr.transcriber import Transcriber
+
+    with Transcriber.from_pretrained("whisper-tiny.en", backend="cpu", replicas=1, batch_size=2,
+                                     timestamps=True) as tr:
+        one, dot = tr.transcribe([np.zeros(1, np.float32), np.full(16, 0.1, np.float32)])
+    assert one.segments == [{"start": 0.0, "end": 0.0, "text": "you"}]
+    assert to_srt(one.segments) == "1\n00:00:00,000 --> 00:00:00,500\nyou\n\n"
+    assert to_vtt(one.segments) == "WEBVTT\n\n00:00:00.000 --> 00:00:00.500\nyou\n\n"
+    assert dot.text == "." and [s["text"] for s in dot.segments] == ["."]
+    assert to_srt(dot.segments) == "" and to_vtt(dot.segments) == "WEBVTT\n\n"
+
+
+def test_short_cues_last_half_a_second_without_running_into_the_next_and_punctuation_is_no_cue():
+    segs = [{"start": 1.0, "end": 1.0, "text": "a"}, {"start": 1.2, "end": 1.25, "text": "b"},
+            {"start": 1.25, "end": 1.3, "text": " ... "}, {"start": 3.0, "end": 2.0, "text": "c"},
+            {"start": 3.0, "end": 3.1, "text": "d"}, {"start": 4.0, "end": 4.2, "text": "♪"},
+            {"start": 5.0, "end": 9.0, "text": "«—?!»"}, {"start": 9.0, "end": 9.1, "text": "e."}]
+    assert to_srt(segs).split("\n\n")[:-1] == [
+        "1\n00:00:01,000 --> 00:00:01,200\na",  # up to b's start
+        "2\n00:00:01,200 --> 00:00:01,700\nb",  # the dots after it are no cue
+        "3\n00:00:03,000 --> 00:00:03,500\nc",  # d starts with it: no later start to stop at
+        "4\n00:00:03,000 --> 00:00:03,500\nd",
+        "5\n00:00:04,000 --> 00:00:04,500\n♪",  # a symbol, not punctuation: music
+        "6\n00:00:09,000 --> 00:00:09,500\ne."]

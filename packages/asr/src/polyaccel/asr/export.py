@@ -33,6 +33,7 @@ import os
 import re
 import stat
 import sys
+import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,22 +46,34 @@ EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_NOTHING_DONE = 0, 1, 2, 3
 # ---- formatting ----------------------------------------------------------------------------------
 
 
-def _clock(seconds: float, sep: str) -> str:
-    ms = max(0, round(float(seconds) * 1000))
+def _clock(ms: int, sep: str) -> str:
     h, ms = divmod(ms, 3_600_000)
     m, ms = divmod(ms, 60_000)
     s, ms = divmod(ms, 1000)
     return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
 
 
-def _cues(segments: Sequence[dict[str, Any]]) -> list[tuple[float, float, str]]:
-    """(start, end, one-line text) per segment with text; end never before start."""
-    out = []
+MIN_CUE_MS = 500
+"""The shortest cue written: a shorter segment (a 1-sample file's is 0 ms, which no player
+shows) ends this long after its start, or where the next cue starts if that is sooner."""
+
+
+def _cues(segments: Sequence[dict[str, Any]]) -> list[tuple[int, int, str]]:
+    """(start, end in milliseconds, one-line text) per segment with text to read (not
+    punctuation alone); end never before start, and :data:`MIN_CUE_MS` after it where the next
+    cue starts no sooner."""
+    kept = []
     for s in segments:
         text = " ".join(str(s.get("text", "")).split())  # a blank line inside a cue would end it
-        if text:
-            start = float(s["start"])
-            out.append((start, max(start, float(s["end"])), text))
+        if text and not all(unicodedata.category(c).startswith("P") or c == " " for c in text):
+            start = max(0, round(float(s["start"]) * 1000))
+            kept.append((start, max(start, round(float(s["end"]) * 1000)), text))
+    out = []
+    for i, (a, b, text) in enumerate(kept):
+        if b - a < MIN_CUE_MS:
+            later = [n for n, _, _ in kept[i + 1:] if n > a]
+            b = max(b, min([a + MIN_CUE_MS, *later[:1]]))
+        out.append((a, b, text))
     return out
 
 
