@@ -7,6 +7,7 @@ segments, are in :mod:`polyaccel.asr.decoding` (:class:`~polyaccel.asr.decoding.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
@@ -245,13 +246,14 @@ def clip_ends_to_speech(segments: Sequence[Segment], voice: Sequence[tuple[float
     that next speech's start and not counted. Ends only move earlier, never before their start;
     a segment without voice in it (speech too quiet to measure) is left as it is."""
     voice = _merged(voice)
+    ends = [b for _, b in voice]
     out = []
     for s in segments:
         runs: list[tuple[float, float]] = []
-        for a, b in voice:
-            a, b = max(a, s.start), min(b, s.end)
-            if b <= a:
-                continue
+        i = bisect.bisect_right(ends, s.start)  # the first stretch of voice that ends inside
+        while i < len(voice) and voice[i][0] < s.end:
+            a, b = max(voice[i][0], s.start), min(voice[i][1], s.end)
+            i += 1
             if runs and a - runs[-1][1] < min_pause_s:
                 runs[-1] = (runs[-1][0], b)
             else:
