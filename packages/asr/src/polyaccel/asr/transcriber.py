@@ -115,7 +115,9 @@ class TranscriptResult:
         warnings: windows whose word rate is implausible for their speech (words may be
             missing, or the model looped); the text is still the best we have.
         segments: with timestamps, ``[{"start", "end", "text"}]`` in seconds from the start
-            of the input (windows of long audio stitched); None without.
+            of the input (windows of long audio stitched; an end run on over a long pause
+            moved back to its speech, :func:`~polyaccel.asr.timestamps.clip_ends_to_speech`);
+            None without.
     """
 
     path: str
