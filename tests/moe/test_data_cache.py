@@ -256,7 +256,7 @@ def test_a_cache_build_killed_with_sigkill_leaves_nothing_that_is_used(tmp_path,
     finally:
         proc.kill()
         proc.wait()
-    assert not [p for p in cache.iterdir() if p.is_dir() and ".tmp-" not in p.name]  # no cache under its key
+    assert not [p for p in _caches(cache) if ".tmp-" not in p.name]  # no cache under its key
     encodes.clear()
     got = _build(f, tok, cache)
     assert len(encodes) == 30 and _same(_batches(got), _batches(_build(f, tok, None)))
@@ -484,13 +484,14 @@ def test_a_cache_file_changed_in_place_with_its_mtime_restored_is_caught(tmp_pat
     assert len(encodes) > 0 and _same(got, want)
 
 
-MEMOS = {
-    "not JSON": lambda entry: b'{"path": ',
-    "not text": lambda entry: b"\xff\xfe\x00" * 7,
-    "not an object": lambda entry: json.dumps([entry]).encode(),
-    "for another path": lambda entry: json.dumps(entry | {"path": "/elsewhere/d.jsonl", "sha256": "0" * 64}).encode(),
-    "for another identity": lambda entry: json.dumps(entry | {"identity": [1, 2, 3, 4, 5], "sha256": "0" * 64}).encode(),
-    "not a hash": lambda entry: json.dumps(entry | {"sha256": "not a hash"}).encode(),
+MEMOS = {  # what the memo of a file of path ``p`` and identity ``i`` is replaced with
+    "not JSON": lambda p, i: b'{"path": ',
+    "not text": lambda p, i: b"\xff\xfe\x00" * 7,
+    "not an object": lambda p, i: json.dumps([{"path": p, "seen": [[i, "0" * 64]]}]).encode(),
+    "for another path": lambda p, i: json.dumps({"path": "/elsewhere/d.jsonl", "seen": [[i, "0" * 64]]}).encode(),
+    "for another identity": lambda p, i: json.dumps({"path": p, "seen": [[[1, 2, 3, 4, 5], "0" * 64]]}).encode(),
+    "not a hash": lambda p, i: json.dumps({"path": p, "seen": [[i, "not a hash"]]}).encode(),
+    "an identity of strings": lambda p, i: json.dumps({"path": p, "seen": [[list(map(str, i)), "0" * 64]]}).encode(),
 }
 
 
@@ -500,13 +501,14 @@ def test_a_memo_that_does_not_fit_is_ignored_and_rewritten(tmp_path, encodes, re
     want = _batches(_build(f, tok, tmp_path / "cache"))
     (path, _) = data_cache.memo_paths(tmp_path / "cache", f)
     entry = json.loads(path.read_bytes())
-    assert entry == {"path": str(f), "identity": data_cache.identity(f.stat()), "sha256": data_cache.file_sha256(f)}
-    path.write_bytes(MEMOS[memo](entry))
+    assert entry == {"path": str(f), "seen": [[data_cache.identity(f.stat()), data_cache.file_sha256(f)]]}
+    path.write_bytes(MEMOS[memo](str(f), data_cache.identity(f.stat())))
     reads["sha"].clear()
     encodes.clear()
     got = _batches(_build(f, tok, tmp_path / "cache"))
     assert reads["sha"].count(f) == 1 and encodes == [] and _same(got, want)  # hashed, and the same cache used
-    assert json.loads(path.read_bytes()) == entry
+    again = json.loads(path.read_bytes())
+    assert again["path"] == entry["path"] and again["seen"][-1] == entry["seen"][0]  # rewritten
     _build(f, tok, tmp_path / "cache")
     assert reads["sha"].count(f) == 1
 
@@ -554,3 +556,52 @@ def test_a_memo_that_cannot_be_written_costs_only_the_hash(tmp_path, encodes, re
     encodes.clear()
     assert _same(_batches(_build(f, tok, tmp_path / "cache")), want) and encodes == []
     assert reads["sha"].count(f) == 2 and (tmp_path / "cache" / "sources").read_text() == "not a folder"
+
+
+def test_nodes_that_see_the_data_under_other_devices_each_hash_it_once(tmp_path, encodes, reads, settled,
+                                                                       monkeypatch):
+    """A file system shared by several nodes may have another st_dev on each: the memo keeps both."""
+    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+    real, node = data_cache.identity, [0]
+    monkeypatch.setattr(data_cache, "identity", lambda st: [st.st_dev + node[0], *real(st)[1:]])
+    for start in range(6):
+        node[0] = start % 2
+        _build(f, tok, tmp_path / "cache")
+    assert reads["sha"].count(f) == 2 and len(encodes) == 30
+
+
+def test_processes_that_waited_for_a_hash_that_left_no_memo_hash_side_by_side(tmp_path, encodes, reads, settled,
+                                                                                monkeypatch):
+    """A full disk: the first leaves no memo; the others must not then hash one behind the other."""
+    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+    counting, running, most = data_cache._sha256_of, [0], [0]
+    lock = threading.Lock()
+
+    def slow(h):
+        if Path(h.name) != f:  # a tokenizer file
+            return counting(h)
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.5)
+        with lock:
+            running[0] -= 1
+        return counting(h)
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(data_cache, "_sha256_of", slow)
+    monkeypatch.setattr(data_cache, "replace_file", full)
+    start = threading.Barrier(3)
+
+    def rank():
+        start.wait()
+        _build(f, tok, tmp_path / "cache")
+
+    threads = [threading.Thread(target=rank) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert reads["sha"].count(f) == 3 and most[0] == 2  # the first alone, then the two that waited together

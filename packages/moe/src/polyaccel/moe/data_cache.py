@@ -28,8 +28,10 @@ still differs; a file renamed over the data, or restored from a backup, is anoth
 limits are handled: a file changed within :data:`SETTLE_S` seconds of the start is hashed and
 not remembered (a write in the same tick of the file system's clock could keep the same times),
 and one that changes while it is hashed is not remembered either. A memo that is not readable,
-not JSON or not for this path and identity is ignored and rewritten, never trusted. The first
-process to lock ``<h>.lock`` hashes; the others started with it wait, then read its memo.
+not JSON or not for this path and identity is ignored and rewritten, never trusted. It keeps
+the last :data:`MEMO_IDENTITIES` identities (other nodes may mount a shared file system under
+another ``st_dev``). The first process to lock ``<h>.lock`` hashes; the others started with it
+wait, then read its memo, or hash side by side where it left none they can use.
 
 A cache is written in a fresh ``<key>.tmp-*`` folder, each file synced, ``meta.json`` last,
 then renamed to ``<key>`` in one step: a kill leaves a ``.tmp-*`` folder, never a ``<key>``
@@ -78,6 +80,8 @@ _READ = 4 << 20  # bytes per read while hashing or checking
 VERIFY_ENV = "POLYACCEL_DATA_CACHE_VERIFY"
 #: a data file changed less than this long before it is hashed is not remembered (see above)
 SETTLE_S = 2.0
+#: identities of the data file a memo keeps (one per node, where nodes see another ``st_dev``)
+MEMO_IDENTITIES = 16
 
 
 class CacheUnwritable(Exception):
@@ -175,9 +179,10 @@ def memo_paths(root: Path, source: Path) -> tuple[Path, Path]:
 
 def source_sha256(root: Path, source: Path) -> str:
     """SHA-256 of data file ``source``: the one its memo in ``root`` records for the file's
-    current identity, else hashed (by one process at a time: the others then read its memo)
-    and remembered where the file has settled. Errors reading ``source`` propagate; the memo
-    is best effort (a read-only ``root`` only costs the hash)."""
+    current identity, else hashed and remembered where the file has settled. Of processes
+    started together the first to lock hashes and the others then read its memo; where it
+    left none they can use, they hash at once, side by side. Errors reading ``source``
+    propagate; the memo is best effort (a read-only ``root`` only costs the hash)."""
     memo, lock_path = memo_paths(root, source)
     path = os.path.abspath(source)
     if _verify_all():  # every process hashes, as each would without a memo
@@ -193,10 +198,14 @@ def source_sha256(root: Path, source: Path) -> str:
     except OSError:
         return _hash(source, memo, path)
     with lock:
-        _lock(lock, f"waiting for another process to hash {source}", required=False)
+        waited = _lock(lock, f"waiting for another process to hash {source}", required=False)
         if (known := _recalled(memo, path, os.stat(source))) is not None:
             return known
-        return _hash(source, memo, path)
+        if not waited:  # the first: the others wait for its memo
+            return _hash(source, memo, path)
+    # the one waited for left no memo for this identity (the file changed, a full disk, another
+    # node's st_dev): hashing under the lock would queue the processes one behind the other
+    return _hash(source, memo, path)
 
 
 def _settled(st: os.stat_result) -> bool:
@@ -208,19 +217,31 @@ def _settled(st: os.stat_result) -> bool:
 def _recalled(memo: Path, path: str, st: os.stat_result) -> str | None:
     """The hash ``memo`` records for file ``path`` of stat ``st``, or None where it records
     none for them (missing, unreadable, not JSON, another path or identity)."""
-    raw = read_regular(memo, 1 << 12)
+    want = identity(st)
+    return next((digest for seen, digest in _memo_entries(memo, path) if seen == want), None)
+
+
+def _memo_entries(memo: Path, path: str) -> list[list[Any]]:
+    """The well-formed ``[identity, sha256]`` pairs ``memo`` holds for ``path`` (none where it
+    is missing, unreadable, not JSON or for another path)."""
+    raw = read_regular(memo, 1 << 16)
     if raw is None:
-        return None
+        return []
     try:
         entry = json.loads(raw)
     except (ValueError, RecursionError):
-        return None
-    if not isinstance(entry, dict) or entry.get("path") != path or entry.get("identity") != identity(st):
-        return None
-    digest = entry.get("sha256")
-    if not isinstance(digest, str) or len(digest) != 64 or digest.strip("0123456789abcdef"):
-        return None
-    return digest
+        return []
+    if not isinstance(entry, dict) or entry.get("path") != path or not isinstance(entry.get("seen"), list):
+        return []
+    return [pair for pair in entry["seen"] if _well_formed(pair)]
+
+
+def _well_formed(pair: Any) -> bool:
+    if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], list) and isinstance(pair[1], str)):
+        return False
+    seen, digest = pair
+    return (len(seen) == 5 and all(type(v) is int for v in seen)
+            and len(digest) == 64 and not digest.strip("0123456789abcdef"))
 
 
 def _hash(source: Path, memo: Path, path: str) -> str:
@@ -231,13 +252,21 @@ def _hash(source: Path, memo: Path, path: str) -> str:
         digest = _sha256_of(f)
         after = os.fstat(f.fileno())
     if identity(before) == identity(after) and _settled(before):
-        entry = {"path": path, "identity": identity(before), "sha256": digest}
         try:
-            memo.parent.mkdir(parents=True, exist_ok=True)
-            replace_file(memo, json.dumps(entry).encode())
+            _remember(memo, path, identity(before), digest)
         except OSError as e:
             logger.debug("polyaccel.moe: cannot remember the hash of %s in %s (%s)", source, memo, e)
     return digest
+
+
+def _remember(memo: Path, path: str, seen: list[int], digest: str) -> None:
+    """Add ``seen`` -> ``digest`` to ``memo``, replacing older states of the same inode and
+    keeping the last :data:`MEMO_IDENTITIES` (one per node where each mounts the data's file
+    system under its own ``st_dev``)."""
+    kept = [pair for pair in _memo_entries(memo, path) if pair[0][:2] != seen[:2]]
+    entry = {"path": path, "seen": [*kept[max(0, len(kept) - MEMO_IDENTITIES + 1):], [seen, digest]]}
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    replace_file(memo, json.dumps(entry).encode())
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,18 +327,21 @@ def _use(found: TokenCache, check: Callable[[int, bool], None]) -> TokenCache:
     return found
 
 
-def _lock(lock: Any, waiting: str, *, required: bool = True) -> None:
-    """Take ``lock`` (``flock``), logging ``waiting`` when another process holds it. Where the
-    file system refuses locks: an OSError if ``required``, else nothing (no lock)."""
+def _lock(lock: Any, waiting: str, *, required: bool = True) -> bool:
+    """Take ``lock`` (``flock``), logging ``waiting`` when another process holds it; whether it
+    had to wait. Where the file system refuses locks: an OSError if ``required``, else False
+    (no lock)."""
     try:
         try:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             logger.info("polyaccel.moe: %s", waiting)
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            return True
     except OSError:
         if required:
             raise
+    return False
 
 
 def _hit(folder: Path, key: str, *, warn: bool, verify: bool = False) -> TokenCache | None:
