@@ -82,6 +82,32 @@ def _same(a, b) -> bool:
 
 
 @pytest.fixture
+def settled(monkeypatch) -> None:
+    """Data files count as settled at once (not ``SETTLE_S`` after their last change): their
+    hash is remembered."""
+    monkeypatch.setattr(data_cache, "SETTLE_S", 0.0)
+
+
+@pytest.fixture
+def reads(monkeypatch) -> dict[str, list]:
+    """The files the cache hashes (``sha``: paths) and reads through for a CRC (``crc``: names)."""
+    seen: dict[str, list] = {"sha": [], "crc": []}
+    real_sha, real_crc = data_cache._sha256_of, data_cache.file_crc32
+
+    def sha(f):
+        seen["sha"].append(Path(f.name))
+        return real_sha(f)
+
+    def crc(f):
+        seen["crc"].append(Path(f.name).name)
+        return real_crc(f)
+
+    monkeypatch.setattr(data_cache, "_sha256_of", sha)
+    monkeypatch.setattr(data_cache, "file_crc32", crc)
+    return seen
+
+
+@pytest.fixture
 def encodes(monkeypatch) -> list[int]:
     """Counts calls to the tokenizer (one per text / prompt / completion)."""
     calls: list[int] = []
@@ -119,7 +145,7 @@ def test_a_second_run_maps_the_cache_without_tokenizing_even_at_another_seq_len(
     assert "skipped 1 empty records (lines 8)" in caplog.text  # what reading the data said, said again
     assert encodes == [] and _same(_batches(_build(f, tok, tmp_path / "cache", seq_len=5)),
                                    _batches(_build(f, tok, None, seq_len=5)))
-    assert len(list((tmp_path / "cache").iterdir())) == 2  # one cache and its lock file
+    assert len([p for p in (tmp_path / "cache").iterdir() if p.name != "sources"]) == 2  # one cache and its lock file
 
 
 def test_a_cache_is_read_without_its_lock(tmp_path, encodes):
@@ -155,8 +181,13 @@ def test_a_change_that_changes_the_tokens_builds_another_cache(tmp_path, encodes
 
 
 def _only_cache(root: Path) -> Path:
-    (folder,) = [p for p in root.iterdir() if p.is_dir()]
+    (folder,) = _caches(root)
     return folder
+
+
+def _caches(root: Path) -> list[Path]:
+    """The cache folders in ``root`` (not ``sources/``, the memos of the data files' hashes)."""
+    return [p for p in root.iterdir() if p.is_dir() and p.name != "sources"]
 
 
 def _edit_meta(folder: Path, **changes) -> None:
@@ -190,7 +221,7 @@ def test_a_damaged_cache_is_rebuilt_never_trusted(tmp_path, encodes, caplog, dam
     assert len(re.findall(r"data cache .* is not usable \(.+\); rebuilding it", caplog.text)) == 1
     encodes.clear()
     assert _same(_batches(_build(f, tok, tmp_path / "cache")), want) and encodes == []  # the rebuilt one is used
-    assert sorted(p.name.endswith(".lock") for p in (tmp_path / "cache").iterdir()) == [False, True]
+    assert sorted(p.name.endswith(".lock") for p in (tmp_path / "cache").iterdir() if p.name != "sources") == [False, True]
 
 
 _KILLED_BUILD = """
@@ -225,7 +256,7 @@ def test_a_cache_build_killed_with_sigkill_leaves_nothing_that_is_used(tmp_path,
     finally:
         proc.kill()
         proc.wait()
-    assert not [p for p in cache.iterdir() if p.is_dir() and ".tmp-" not in p.name]  # no cache under its key
+    assert not [p for p in _caches(cache) if ".tmp-" not in p.name]  # no cache under its key
     encodes.clear()
     got = _build(f, tok, cache)
     assert len(encodes) == 30 and _same(_batches(got), _batches(_build(f, tok, None)))
@@ -290,7 +321,7 @@ def test_an_error_reading_the_data_while_building_is_a_data_error_not_a_cache_on
     ('{"input_ids": [7]}\n', "has no token to train on"),
     ('{"text": " "}\n', "is empty"),
 ])
-def test_refused_data_leaves_no_cache_folder(tmp_path, records, message):
+def test_refused_data_leaves_no_cache_folder(tmp_path, records, message, settled):
     f, tok = tmp_path / "d.jsonl", _tokenizer(tmp_path / "tok")
     f.write_text(records)
     for _ in range(2):
@@ -356,7 +387,7 @@ def test_under_torchrun_one_rank_tokenizes_and_both_train_on_the_cache(tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     counts = sorted(int((tmp_path / f"encodes.{r}").read_text()) for r in (0, 1))
     assert counts == [0, 60]  # one rank tokenized, the other mapped its cache
-    assert len([p for p in (tmp_path / "ck" / ".data_cache").iterdir() if p.is_dir()]) == 1
+    assert len(_caches(tmp_path / "ck" / ".data_cache")) == 1
 
 
 @pytest.mark.parametrize("vocab,dtype", [(2**16, "uint16"), (2**16 + 1, "uint32"), (151936, "uint32")])
@@ -388,3 +419,189 @@ def test_building_shows_the_bytes_read_on_a_bar(tmp_path, monkeypatch):
     monkeypatch.setattr(data_cache, "_progress", progress)
     _build(f, tok, tmp_path / "cache")
     assert sum(read) == f.stat().st_size and len(read) > 30
+
+
+# --------------------------------------------------------------------------------------------
+# A start that finds the data and its cache unchanged reads neither through
+# --------------------------------------------------------------------------------------------
+
+def test_a_second_start_neither_hashes_the_data_nor_reads_the_cache_through(tmp_path, encodes, reads, settled,
+                                                                             monkeypatch):
+    f, tok = _data(tmp_path, "jsonl"), _tokenizer(tmp_path / "tok")
+    want = _batches(_build(f, tok, tmp_path / "cache"))
+    assert reads["sha"].count(f) == 1 and sorted(reads["crc"]) == sorted(data_cache.FILES)  # the build reads it back
+    for seen in (*reads.values(), encodes):
+        seen.clear()
+    got = _batches(_build(f, tok, tmp_path / "cache"))
+    assert f not in reads["sha"] and reads["crc"] == [] and encodes == [] and _same(got, want)
+    monkeypatch.setenv(data_cache.VERIFY_ENV, "1")  # asks for both again
+    got = _batches(_build(f, tok, tmp_path / "cache"))
+    assert reads["sha"].count(f) == 1 and sorted(reads["crc"]) == sorted(data_cache.FILES) and encodes == []
+    assert _same(got, want)
+
+
+def _restore_times(path: Path, st: os.stat_result) -> None:
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+
+
+@pytest.mark.parametrize("how", ["edited in place", "replaced by a renamed file"])
+def test_data_changed_with_its_size_and_mtime_kept_is_hashed_again(tmp_path, encodes, reads, settled, how):
+    f, tok = _data(tmp_path, "jsonl"), _tokenizer(tmp_path / "tok")
+    _build(f, tok, tmp_path / "cache")
+    st, old = f.stat(), f.read_bytes()
+    new = old.replace(b"cat", b"dog", 1)
+    assert new != old
+    if how == "edited in place":
+        with f.open("r+b") as h:
+            h.write(new)
+    else:
+        (tmp_path / "new").write_bytes(new)
+        os.replace(tmp_path / "new", f)
+    _restore_times(f, st)
+    reads["sha"].clear()
+    encodes.clear()
+    got = _build(f, tok, tmp_path / "cache")
+    assert reads["sha"].count(f) == 1 and len(encodes) > 0 and len(_caches(tmp_path / "cache")) == 2  # another key
+    assert _same(_batches(got), _batches(_build(f, tok, None)))
+
+
+def test_a_cache_file_changed_in_place_with_its_mtime_restored_is_caught(tmp_path, encodes, settled, caplog):
+    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+    want = _batches(_build(f, tok, None))
+    _build(f, tok, tmp_path / "cache")
+    tokens = _only_cache(tmp_path / "cache") / "tokens.bin"
+    st = tokens.stat()
+    with tokens.open("r+b") as h:
+        first = h.read(1)[0]
+        h.seek(0)
+        h.write(bytes([first ^ 1]))
+    _restore_times(tokens, st)
+    encodes.clear()
+    with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+        got = _batches(_build(f, tok, tmp_path / "cache"))
+    assert "(tokens.bin does not match its CRC-32); rebuilding it" in caplog.text
+    assert len(encodes) > 0 and _same(got, want)
+
+
+MEMOS = {  # what the memo of a file of path ``p`` and identity ``i`` is replaced with
+    "not JSON": lambda p, i: b'{"path": ',
+    "not text": lambda p, i: b"\xff\xfe\x00" * 7,
+    "not an object": lambda p, i: json.dumps([{"path": p, "seen": [[i, "0" * 64]]}]).encode(),
+    "for another path": lambda p, i: json.dumps({"path": "/elsewhere/d.jsonl", "seen": [[i, "0" * 64]]}).encode(),
+    "for another identity": lambda p, i: json.dumps({"path": p, "seen": [[[1, 2, 3, 4, 5], "0" * 64]]}).encode(),
+    "not a hash": lambda p, i: json.dumps({"path": p, "seen": [[i, "not a hash"]]}).encode(),
+    "an identity of strings": lambda p, i: json.dumps({"path": p, "seen": [[list(map(str, i)), "0" * 64]]}).encode(),
+}
+
+
+@pytest.mark.parametrize("memo", MEMOS)
+def test_a_memo_that_does_not_fit_is_ignored_and_rewritten(tmp_path, encodes, reads, settled, memo):
+    f, tok = _data(tmp_path, "jsonl"), _tokenizer(tmp_path / "tok")
+    want = _batches(_build(f, tok, tmp_path / "cache"))
+    (path, _) = data_cache.memo_paths(tmp_path / "cache", f)
+    entry = json.loads(path.read_bytes())
+    assert entry == {"path": str(f), "seen": [[data_cache.identity(f.stat()), data_cache.file_sha256(f)]]}
+    path.write_bytes(MEMOS[memo](str(f), data_cache.identity(f.stat())))
+    reads["sha"].clear()
+    encodes.clear()
+    got = _batches(_build(f, tok, tmp_path / "cache"))
+    assert reads["sha"].count(f) == 1 and encodes == [] and _same(got, want)  # hashed, and the same cache used
+    again = json.loads(path.read_bytes())
+    assert again["path"] == entry["path"] and again["seen"][-1] == entry["seen"][0]  # rewritten
+    _build(f, tok, tmp_path / "cache")
+    assert reads["sha"].count(f) == 1
+
+
+def test_processes_started_together_hash_the_data_once(tmp_path, encodes, reads, settled, monkeypatch):
+    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+    counting = data_cache._sha256_of
+
+    def slow(h):  # long enough for every thread to find no memo before the first is done
+        time.sleep(0.3)
+        return counting(h)
+
+    monkeypatch.setattr(data_cache, "_sha256_of", slow)
+    start, results = threading.Barrier(3), []
+
+    def rank():
+        start.wait()
+        results.append(_batches(_build(f, tok, tmp_path / "cache")))
+
+    threads = [threading.Thread(target=rank) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert reads["sha"].count(f) == 1 and len(encodes) == 30 and len(results) == 3
+    assert _same(results[0], results[1]) and _same(results[0], results[2])
+
+
+def test_a_data_file_changed_just_before_the_start_is_hashed_and_not_remembered(tmp_path, encodes, reads,
+                                                                                monkeypatch):
+    """A write in the same tick of the file system's clock could keep its times."""
+    monkeypatch.setattr(data_cache, "SETTLE_S", 3600.0)
+    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+    want = _batches(_build(f, tok, tmp_path / "cache"))
+    encodes.clear()
+    assert _same(_batches(_build(f, tok, tmp_path / "cache")), want) and encodes == []
+    assert reads["sha"].count(f) == 2 and not (tmp_path / "cache" / "sources").exists()
+
+
+def test_a_memo_that_cannot_be_written_costs_only_the_hash(tmp_path, encodes, reads, settled):
+    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "sources").write_text("not a folder")
+    want = _batches(_build(f, tok, tmp_path / "cache"))
+    encodes.clear()
+    assert _same(_batches(_build(f, tok, tmp_path / "cache")), want) and encodes == []
+    assert reads["sha"].count(f) == 2 and (tmp_path / "cache" / "sources").read_text() == "not a folder"
+
+
+def test_nodes_that_see_the_data_under_other_devices_each_hash_it_once(tmp_path, encodes, reads, settled,
+                                                                       monkeypatch):
+    """A file system shared by several nodes may have another st_dev on each: the memo keeps both."""
+    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+    real, node = data_cache.identity, [0]
+    monkeypatch.setattr(data_cache, "identity", lambda st: [st.st_dev + node[0], *real(st)[1:]])
+    for start in range(6):
+        node[0] = start % 2
+        _build(f, tok, tmp_path / "cache")
+    assert reads["sha"].count(f) == 2 and len(encodes) == 30
+
+
+def test_processes_that_waited_for_a_hash_that_left_no_memo_hash_side_by_side(tmp_path, encodes, reads, settled,
+                                                                                monkeypatch):
+    """A full disk: the first leaves no memo; the others must not then hash one behind the other."""
+    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+    counting, running, most = data_cache._sha256_of, [0], [0]
+    lock = threading.Lock()
+
+    def slow(h):
+        if Path(h.name) != f:  # a tokenizer file
+            return counting(h)
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.5)
+        with lock:
+            running[0] -= 1
+        return counting(h)
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(data_cache, "_sha256_of", slow)
+    monkeypatch.setattr(data_cache, "replace_file", full)
+    start = threading.Barrier(3)
+
+    def rank():
+        start.wait()
+        _build(f, tok, tmp_path / "cache")
+
+    threads = [threading.Thread(target=rank) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert reads["sha"].count(f) == 3 and most[0] == 2  # the first alone, then the two that waited together

@@ -291,7 +291,7 @@ def _mapped_dataset(cfg: DataConfig, path: Path, key: str, tok: _LazyTokenizer, 
             raise _nothing_to_train(key, path)
 
     try:
-        cache = data_cache.open_cache(cache_dir, data_cache.cache_key(cfg, path, tok.path, vocab_size), documents,
+        cache = data_cache.open_cache(cache_dir, data_cache.key_material(cfg, tok.path, vocab_size), documents,
                                       source=path, vocab_size=vocab_size, pad_id=lambda: tok.pad_id(vocab_size),
                                       check=check)
     except data_cache.CacheUnwritable as e:

@@ -9,7 +9,8 @@ A cache is a folder ``<root>/<key>/`` (``root``: ``<checkpoint.dir>/.data_cache`
 - ``mask.bin``: one byte a token, 1 where it is a loss target;
 - ``offsets.bin``: ``int64`` start of each document, and the end;
 - ``meta.json``: :data:`MAGIC`, :data:`VERSION`, the key, the counts, the padding id, a CRC-32
-  of each file, and the warnings reading the data gave (repeated when the cache is used).
+  and the identity (``stat``) of each file, and the warnings reading the data gave (repeated
+  when the cache is used).
 
 The key hashes what decides the tokens: the data file's bytes (SHA-256 of all of them: at
 ~1.7 GB/s a few percent of the time reading even pre-tokenized data takes, and no edit is missed), its format and
@@ -17,11 +18,32 @@ The key hashes what decides the tokens: the data file's bytes (SHA-256 of all of
 model's vocabulary size (ids are checked against it). ``train.seq_len`` is not part of it:
 packing happens when samples are read, so another ``seq_len`` maps the same cache.
 
+The data file is hashed once, not at every start of every process: ``<root>/sources/<h>.json``
+(``h``: SHA-256 of the file's absolute path) remembers its SHA-256 with its identity
+``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)``, and a process whose ``stat`` of the
+file matches all five uses the recorded hash. The ctime makes this safe in practice: every
+write to a file sets its ctime to the current time, and no call sets it back (``os.utime``
+restoring the mtime itself sets the ctime), so an edit of the same size with its mtime restored
+still differs; a file renamed over the data, or restored from a backup, is another inode. Two
+limits are handled: a file changed within :data:`SETTLE_S` seconds of the start is hashed and
+not remembered (a write in the same tick of the file system's clock could keep the same times),
+and one that changes while it is hashed is not remembered either. A memo that is not readable,
+not JSON or not for this path and identity is ignored and rewritten, never trusted. It keeps
+the last :data:`MEMO_IDENTITIES` identities (other nodes may mount a shared file system under
+another ``st_dev``). The first process to lock ``<h>.lock`` hashes; the others started with it
+wait, then read its memo, or hash side by side where it left none they can use.
+
 A cache is written in a fresh ``<key>.tmp-*`` folder, each file synced, ``meta.json`` last,
 then renamed to ``<key>`` in one step: a kill leaves a ``.tmp-*`` folder, never a ``<key>``
 that is used. A ``<key>`` whose ``meta.json`` is missing or wrong, or whose files have
 another length or CRC, is rebuilt, never used. Under several processes the first to take
 ``<key>.lock`` (``flock``) builds; the others wait for it, then map its cache.
+
+``meta.json`` also records each file's identity when it was built: a file whose ``stat`` still
+matches (same inode, size, mtime and ctime: not written since) is not read through for its
+CRC-32; any difference (a copy, an edit, a truncation, a restored mtime) reads it through.
+:data:`VERIFY_ENV` ``=1`` rehashes the data file and reads every cache file through, whatever
+is recorded (a disk suspected of corrupting data in place, which no ``stat`` shows).
 """
 
 from __future__ import annotations
@@ -36,6 +58,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from polyaccel.core.files import fsync_dir, missing_dirs, remove_empty_dirs
+from polyaccel.core.files import fsync_dir, missing_dirs, read_regular, remove_empty_dirs, replace_file
 
 logger = logging.getLogger("polyaccel.moe")
 
@@ -53,6 +76,12 @@ VERSION = 1
 FILES = ("tokens.bin", "mask.bin", "offsets.bin")
 _CHUNK = 1 << 20  # tokens buffered before a write
 _READ = 4 << 20  # bytes per read while hashing or checking
+#: set to 1 to rehash the data file and read every cache file through at each start
+VERIFY_ENV = "POLYACCEL_DATA_CACHE_VERIFY"
+#: a data file changed less than this long before it is hashed is not remembered (see above)
+SETTLE_S = 2.0
+#: identities of the data file a memo keeps (one per node, where nodes see another ``st_dev``)
+MEMO_IDENTITIES = 16
 
 
 class CacheUnwritable(Exception):
@@ -82,25 +111,35 @@ _TOKENIZER_NAMES = frozenset({"vocab.json", "vocab.txt", "merges.txt", "spiece.m
                               "special_tokens_map.json", "added_tokens.json", "config.json"})
 
 
-def cache_key(data: Any, path: Path, tokenizer_path: str | None, vocab_size: int) -> str:
-    """The cache key of data file ``path`` read as ``data`` (a ``DataConfig``) describes, with
-    the tokenizer in ``tokenizer_path``, for a model of ``vocab_size`` tokens."""
+def key_material(data: Any, tokenizer_path: str | None, vocab_size: int) -> dict[str, Any]:
+    """What decides the tokens of a data file read as ``data`` (a ``DataConfig``) describes,
+    with the tokenizer in ``tokenizer_path``, for a model of ``vocab_size`` tokens, besides the
+    file's bytes (:func:`cache_key` adds their hash)."""
     import tokenizers
     import transformers
 
-    material = {"magic": MAGIC, "version": VERSION, "kind": "jsonl" if data.jsonl else "text",
-                "field": data.field if data.jsonl else None, "vocab_size": vocab_size,
-                "data": file_sha256(path), "tokenizer": _tokenizer_fingerprint(tokenizer_path),
-                "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
-    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
+    return {"magic": MAGIC, "version": VERSION, "kind": "jsonl" if data.jsonl else "text",
+            "field": data.field if data.jsonl else None, "vocab_size": vocab_size,
+            "tokenizer": _tokenizer_fingerprint(tokenizer_path),
+            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+
+
+def cache_key(material: dict[str, Any], data_sha256: str) -> str:
+    """The cache key of ``material`` (:func:`key_material`) for data of SHA-256 ``data_sha256``."""
+    return hashlib.sha256(json.dumps(material | {"data": data_sha256}, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def file_sha256(path: Path) -> str:
     """SHA-256 of all of ``path``'s bytes, read in chunks."""
-    h = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(_READ):
-            h.update(chunk)
+        return _sha256_of(f)
+
+
+def _sha256_of(f: Any) -> str:
+    """SHA-256 of what is left to read in the binary file ``f``."""
+    h = hashlib.sha256()
+    while chunk := f.read(_READ):
+        h.update(chunk)
     return h.hexdigest()
 
 
@@ -120,44 +159,164 @@ def _tokenizer_fingerprint(folder: str | None) -> list[Any] | None:
 
 
 # --------------------------------------------------------------------------------------------
+# The data file's hash, remembered under its identity
+# --------------------------------------------------------------------------------------------
+
+def _verify_all() -> bool:
+    return os.environ.get(VERIFY_ENV, "").strip() not in ("", "0")
+
+
+def identity(st: os.stat_result) -> list[int]:
+    """What tells a file from any edit of it or any file put in its place (module docstring)."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def memo_paths(root: Path, source: Path) -> tuple[Path, Path]:
+    """The memo of data file ``source``'s hash in ``root``, and the lock of hashing it."""
+    name = hashlib.sha256(os.fsencode(os.path.abspath(source))).hexdigest()
+    return root / "sources" / f"{name}.json", root / "sources" / f"{name}.lock"
+
+
+def source_sha256(root: Path, source: Path) -> str:
+    """SHA-256 of data file ``source``: the one its memo in ``root`` records for the file's
+    current identity, else hashed and remembered where the file has settled. Of processes
+    started together the first to lock hashes and the others then read its memo; where it
+    left none they can use, they hash at once, side by side. Errors reading ``source``
+    propagate; the memo is best effort (a read-only ``root`` only costs the hash)."""
+    memo, lock_path = memo_paths(root, source)
+    path = os.path.abspath(source)
+    if _verify_all():  # every process hashes, as each would without a memo
+        return _hash(source, memo, path)
+    st = os.stat(source)
+    if (known := _recalled(memo, path, st)) is not None:
+        return known
+    if not _settled(st):  # remembered by no one: hashing under the lock would only queue the processes
+        return _hash(source, memo, path)
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        lock = lock_path.open("ab")
+    except OSError:
+        return _hash(source, memo, path)
+    with lock:
+        waited = _lock(lock, f"waiting for another process to hash {source}", required=False)
+        if (known := _recalled(memo, path, os.stat(source))) is not None:
+            return known
+        if not waited:  # the first: the others wait for its memo
+            return _hash(source, memo, path)
+    # the one waited for left no memo for this identity (the file changed, a full disk, another
+    # node's st_dev): hashing under the lock would queue the processes one behind the other
+    return _hash(source, memo, path)
+
+
+def _settled(st: os.stat_result) -> bool:
+    """Whether the file of ``st`` was last changed long enough ago that a write now would
+    give it another ctime (a write within the clock's tick of the last could keep it)."""
+    return st.st_ctime_ns <= time.time_ns() - int(SETTLE_S * 1e9)
+
+
+def _recalled(memo: Path, path: str, st: os.stat_result) -> str | None:
+    """The hash ``memo`` records for file ``path`` of stat ``st``, or None where it records
+    none for them (missing, unreadable, not JSON, another path or identity)."""
+    want = identity(st)
+    return next((digest for seen, digest in _memo_entries(memo, path) if seen == want), None)
+
+
+def _memo_entries(memo: Path, path: str) -> list[list[Any]]:
+    """The well-formed ``[identity, sha256]`` pairs ``memo`` holds for ``path`` (none where it
+    is missing, unreadable, not JSON or for another path)."""
+    raw = read_regular(memo, 1 << 16)
+    if raw is None:
+        return []
+    try:
+        entry = json.loads(raw)
+    except (ValueError, RecursionError):
+        return []
+    if not isinstance(entry, dict) or entry.get("path") != path or not isinstance(entry.get("seen"), list):
+        return []
+    return [pair for pair in entry["seen"] if _well_formed(pair)]
+
+
+def _well_formed(pair: Any) -> bool:
+    if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], list) and isinstance(pair[1], str)):
+        return False
+    seen, digest = pair
+    return (len(seen) == 5 and all(type(v) is int for v in seen)
+            and len(digest) == 64 and not digest.strip("0123456789abcdef"))
+
+
+def _hash(source: Path, memo: Path, path: str) -> str:
+    """SHA-256 of ``source``, remembered in ``memo`` when the file has settled and did not
+    change while it was read."""
+    with source.open("rb") as f:
+        before = os.fstat(f.fileno())
+        digest = _sha256_of(f)
+        after = os.fstat(f.fileno())
+    if identity(before) == identity(after) and _settled(before):
+        try:
+            _remember(memo, path, identity(before), digest)
+        except OSError as e:
+            logger.debug("polyaccel.moe: cannot remember the hash of %s in %s (%s)", source, memo, e)
+    return digest
+
+
+def _remember(memo: Path, path: str, seen: list[int], digest: str) -> None:
+    """Add ``seen`` -> ``digest`` to ``memo``, replacing older states of the same inode and
+    keeping the last :data:`MEMO_IDENTITIES` (one per node where each mounts the data's file
+    system under its own ``st_dev``)."""
+    kept = [pair for pair in _memo_entries(memo, path) if pair[0][:2] != seen[:2]]
+    entry = {"path": path, "seen": [*kept[max(0, len(kept) - MEMO_IDENTITIES + 1):], [seen, digest]]}
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    replace_file(memo, json.dumps(entry).encode())
+
+
+# --------------------------------------------------------------------------------------------
 # Opening: map, or build under the lock and map
 # --------------------------------------------------------------------------------------------
 
 Documents = Callable[..., Iterator[tuple[list[int], list[bool]]]]
 
 
-def open_cache(root: Path, key: str, documents: Documents, *, source: Path, vocab_size: int,
+def open_cache(root: Path, material: dict[str, Any], documents: Documents, *, source: Path, vocab_size: int,
                pad_id: Callable[[], int], check: Callable[[int, bool], None]) -> TokenCache:
-    """The cache ``key`` in ``root``, mapped; built first from ``documents(progress, notes)``
-    when missing or damaged (by the first process to lock it; the others wait, then map).
-    ``pad_id()`` is asked once the documents are read; ``check(tokens, has_target)`` refuses data (raises)
-    before a new cache is kept. Errors reading the data propagate; failing to write the cache
-    is :class:`CacheUnwritable`. Neither leaves anything behind."""
-    found = _hit(root / key, key, warn=False)  # no lock needed to read a cache (nor a writable folder)
-    if found is not None:
-        return _use(found, check)
-    made = missing_dirs(root)
-    lock_path = root / f"{key}.lock"
+    """The cache in ``root`` of data file ``source`` and key ``material`` (:func:`key_material`),
+    mapped; built first from ``documents(progress, notes)`` when missing or damaged (by the
+    first process to lock it; the others wait, then map). ``pad_id()`` is asked once the
+    documents are read; ``check(tokens, has_target)`` refuses data (raises) before a new cache is
+    kept. Errors reading the data propagate; failing to write the cache is
+    :class:`CacheUnwritable`. Neither leaves any folder it created."""
+    made = missing_dirs(root / "sources")
+    key = None
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        lock = lock_path.open("ab")
-    except OSError as e:
-        remove_empty_dirs(made)
-        raise CacheUnwritable(f"cannot write {root} ({e.strerror or e})") from None
-    try:
-        with lock:
-            _wait_for(lock, root / key)
-            found = _hit(root / key, key, warn=True)
-            if found is None:
-                return _build(root, key, documents, source=source, vocab_size=vocab_size, pad_id=pad_id,
-                              check=check)
-            return _use(found, check)
+        key = cache_key(material, source_sha256(root, source))
+        return _open(root, key, documents, source=source, vocab_size=vocab_size, pad_id=pad_id, check=check)
     except BaseException:
         if made:  # a refused or interrupted first build: leave no folder it created
-            with contextlib.suppress(OSError):
-                lock_path.unlink()
+            names = [*memo_paths(root, source), *([root / f"{key}.lock"] if key else [])]
+            for name in names:
+                with contextlib.suppress(OSError):
+                    name.unlink()
             remove_empty_dirs(made)
         raise
+
+
+def _open(root: Path, key: str, documents: Documents, *, source: Path, vocab_size: int,
+          pad_id: Callable[[], int], check: Callable[[int, bool], None]) -> TokenCache:
+    """:func:`open_cache` once the key is known."""
+    verify = _verify_all()
+    found = _hit(root / key, key, warn=False, verify=verify)  # no lock needed to read a cache (nor a writable folder)
+    if found is not None:
+        return _use(found, check)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = (root / f"{key}.lock").open("ab")
+    except OSError as e:
+        raise CacheUnwritable(f"cannot write {root} ({e.strerror or e})") from None
+    with lock:
+        _lock(lock, f"waiting for another process to build the data cache {root / key}")
+        found = _hit(root / key, key, warn=True, verify=verify)
+        if found is None:
+            return _build(root, key, documents, source=source, vocab_size=vocab_size, pad_id=pad_id, check=check)
+        return _use(found, check)
 
 
 def _use(found: TokenCache, check: Callable[[int, bool], None]) -> TokenCache:
@@ -168,19 +327,27 @@ def _use(found: TokenCache, check: Callable[[int, bool], None]) -> TokenCache:
     return found
 
 
-def _wait_for(lock: Any, folder: Path) -> None:
-    """Take the lock; say so when another process holds it (it is building ``folder``)."""
+def _lock(lock: Any, waiting: str, *, required: bool = True) -> bool:
+    """Take ``lock`` (``flock``), logging ``waiting`` when another process holds it; whether it
+    had to wait. Where the file system refuses locks: an OSError if ``required``, else False
+    (no lock)."""
     try:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        logger.info("polyaccel.moe: waiting for another process to build the data cache %s", folder)
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("polyaccel.moe: %s", waiting)
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            return True
+    except OSError:
+        if required:
+            raise
+    return False
 
 
-def _hit(folder: Path, key: str, *, warn: bool) -> TokenCache | None:
+def _hit(folder: Path, key: str, *, warn: bool, verify: bool = False) -> TokenCache | None:
     """The cache in ``folder``, or None where there is none or it is damaged (said if ``warn``)."""
     try:
-        return load(folder, key)
+        return load(folder, key, verify=verify)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -189,9 +356,11 @@ def _hit(folder: Path, key: str, *, warn: bool) -> TokenCache | None:
         return None
 
 
-def load(folder: Path, key: str) -> TokenCache:
+def load(folder: Path, key: str, *, verify: bool = False) -> TokenCache:
     """Map the cache in ``folder`` after checking it: FileNotFoundError where there is none,
-    ValueError (what is wrong) where its metadata, a file's length or a CRC is not right."""
+    ValueError (what is wrong) where its metadata, a file's length or a CRC is not right. A
+    file's CRC is checked where its ``stat`` is not the one recorded when it was built, or
+    where ``verify``."""
     try:
         meta = json.loads((folder / "meta.json").read_bytes())
     except FileNotFoundError:
@@ -205,19 +374,23 @@ def load(folder: Path, key: str) -> TokenCache:
     _check_meta(meta, key)
     dtype = np.dtype(meta["dtype"])
     n, docs = meta["tokens"], meta["documents"]
-    for name, size in zip(FILES, (n * dtype.itemsize, n, (docs + 1) * 8), strict=True):
-        _check_file(folder / name, size, meta["crc32"][name])
-    tokens, mask = _map(folder / "tokens.bin", dtype, n), _map(folder / "mask.bin", np.dtype(np.uint8), n)
+    built = meta.get("stat") if isinstance(meta.get("stat"), dict) and not verify else {}
+    with contextlib.ExitStack() as files:
+        opened = []
+        for name, size in zip(FILES, (n * dtype.itemsize, n, (docs + 1) * 8), strict=True):
+            f = files.enter_context((folder / name).open("rb"))
+            _check_file(f, name, size, meta["crc32"][name], built.get(name))
+            opened.append(f)
+        tokens, mask = _map(opened[0], dtype, n), _map(opened[1], np.dtype(np.uint8), n)
     return TokenCache(folder, tokens, mask, docs, meta["pad_id"], meta["has_target"], list(meta["notes"]))
 
 
-def _map(path: Path, dtype: np.dtype, n: int) -> np.ndarray:
-    """``path`` as a read-only array of ``n`` items, mapped for random access: samples are
+def _map(f: Any, dtype: np.dtype, n: int) -> np.ndarray:
+    """The open file ``f`` as a read-only array of ``n`` items, mapped for random access: samples are
     drawn shuffled, and the kernel's read-ahead around each would map pages no sample needs."""
     if not n:
         return np.zeros(0, dtype)
-    with path.open("rb") as f:
-        mm = mmap.mmap(f.fileno(), n * dtype.itemsize, access=mmap.ACCESS_READ)
+    mm = mmap.mmap(f.fileno(), n * dtype.itemsize, access=mmap.ACCESS_READ)
     with contextlib.suppress(AttributeError, OSError):  # advice only
         mm.madvise(mmap.MADV_RANDOM)
     return np.frombuffer(mm, dtype=dtype, count=n)
@@ -243,16 +416,25 @@ def _check_meta(meta: Any, key: str) -> None:
         raise ValueError("crc32 missing")
 
 
-def _check_file(path: Path, size: int, crc: int) -> None:
-    """A ValueError where ``path`` is not ``size`` bytes of CRC-32 ``crc``."""
-    if (actual := path.stat().st_size) != size:
-        raise ValueError(f"{path.name} is {actual} bytes, its metadata says {size}")
+def _check_file(f: Any, name: str, size: int, crc: int, built: Any) -> None:
+    """A ValueError where the open file ``f`` (``name``) is not ``size`` bytes of CRC-32
+    ``crc``; its bytes are read for the CRC only where its ``stat`` is not ``built`` (the
+    identity recorded when it was written: a file not written since has the CRC it had)."""
+    st = os.fstat(f.fileno())
+    if st.st_size != size:
+        raise ValueError(f"{name} is {st.st_size} bytes, its metadata says {size}")
+    if built == identity(st):
+        return
+    if file_crc32(f) != crc:
+        raise ValueError(f"{name} does not match its CRC-32")
+
+
+def file_crc32(f: Any) -> int:
+    """CRC-32 of what is left to read in the binary file ``f``."""
     value = 0
-    with path.open("rb") as f:
-        while chunk := f.read(_READ):
-            value = zlib.crc32(chunk, value)
-    if value != crc:
-        raise ValueError(f"{path.name} does not match its CRC-32")
+    while chunk := f.read(_READ):
+        value = zlib.crc32(chunk, value)
+    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,11 +461,12 @@ def _build(root: Path, key: str, documents: Documents, *, source: Path, vocab_si
                 "has_target": writer.has_target, "crc32": writer.crc, "notes": notes}
         check(writer.tokens, writer.has_target)
         with _unwritable(root):
+            meta["stat"] = {name: identity(os.stat(tmp / name)) for name in FILES}
             _publish(tmp, root / key, json.dumps(meta).encode())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     try:
-        return load(root / key, key)
+        return load(root / key, key, verify=True)
     except (OSError, ValueError) as e:
         raise CacheUnwritable(f"the cache just written to {root / key} does not read back ({e})") from None
 
