@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -605,3 +606,21 @@ def test_processes_that_waited_for_a_hash_that_left_no_memo_hash_side_by_side(tm
     for t in threads:
         t.join()
     assert reads["sha"].count(f) == 3 and most[0] == 2  # the first alone, then the two that waited together
+
+
+def test_a_link_planted_at_a_lock_file_is_never_followed(tmp_path, settled):
+    """A symbolic link at ``<key>.lock`` or at the data file's hashing lock (someone else's, in a
+    shared ``checkpoint.dir``) is not followed: no file appears where it points, and the run
+    still gets the same batches (the data then tokenized in memory)."""
+    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+    cache = tmp_path / "ckpt" / ".data_cache"
+    want = _batches(_build(f, tok, cache))
+    (key,) = [p.name for p in cache.iterdir() if p.is_dir() and p.name != "sources"]
+    _, source_lock = data_cache.memo_paths(cache, f)
+    shutil.rmtree(cache)
+    (cache / "sources").mkdir(parents=True)
+    targets = [tmp_path / "elsewhere-key", tmp_path / "elsewhere-source"]
+    (cache / f"{key}.lock").symlink_to(targets[0])
+    source_lock.symlink_to(targets[1])
+    assert _same(_batches(_build(f, tok, cache)), want)
+    assert not any(t.exists() for t in targets)

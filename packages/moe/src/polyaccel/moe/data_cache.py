@@ -194,7 +194,7 @@ def source_sha256(root: Path, source: Path) -> str:
         return _hash(source, memo, path)
     try:
         lock_path.parent.mkdir(parents=True, exist_ok=True)
-        lock = lock_path.open("ab")
+        lock = _open_lock(lock_path)
     except OSError:
         return _hash(source, memo, path)
     with lock:
@@ -206,6 +206,13 @@ def source_sha256(root: Path, source: Path) -> str:
     # the one waited for left no memo for this identity (the file changed, a full disk, another
     # node's st_dev): hashing under the lock would queue the processes one behind the other
     return _hash(source, memo, path)
+
+
+def _open_lock(path: Path) -> Any:
+    """``path`` opened for appending (created 0600 if missing) as a lock file; a symbolic link
+    there is refused (OSError), never followed to create or open a file elsewhere."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 def _settled(st: os.stat_result) -> bool:
@@ -308,7 +315,7 @@ def _open(root: Path, key: str, documents: Documents, *, source: Path, vocab_siz
         return _use(found, check)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        lock = (root / f"{key}.lock").open("ab")
+        lock = _open_lock(root / f"{key}.lock")
     except OSError as e:
         raise CacheUnwritable(f"cannot write {root} ({e.strerror or e})") from None
     with lock:
