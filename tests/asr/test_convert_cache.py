@@ -164,3 +164,42 @@ def test_weights_replaced_while_loading_are_refused(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(transcriber, "_load_model", load)
     with pytest.raises(RuntimeError, match="replaced while it loaded"):
         Transcriber.from_pretrained("m", backend="cpu", replicas=1, batch_size=1)
+
+
+@pytest.mark.parametrize("what", ["entry", "file", "models"])
+def test_a_cached_conversion_others_can_write_is_refused(tmp_path: Path, fake_convert: list, what: str) -> None:
+    """A shared POLYACCEL_CACHE: a cached conversion whose folder, one of its files, or the
+    folder holding it (not sticky) others may write is refused (its weights may be theirs),
+    naming it; the same folder sticky, like /tmp, is fine."""
+    src = _ct2_dir(tmp_path, b"weights")
+    out = weights.convert_cached("m", src, cache=tmp_path)
+    path = {"entry": out, "file": out / "model.safetensors", "models": out.parent}[what]
+    path.chmod(path.stat().st_mode | 0o002)
+    with pytest.raises(ValueError, match=f"{path} is writable by others"):
+        weights.convert_cached("m", src, cache=tmp_path)
+    if what == "models":
+        path.chmod(path.stat().st_mode | 0o1000)  # sticky: others cannot rename or remove the entry
+        assert weights.convert_cached("m", src, cache=tmp_path) == out
+    assert len(fake_convert) == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_cached_conversion_owned_by_another_user_is_refused(tmp_path: Path, fake_convert: list) -> None:
+    src = _ct2_dir(tmp_path, b"weights")
+    out = weights.convert_cached("m", src, cache=tmp_path)
+    os.chown(out / "model.safetensors", 65534, -1)
+    with pytest.raises(ValueError, match="model.safetensors is owned by another user"):
+        weights.convert_cached("m", src, cache=tmp_path)
+
+
+def test_a_conversion_made_under_umask_0_is_used_again(tmp_path: Path, fake_convert: list) -> None:
+    """Under ``umask 0`` (some containers) a conversion's folder and files are still made so
+    that others cannot write them, so the next run uses it instead of refusing it."""
+    src = _ct2_dir(tmp_path, b"weights")
+    old = os.umask(0)
+    try:
+        out = weights.convert_cached("m", src, cache=tmp_path / "fresh")
+        assert weights.convert_cached("m", src, cache=tmp_path / "fresh") == out
+    finally:
+        os.umask(old)
+    assert len(fake_convert) == 1

@@ -139,15 +139,18 @@ def convert_cached(name: str, sources: list[Path] | Path, assets: Path | None = 
     target = cache_dir(cache) / name
     stamp = source_stamp(sources, assets)
     if _stamp_matches(target, stamp, cache):
+        _refuse_others_writable(target)
         return target
     _refuse_foreign(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)  # (not others-writable, whatever the umask)
     remove_stale_temps(target.parent, name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
     try:
         hashed = [[*entry, file_sha256(Path(entry[0]), cache=cache)] for entry in stamp]
         convert_ct2_whisper(sources, tmp, assets_dir=assets)
         (tmp / SOURCES_STAMP).write_text(json.dumps(hashed, indent=1) + "\n")
+        for p in tmp.iterdir():  # whatever the umask: a later run refuses what others may write
+            p.chmod(p.lstat().st_mode & ~0o022 & 0o7777)
         _install(tmp, target, stamp, cache)
     finally:
         if tmp.exists():
@@ -200,6 +203,22 @@ def _install(tmp: Path, target: Path, stamp: list[list], cache: str | os.PathLik
         _refuse_foreign(target)
         _move_aside(target)
     raise OSError(f"cannot replace {target}: another process keeps writing it; remove it and run again")
+
+
+def _refuse_others_writable(target: Path) -> None:
+    """ValueError when someone other than this user (or root) could have changed the cached
+    conversion ``target`` uses: the folder, a file in it or the folder holding it (without the
+    sticky bit) writable by others, or one of them owned by another user. Its weights would be
+    theirs (safetensors: no code runs, but every transcript could be altered)."""
+    uid = os.geteuid()
+    checks = [(target.parent, True), (target, False)] + [(p, False) for p in target.iterdir()]
+    for path, may_be_sticky in checks:
+        st = os.lstat(path)
+        shared = st.st_mode & stat.S_IWOTH and not (may_be_sticky and st.st_mode & stat.S_ISVTX)
+        if st.st_uid not in (0, uid) or shared:
+            raise ValueError(f"{path} is {'owned by another user' if st.st_uid not in (0, uid) else 'writable by others'}"
+                             f" (mode {st.st_mode & 0o7777:o}), so the cached model {target} may not be the "
+                             "conversion polyaccel made: set POLYACCEL_CACHE to a folder of your own, or chmod o-w it")
 
 
 def _refuse_foreign(target: Path) -> None:
