@@ -1,9 +1,8 @@
-"""The warning of a final save over a saved model another run wrote in ``output_dir`` says
-exactly what the save does to its files: every file the save writes (weights, ``config.json``,
-``generation_config.json``, the tokenizer's files) overwrites the earlier one of that name,
-earlier weight files it does not write are deleted, and only the others are kept. (It used to
-say "its weight files and config; other files are kept" while the tokenizer files and
-``generation_config.json`` were replaced too.)"""
+"""A final save over a saved model another run (or tool) wrote in ``output_dir`` keeps that
+model: every earlier file the save would write over (unless it already holds the bytes the save
+writes) or delete (earlier weight files) is renamed ``<name>.bak-<time>`` first, the warning
+names them, and every other file is left as it is. (The save used to write over and delete
+them, saying so in the warning; before that the warning also misnamed what it replaced.)"""
 
 from __future__ import annotations
 
@@ -22,10 +21,19 @@ TINY = REPO / "packages/moe/examples/tiny_synthetic_cpu.yaml"
 FOREIGN = "output_dir X holds a saved model (model.safetensors) that this run did not write"
 
 
-def _listed(text: str, verb: str) -> list[str]:
-    """The file names the warning lists after ``verb`` (``overwrites``, ``deletes``, ``keeps``)."""
-    m = re.search(rf"\b{verb} (.*?) \((?:files|earlier)", text)
+def _listed(text: str) -> list[str]:
+    """The file names the foreign-model warning lists as kept aside."""
+    m = re.search(r"are kept, renamed <name>\.bak-<time> \((.*?)(?:; nothing else| \(\d+ in all)", text)
     return [] if m is None else m.group(1).split(", ")
+
+
+def _aside(out: Path) -> dict[str, bytes]:
+    """Files renamed ``<name>.bak-<time>`` in ``out``: original name -> bytes."""
+    found = {}
+    for p in out.iterdir():
+        if m := re.fullmatch(r"(.*)\.bak-\d{8}-\d{6}(-\d+)?", p.name):
+            found[m.group(1)] = p.read_bytes()
+    return found
 
 
 EARLIER = {"config.json": b"old", "generation_config.json": b"old", "model-00001-of-00002.safetensors": b"old",
@@ -36,39 +44,33 @@ NEW = {"config.json": b"new", "generation_config.json": b"new", "model.safetenso
        "tokenizer.json": b"new", "tokenizer_config.json": b"new", "chat_template.jinja": b"new"}
 
 
-def test_the_warning_names_what_is_overwritten_deleted_and_kept_and_that_is_what_happens(tmp_path, write_output):
+def test_the_earlier_models_files_are_kept_aside_and_named_and_nothing_else_is_touched(tmp_path, write_output):
     out = tmp_path / "out"
     out.mkdir()
     for name, data in EARLIER.items():
         (out / name).write_bytes(data)
     (out / "extra").mkdir()
     text = write_output(out, NEW, FOREIGN)
-    assert f"{FOREIGN}; this run's final model replaces it: overwrites " in text
-    overwritten, deleted, kept = (_listed(text, v) for v in ("overwrites", "deletes", "keeps"))
-    assert overwritten == ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
-    assert deleted == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                       "model.safetensors.index.json"]
-    assert kept == ["extra/", "model.fp16.safetensors", "notes.txt", "special_tokens_map.json"]
-    assert "Use another output_dir to keep both" in text
-    # ... and it says what the save did.
-    assert all((out / n).read_bytes() == b"new" for n in overwritten)
-    assert not any((out / n).exists() for n in deleted)
-    assert all((out / n.rstrip("/")).exists() for n in kept)
-    assert (out / "special_tokens_map.json").read_bytes() == b"old"  # not written by this save: kept
+    assert f"{FOREIGN}; this run's final model takes its place" in text
+    aside = ["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+             "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
+             "tokenizer_config.json"]
+    assert _listed(text) == aside and "Use another output_dir to keep the two apart" in text
+    assert _aside(out) == {n: b"old" for n in aside}  # ... and that is what the save did
+    assert all((out / n).read_bytes() == b"new" for n in NEW)
+    assert not any((out / n).exists() for n in aside if n not in NEW)
+    for name in ("model.fp16.safetensors", "notes.txt", "special_tokens_map.json"):
+        assert (out / name).read_bytes() == EARLIER[name]  # not written by this save: left as it is
+    assert (out / "extra").is_dir()
 
 
 def test_no_warning_without_a_foreign_model_and_long_lists_are_cut(tmp_path, write_output):
     out = tmp_path / "out"
-    assert write_output(out, NEW) == ""
-    for i in range(6):
-        (out / f"u{i}.txt").write_text("mine")
     shards = {f"model-{i:05d}-of-00012.safetensors": b"s" for i in range(1, 13)}
-    text = write_output(out, {**shards, "config.json": b"c"}, FOREIGN)
-    assert "overwrites config.json (files of the names it writes)" in text
-    assert "deletes model.safetensors (earlier weight files it does not write)" in text
-    kept = _listed(text, "keeps")  # 4 files of the earlier save and 6 of the user's: 8 named, then the count
-    assert kept[:5] == ["chat_template.jinja", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                        "u0.txt"] and kept[8:] == ["... (10 in all)"]
+    assert write_output(out, {**shards, "config.json": b"c"}) == ""
+    text = write_output(out, {"model.safetensors": b"w", "config.json": b"c"}, FOREIGN)
+    assert _listed(text) == [*list(shards)[:8], "..."] and "... (12 in all)" in text  # config.json: same bytes
+    assert _aside(out) == shards and (out / "config.json").read_bytes() == b"c"
 
 
 @pytest.fixture
@@ -93,7 +95,6 @@ def test_a_run_over_another_runs_model_says_its_tokenizer_files_are_replaced(tmp
     (out / "notes.txt").write_text("mine")
     text = run("train.seed=1")
     assert (f"output_dir {out} holds a saved model (model.safetensors) that this run did not write (it has no "
-            "checkpoint.dir); this run's final model replaces it: overwrites ") in text
-    assert _listed(text, "overwrites") == saved  # the tokenizer files and generation_config.json too
-    assert _listed(text, "keeps") == ["notes.txt"] and _listed(text, "deletes") == []
-    assert (out / "notes.txt").read_text() == "mine"
+            "checkpoint.dir); this run's final model takes its place") in text
+    assert _listed(text) == ["model.safetensors"]  # the tokenizer files and configs: the same bytes again
+    assert list(_aside(out)) == ["model.safetensors"] and (out / "notes.txt").read_text() == "mine"

@@ -84,9 +84,11 @@ def test_files_unchanged_since_the_earlier_save_are_replaced_silently(tmp_path, 
     assert train._RECORD in names and "generation_config.json" in names and "chat_template.jinja" in names
     weights = (out / "model.safetensors").read_bytes()
     text = _run(tmp_path, base, caplog, "checkpoint.dir=null", "train.seed=1")  # another run: its weights differ
-    assert WARNING not in text and ".bak-" not in text
-    assert sorted(p.name for p in out.iterdir()) == names and (out / "model.safetensors").read_bytes() != weights
-    assert train._RECORD not in text  # the record is not named among the files a replaced model's save keeps
+    assert WARNING not in text and "model.safetensors; nothing else there is touched" in text
+    [kept] = _aside(out, "model.safetensors")  # the other run's weights: kept; its other files: the same bytes
+    assert kept.read_bytes() == weights and (out / "model.safetensors").read_bytes() != weights
+    assert sorted(p.name for p in out.iterdir()) == sorted([*names, kept.name])
+    assert train._RECORD not in text  # the record is not named among the files kept aside
     _loads(out)
 
 
@@ -112,10 +114,11 @@ def test_rewriting_output_dir_from_the_final_checkpoint_keeps_an_edited_file(tmp
     weights = (out / "model.safetensors").read_bytes()
     (out / "model.safetensors").write_bytes(weights[:-8])
     text = _run(tmp_path, base, caplog)
-    assert "does not hold the final model" in text and WARNING in text
+    # weights no checkpoint of the run matches: the folder's model is kept aside whole, as another run's
+    assert "does not hold the final model" in text and "the earlier model's files are kept, renamed: " in text
     assert (out / "model.safetensors").read_bytes() == weights
-    [gen] = _aside(out, "generation_config.json")
-    assert gen.read_bytes() == GEN
+    [gen], [cut] = _aside(out, "generation_config.json"), _aside(out, "model.safetensors")
+    assert gen.read_bytes() == GEN and cut.read_bytes() == weights[:-8]
     _loads(out)
 
 

@@ -41,9 +41,11 @@ def test_a_lora_run_over_another_runs_adapters_keeps_the_users_readme(tmp_path, 
     with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
         _run(tmp_path, "train.seed=1")
     assert (out / "README.md").read_bytes() == MINE
-    assert (out / "adapter_model.safetensors").read_bytes() != adapter  # the adapters were replaced
-    assert re.search(r"overwrites adapter_config.json, adapter_model.safetensors \(files of the names it writes\); "
-                     r"keeps README.md \(", caplog.text), caplog.text
+    assert (out / "adapter_model.safetensors").read_bytes() != adapter  # the adapters were replaced ...
+    [kept] = [p for p in out.iterdir() if re.fullmatch(r"adapter_model\.safetensors\.bak-[\d-]+", p.name)]
+    assert kept.read_bytes() == adapter  # ... and the other run's kept aside, named in the warning
+    assert "that model's files it would write over or delete are kept, renamed <name>.bak-<time> " \
+           "(adapter_model.safetensors; nothing else there is touched)" in caplog.text, caplog.text
 
 
 def test_the_same_command_continuing_its_run_keeps_the_users_readme(tmp_path, caplog):

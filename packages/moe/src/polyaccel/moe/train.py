@@ -1861,34 +1861,41 @@ def _write_output(cfg: FinetuneConfig, write_model: Callable[[Path], Any], out: 
         if in_the_way:
             raise IsADirectoryError(errno.EISDIR, "a folder has the name of a file the save writes; rename it",
                                     str(out / in_the_way[0]))
-        edited = _edited(out, digests, cut["files"]) + _edited_weights(out, cut["weights"])
+        if foreign:
+            edited = _foreign_files(out, written, digests, cut["weights"])
+        else:
+            edited = _edited(out, digests, cut["files"]) + _edited_weights(out, cut["weights"])
         (staging / _RECORD).write_text(json.dumps({"files": digests, "weights": marks}, indent=1) + "\n")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         remove_empty_dirs(created)
         raise
     if foreign:
-        try:
-            what = _replacement(out, written)
-        except OSError as e:  # only a warning: never a reason not to save
-            what = f"the files of the names it writes (its listing failed: {ckpt.describe(e)})"
-        logger.warning("polyaccel.moe: %s; this run's final model replaces it: %s. Use another output_dir to keep "
-                       "both", foreign, what)
+        logger.warning("polyaccel.moe: %s; this run's final model takes its place, and that model's files it "
+                       "would write over or delete are kept, renamed <name>.bak-<time> (%s; nothing else there "
+                       "is touched). Use another output_dir to keep the two apart", foreign,
+                       _names(edited) if edited else "none")
     with _signals_held():  # milliseconds: a Ctrl-C or SIGTERM here would leave no config.json
-        _move_in(out, staging, written, edited)
+        _move_in(out, staging, written, edited, foreign=bool(foreign))
 
 
-def _move_in(out: Path, staging: Path, written: list[str], edited: list[str]) -> None:
-    """The moves of :func:`_write_output`: the ``edited`` files of ``out`` renamed aside, the
-    earlier config removed, the staged weights moved in, the earlier weights this save lacks
-    deleted, then the other staged files, the config and the record."""
+def _move_in(out: Path, staging: Path, written: list[str], edited: list[str], foreign: bool = False) -> None:
+    """The moves of :func:`_write_output`: the ``edited`` files of ``out`` (with ``foreign``,
+    the files of the model another run saved there) renamed aside, the earlier config removed,
+    the staged weights moved in, the earlier weights this save lacks deleted, then the other
+    staged files, the config and the record."""
     if edited:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         moved = [f"{n} -> {_move_aside(out, n, stamp)}" for n in edited]
-        logger.warning("polyaccel.moe: output_dir %s: files this save writes or removes were changed since the "
-                       "earlier save wrote them (edited?) and are kept, renamed: %s; this save's files take their "
-                       "names (a config.json must match the weights). Copy back the edits you want",
-                       out, ", ".join(moved))
+        if foreign:
+            logger.warning("polyaccel.moe: output_dir %s: the earlier model's files are kept, renamed: %s (rename "
+                           "them back into another folder to load that model; delete them when you no longer "
+                           "need them)", out, ", ".join(moved))
+        else:
+            logger.warning("polyaccel.moe: output_dir %s: files this save writes or removes were changed since the "
+                           "earlier save wrote them (edited?) and are kept, renamed: %s; this save's files take "
+                           "their names (a config.json must match the weights). Copy back the edits you want",
+                           out, ", ".join(moved))
     markers = [n for n in _MODEL_MARKERS if n in written]
     weights = [n for n in written if _WEIGHT_FILE.match(n)]
     for name in markers:
@@ -1966,6 +1973,29 @@ def _edited(out: Path, digests: dict[str, str], cut: dict | None = None) -> list
     return edited
 
 
+def _foreign_files(out: Path, written: Sequence[str], digests: dict[str, str], cut: dict | None = None) -> list[str]:
+    """The files of ``out`` (a model another run or tool saved there) that a save of ``written``
+    would write over or delete: every file of a name it writes and every weight file, except
+    files already holding the bytes it writes and weight files that a save of this run cut off
+    between its moves put there (``cut``, as in :func:`_edited_weights`). Kept aside whole, the
+    earlier model is never lost to a wrong ``output_dir``."""
+    names = []
+    for p in sorted(out.iterdir()):
+        n = p.name
+        weight = bool(_WEIGHT_FILE.match(n)) and (p.is_symlink() or p.is_file())
+        if n not in written and not weight:
+            continue
+        try:
+            if n in digests and is_regular(p) and ckpt._digest(p)[1] == digests[n]:
+                continue
+            if weight and not p.is_symlink() and (cut or {}).get(n) == _weight_mark(p):
+                continue
+        except OSError:
+            pass
+        names.append(n)
+    return names
+
+
 def _recorded(out: Path, key: str) -> dict:
     """The ``key`` part of ``out``'s :data:`_RECORD` ({} without a readable one: none, not a
     regular file, over 64 MiB, not JSON)."""
@@ -2012,24 +2042,6 @@ def _move_aside(out: Path, name: str, stamp: str) -> str:
             os.rename(out / name, out / aside)
             return aside
     raise FileExistsError(f"{out / name}.bak-{stamp}-*: no free name to keep the edited file under")
-
-
-def _replacement(out: Path, written: Sequence[str]) -> str:
-    """What :func:`_write_output` of the files ``written`` does to those already in ``out``:
-    which it overwrites (those of the same names), which it deletes (the earlier weight files
-    it does not write) and which it keeps (all others), named for a warning."""
-    present = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir()
-                     if p.name not in (_STAGING, _RECORD, DATA_CACHE) and not _is_run_lock(p))
-    overwritten = [n for n in present if n in written]
-    deleted = [n for n in present if n not in written and _WEIGHT_FILE.match(n)]
-    kept = [n for n in present if n not in overwritten and n not in deleted]
-    parts = [f"overwrites {_names(overwritten)} (files of the names it writes)" if overwritten
-             else "overwrites no file"]
-    if deleted:
-        parts.append(f"deletes {_names(deleted)} (earlier weight files it does not write)")
-    parts.append(f"keeps {_names(kept)} (files it neither writes nor deletes)" if kept else "keeps no other file "
-                 "(there is none)")
-    return "; ".join(parts)
 
 
 def _names(names: Sequence[str], limit: int = 8) -> str:
