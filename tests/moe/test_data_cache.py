@@ -264,20 +264,27 @@ def test_a_cache_build_killed_with_sigkill_leaves_nothing_that_is_used(tmp_path,
     assert [p.name for p in cache.iterdir() if ".tmp-" in p.name] == []  # the killed build's folder removed
 
 
-def test_processes_started_together_tokenize_once(tmp_path, encodes):
-    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+def _three_ranks_at_once(f: Path, tok: Path, cache: Path) -> list:
+    """The batches three threads get from ``_build`` started at the same moment (ranks of a job)."""
     start, results = threading.Barrier(3), []
 
     def rank():
         start.wait()
-        results.append(_batches(_build(f, tok, tmp_path / "cache")))
+        results.append(_batches(_build(f, tok, cache)))
 
     threads = [threading.Thread(target=rank) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(encodes) == 30 and len(results) == 3 and _same(results[0], results[1]) and _same(results[0], results[2])
+    assert len(results) == 3 and _same(results[0], results[1]) and _same(results[0], results[2])
+    return results
+
+
+def test_processes_started_together_tokenize_once(tmp_path, encodes):
+    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+    _three_ranks_at_once(f, tok, tmp_path / "cache")
+    assert len(encodes) == 30
 
 
 def test_a_cache_that_cannot_be_written_is_one_warning_and_the_data_is_tokenized_in_memory(tmp_path, caplog,
@@ -523,19 +530,8 @@ def test_processes_started_together_hash_the_data_once(tmp_path, encodes, reads,
         return counting(h)
 
     monkeypatch.setattr(data_cache, "_sha256_of", slow)
-    start, results = threading.Barrier(3), []
-
-    def rank():
-        start.wait()
-        results.append(_batches(_build(f, tok, tmp_path / "cache")))
-
-    threads = [threading.Thread(target=rank) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert reads["sha"].count(f) == 1 and len(encodes) == 30 and len(results) == 3
-    assert _same(results[0], results[1]) and _same(results[0], results[2])
+    _three_ranks_at_once(f, tok, tmp_path / "cache")
+    assert reads["sha"].count(f) == 1 and len(encodes) == 30
 
 
 def test_a_data_file_changed_just_before_the_start_is_hashed_and_not_remembered(tmp_path, encodes, reads,
