@@ -406,10 +406,13 @@ def test_final_save_replaces_an_earlier_model_and_keeps_other_files(tmp_path):
     (out / "model-00001-of-00002.safetensors").write_text("stale")
     (out / "model.safetensors.index.json").write_text("{}")
     finetune(_tiny(tmp_path, "train.max_steps=1", "checkpoint.every_steps=0"))
-    aside = [p.name for p in out.glob("config.json.bak-*")]  # not an earlier save's own (none recorded): kept
-    assert sorted(p.name for p in out.iterdir()) == [train._RECORD, "config.json", *aside, "generation_config.json",
-                                                    "model.safetensors", "notes.txt"]
-    assert len(aside) == 1 and (out / aside[0]).read_text() == "{}"
+    # a model this run did not write: each of its files the save writes over or deletes is kept aside
+    earlier = {"config.json": "{}", "model-00001-of-00002.safetensors": "stale", "model.safetensors.index.json": "{}"}
+    aside = {name: list(out.glob(f"{name}.bak-*")) for name in earlier}
+    assert all(len(v) == 1 and v[0].read_text() == earlier[n] for n, v in aside.items())
+    assert sorted(p.name for p in out.iterdir()) == sorted([train._RECORD, "config.json", "generation_config.json",
+                                                           "model.safetensors", "notes.txt",
+                                                           *(v[0].name for v in aside.values())])
     assert (out / "notes.txt").read_text() == "mine"
     assert (out / "model.safetensors").read_bytes() == (tmp_path / "ck/step_00000001/model.safetensors").read_bytes()
 
@@ -427,8 +430,10 @@ def test_rerun_writes_the_final_output_a_kill_left_unwritten(finished, tmp_path,
     with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
         code, _, _ = _cli(capsys, root)
     assert code == 0 and "does not hold the final model" in caplog.text
+    [cut] = out.glob("model.safetensors.bak-*")  # weights no checkpoint matches: kept aside, never deleted
+    assert cut.read_bytes() == (final / "model.safetensors").read_bytes()[:1000]
     assert sorted(p.name for p in out.iterdir()) == [train._RECORD, "config.json", "generation_config.json",
-                                                    "model.safetensors"]
+                                                    "model.safetensors", cut.name]
     assert (out / "model.safetensors").read_bytes() == (final / "model.safetensors").read_bytes()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
