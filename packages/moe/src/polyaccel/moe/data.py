@@ -121,11 +121,21 @@ class MappedDataset:
         ids = np.full(self.seq_len, self.cache.pad_id, dtype=np.int64)
         mask = np.zeros(self.seq_len, dtype=bool)
         part = self.cache.tokens[start:start + self.seq_len]
+        self._in_vocab(part, start)
         ids[:len(part)] = part
         mask[:len(part)] = self.cache.mask[start:start + self.seq_len]
         mask[0] = False  # the previous sample's last target (or the stream's first token)
         t_ids = torch.from_numpy(ids)
         return t_ids, t_ids.masked_fill(torch.from_numpy(~mask), IGNORE_INDEX)
+
+    def _in_vocab(self, part: np.ndarray, start: int) -> None:
+        """A ConfigError naming the cache where ``part`` (from stream position ``start``) holds an
+        id outside the vocabulary: a cache altered after it was built, its CRCs recomputed."""
+        if len(part) and int(part.max()) >= self.cache.vocab_size:
+            at = int(np.argmax(part >= self.cache.vocab_size))
+            raise ConfigError(f"data cache {self.cache.folder}: token id {int(part[at])} at position {start + at} "
+                              f"is outside the model's vocabulary [0, {self.cache.vocab_size}); it was changed "
+                              "after it was built: remove that folder to rebuild it")
 
 
 class SyntheticDataset:

@@ -91,7 +91,8 @@ class CacheUnwritable(Exception):
 
 @dataclass
 class TokenCache:
-    """A mapped cache: ``tokens`` and ``mask`` are read-only arrays over memory maps."""
+    """A mapped cache: ``tokens`` and ``mask`` are read-only arrays over memory maps;
+    ``vocab_size``: the model's, which every id read from ``tokens`` must be below."""
 
     folder: Path
     tokens: np.ndarray
@@ -99,6 +100,7 @@ class TokenCache:
     documents: int
     pad_id: int
     has_target: bool
+    vocab_size: int
     notes: list[str] = field(default_factory=list)
 
 
@@ -310,7 +312,7 @@ def _open(root: Path, key: str, documents: Documents, *, source: Path, vocab_siz
           pad_id: Callable[[], int], check: Callable[[int, bool], None]) -> TokenCache:
     """:func:`open_cache` once the key is known."""
     verify = _verify_all()
-    found = _hit(root / key, key, warn=False, verify=verify)  # no lock needed to read a cache (nor a writable folder)
+    found = _hit(root / key, key, vocab_size, warn=False, verify=verify)  # no lock needed to read a cache (nor a writable folder)
     if found is not None:
         return _use(found, check)
     try:
@@ -320,7 +322,7 @@ def _open(root: Path, key: str, documents: Documents, *, source: Path, vocab_siz
         raise CacheUnwritable(f"cannot write {root} ({e.strerror or e})") from None
     with lock:
         _lock(lock, f"waiting for another process to build the data cache {root / key}")
-        found = _hit(root / key, key, warn=True, verify=verify)
+        found = _hit(root / key, key, vocab_size, warn=True, verify=verify)
         if found is None:
             return _build(root, key, documents, source=source, vocab_size=vocab_size, pad_id=pad_id, check=check)
         return _use(found, check)
@@ -351,10 +353,10 @@ def _lock(lock: Any, waiting: str, *, required: bool = True) -> bool:
     return False
 
 
-def _hit(folder: Path, key: str, *, warn: bool, verify: bool = False) -> TokenCache | None:
+def _hit(folder: Path, key: str, vocab_size: int, *, warn: bool, verify: bool = False) -> TokenCache | None:
     """The cache in ``folder``, or None where there is none or it is damaged (said if ``warn``)."""
     try:
-        return load(folder, key, verify=verify)
+        return load(folder, key, vocab_size, verify=verify)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -363,9 +365,10 @@ def _hit(folder: Path, key: str, *, warn: bool, verify: bool = False) -> TokenCa
         return None
 
 
-def load(folder: Path, key: str, *, verify: bool = False) -> TokenCache:
-    """Map the cache in ``folder`` after checking it: FileNotFoundError where there is none,
-    ValueError (what is wrong) where its metadata, a file's length or a CRC is not right. A
+def load(folder: Path, key: str, vocab_size: int, *, verify: bool = False) -> TokenCache:
+    """Map the cache in ``folder`` for a model of ``vocab_size`` tokens after checking it:
+    FileNotFoundError where there is none, ValueError (what is wrong) where its metadata, a
+    file's length or a CRC is not right (the ids themselves are checked as samples are cut). A
     file's CRC is checked where its ``stat`` is not the one recorded when it was built, or
     where ``verify``."""
     try:
@@ -378,7 +381,7 @@ def load(folder: Path, key: str, *, verify: bool = False) -> TokenCache:
         raise ValueError(f"meta.json is not text ({e.reason})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"meta.json is not JSON ({e.msg})") from None
-    _check_meta(meta, key)
+    _check_meta(meta, key, vocab_size)
     dtype = np.dtype(meta["dtype"])
     n, docs = meta["tokens"], meta["documents"]
     built = meta.get("stat") if isinstance(meta.get("stat"), dict) and not verify else {}
@@ -389,7 +392,8 @@ def load(folder: Path, key: str, *, verify: bool = False) -> TokenCache:
             _check_file(f, name, size, meta["crc32"][name], built.get(name))
             opened.append(f)
         tokens, mask = _map(opened[0], dtype, n), _map(opened[1], np.dtype(np.uint8), n)
-    return TokenCache(folder, tokens, mask, docs, meta["pad_id"], meta["has_target"], list(meta["notes"]))
+    return TokenCache(folder, tokens, mask, docs, meta["pad_id"], meta["has_target"], vocab_size,
+                      list(meta["notes"]))
 
 
 def _map(f: Any, dtype: np.dtype, n: int) -> np.ndarray:
@@ -403,7 +407,7 @@ def _map(f: Any, dtype: np.dtype, n: int) -> np.ndarray:
     return np.frombuffer(mm, dtype=dtype, count=n)
 
 
-def _check_meta(meta: Any, key: str) -> None:
+def _check_meta(meta: Any, key: str, vocab_size: int) -> None:
     """A ValueError naming the first field of ``meta`` that is missing or wrong."""
     if not isinstance(meta, dict) or meta.get("magic") != MAGIC:
         raise ValueError("meta.json is not a token cache's")
@@ -416,6 +420,8 @@ def _check_meta(meta: Any, key: str) -> None:
     for name in ("tokens", "documents", "pad_id"):
         if not isinstance(meta.get(name), int) or isinstance(meta[name], bool) or meta[name] < 0:
             raise ValueError(f"{name} {meta.get(name)!r}")
+    if meta["pad_id"] >= vocab_size:
+        raise ValueError(f"pad_id {meta['pad_id']} is outside the vocabulary [0, {vocab_size})")
     if not isinstance(meta.get("has_target"), bool) or not isinstance(meta.get("notes"), list):
         raise ValueError("has_target or notes missing")
     crc = meta.get("crc32")
@@ -473,7 +479,7 @@ def _build(root: Path, key: str, documents: Documents, *, source: Path, vocab_si
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     try:
-        return load(root / key, key, verify=True)
+        return load(root / key, key, vocab_size, verify=True)
     except (OSError, ValueError) as e:
         raise CacheUnwritable(f"the cache just written to {root / key} does not read back ({e})") from None
 
