@@ -56,6 +56,7 @@ import logging
 import mmap
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -82,6 +83,8 @@ VERIFY_ENV = "POLYACCEL_DATA_CACHE_VERIFY"
 SETTLE_S = 2.0
 #: identities of the data file a memo keeps (one per node, where nodes see another ``st_dev``)
 MEMO_IDENTITIES = 16
+#: the largest ``meta.json`` read (its warnings included, it is a few KB)
+META_LIMIT = 16 << 20
 
 
 class CacheUnwritable(Exception):
@@ -372,11 +375,7 @@ def load(folder: Path, key: str, vocab_size: int, *, verify: bool = False) -> To
     file's CRC is checked where its ``stat`` is not the one recorded when it was built, or
     where ``verify``."""
     try:
-        meta = json.loads((folder / "meta.json").read_bytes())
-    except FileNotFoundError:
-        if os.path.lexists(folder):
-            raise ValueError("it has no meta.json") from None
-        raise
+        meta = json.loads(_read_meta(folder))
     except UnicodeDecodeError as e:
         raise ValueError(f"meta.json is not text ({e.reason})") from None
     except json.JSONDecodeError as e:
@@ -388,12 +387,35 @@ def load(folder: Path, key: str, vocab_size: int, *, verify: bool = False) -> To
     with contextlib.ExitStack() as files:
         opened = []
         for name, size in zip(FILES, (n * dtype.itemsize, n, (docs + 1) * 8), strict=True):
-            f = files.enter_context((folder / name).open("rb"))
+            f = files.enter_context(_open_regular(folder / name))
             _check_file(f, name, size, meta["crc32"][name], built.get(name))
             opened.append(f)
         tokens, mask = _map(opened[0], dtype, n), _map(opened[1], np.dtype(np.uint8), n)
     return TokenCache(folder, tokens, mask, docs, meta["pad_id"], meta["has_target"], vocab_size,
                       list(meta["notes"]))
+
+
+def _read_meta(folder: Path) -> bytes:
+    """The bytes of ``folder/meta.json``: FileNotFoundError where ``folder`` is missing,
+    ValueError where the file is missing, not a regular file (a FIFO, a link) or too large."""
+    raw = read_regular(folder / "meta.json", META_LIMIT)
+    if raw is not None:
+        return raw
+    if not os.path.lexists(folder):
+        raise FileNotFoundError(folder)
+    if not os.path.lexists(folder / "meta.json"):
+        raise ValueError("it has no meta.json")
+    raise ValueError(f"meta.json is not a regular file of at most {META_LIMIT} bytes")
+
+
+def _open_regular(path: Path) -> Any:
+    """``path`` opened for binary reading where it is a regular file (a link is not followed,
+    a FIFO never blocks), else ValueError."""
+    f = open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK | os.O_NOFOLLOW))  # noqa: SIM115
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f.close()
+        raise ValueError(f"{path.name} is not a regular file")
+    return f
 
 
 def _map(f: Any, dtype: np.dtype, n: int) -> np.ndarray:
