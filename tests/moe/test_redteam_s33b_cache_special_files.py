@@ -53,3 +53,23 @@ def test_a_special_file_planted_in_a_cache_is_damage_and_rebuilt(tmp_path, caplo
     folder = _only_cache(tmp_path / "cache")
     assert all(Path(folder / n).is_file() and not Path(folder / n).is_symlink()
                for n in ("meta.json", "tokens.bin", "mask.bin", "offsets.bin"))
+
+
+def test_a_fifo_planted_at_a_lock_file_does_not_block_the_start(tmp_path, monkeypatch):
+    """A FIFO at ``<key>.lock`` or at the data file's hashing lock: opening it to write would
+    wait for a reader forever; the run instead gets the same batches (tokenized in memory)."""
+    from polyaccel.moe import data_cache
+
+    monkeypatch.setattr(data_cache, "SETTLE_S", 0.0)  # the hashing lock is taken
+    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+    cache = tmp_path / "ckpt" / ".data_cache"
+    want = _batches(_build(f, tok, cache))
+    key = _only_cache(cache).name
+    _, source_lock = data_cache.memo_paths(cache, f)
+    import shutil
+
+    shutil.rmtree(cache)
+    (cache / "sources").mkdir(parents=True)
+    os.mkfifo(cache / f"{key}.lock")
+    os.mkfifo(source_lock)
+    assert _same(_within(30, lambda: _batches(_build(f, tok, cache))), want)

@@ -215,8 +215,10 @@ def source_sha256(root: Path, source: Path) -> str:
 
 def _open_lock(path: Path) -> Any:
     """``path`` opened for appending (created 0600 if missing) as a lock file; a symbolic link
-    there is refused (OSError), never followed to create or open a file elsewhere."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    there is refused (OSError), never followed to create or open a file elsewhere, and so is a
+    FIFO (which would block the open until a reader came)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
     return os.fdopen(fd, "ab")
 
 
