@@ -151,15 +151,17 @@ def _lines(f: Any) -> Iterator[tuple[int, bytes | None, bool]]:
 
 
 def _parse(line: bytes, fields: tuple[str, ...]) -> dict[str, Any] | None:
-    """The record on ``line`` if it is an object with ``fields`` and a string path that a file
-    can have (:func:`file_name_problem`: no run writes one, and every file call would raise on
-    it), else None."""
+    """The record on ``line`` if it is an object with ``fields`` and a string path (and ``cwd``,
+    where it has one) that a file can have (:func:`file_name_problem`: no run writes one, and
+    every file call would raise on it), else None."""
     try:
         rec = json.loads(line)
     except (ValueError, RecursionError):  # also invalid UTF-8, or nested deeper than json parses
         return None
     if isinstance(rec, dict) and all(k in rec for k in fields) and isinstance(rec.get("path"), str):
-        return rec if file_name_problem(record_path(rec)) is None else None
+        cwd = _decoded(rec, "cwd")
+        names = [record_path(rec), *([cwd] if cwd else [])]
+        return rec if all(file_name_problem(name) is None for name in names) else None
     return None
 
 
