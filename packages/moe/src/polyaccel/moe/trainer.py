@@ -28,7 +28,9 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +63,12 @@ def newest_complete_checkpoint(output_dir: str | Path) -> str | None:
 
 
 def _has_trainer_state(checkpoint: Path) -> bool:
-    """Whether ``checkpoint/trainer_state.json`` is a whole JSON object (a kill can cut it too)."""
+    """Whether ``checkpoint/trainer_state.json`` is a regular file (a link to one is fine)
+    holding a whole JSON object: a kill can cut it; a FIFO or a device is never read."""
     try:
-        return isinstance(json.loads((checkpoint / "trainer_state.json").read_bytes()), dict)
+        fd = os.open(checkpoint / "trainer_state.json", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            return stat.S_ISREG(os.fstat(fd).st_mode) and isinstance(json.loads(f.read()), dict)
     except (OSError, ValueError, RecursionError):
         return False
 
