@@ -52,3 +52,19 @@ def test_a_cache_whose_pad_id_is_outside_the_vocabulary_is_rebuilt(tmp_path, cap
     assert "pad_id 1000" in caplog.text and "rebuilding it" in caplog.text
     assert mapped.cache.pad_id < 32
     assert all((mapped.sample(i)[0] == want.sample(i)[0]).all() for i in range(len(want)))
+
+
+def test_the_notes_a_cache_repeats_cannot_drive_the_terminal(tmp_path, caplog):
+    """``meta.json``'s notes (repeated as warnings at each start) with control characters are
+    logged escaped; notes that are not text make the cache damaged (rebuilt)."""
+    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+    _build(f, tok, tmp_path / "cache")
+    _rewrite(_only_cache(tmp_path / "cache"), notes=["\x1b]0;owned\x07 title set"])
+    with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+        _build(f, tok, tmp_path / "cache")
+    assert "\x1b" not in caplog.text and "\x07" not in caplog.text and "\\x1b]0;owned\\x07 title set" in caplog.text
+    caplog.clear()
+    _rewrite(_only_cache(tmp_path / "cache"), notes=[{"a": 1}])
+    with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
+        _build(f, tok, tmp_path / "cache")
+    assert "has_target or notes" in caplog.text and "rebuilding it" in caplog.text

@@ -68,6 +68,7 @@ from typing import Any
 
 import numpy as np
 
+from polyaccel.core.clitools import printable
 from polyaccel.core.files import fsync_dir, missing_dirs, read_regular, remove_empty_dirs, replace_file
 
 logger = logging.getLogger("polyaccel.moe")
@@ -337,7 +338,7 @@ def _use(found: TokenCache, check: Callable[[int, bool], None]) -> TokenCache:
     """``found``, checked, after repeating the warnings reading its data gave."""
     check(len(found.tokens), found.has_target)
     for note in found.notes:
-        logger.warning("polyaccel.moe: %s", note)
+        logger.warning("polyaccel.moe: %s", printable(note))  # meta.json is not checksummed
     return found
 
 
@@ -446,7 +447,9 @@ def _check_meta(meta: Any, key: str, vocab_size: int) -> None:
             raise ValueError(f"{name} {meta.get(name)!r}")
     if meta["pad_id"] >= vocab_size:
         raise ValueError(f"pad_id {meta['pad_id']} is outside the vocabulary [0, {vocab_size})")
-    if not isinstance(meta.get("has_target"), bool) or not isinstance(meta.get("notes"), list):
+    notes = meta.get("notes")
+    if not isinstance(meta.get("has_target"), bool) or not (isinstance(notes, list)
+                                                            and all(isinstance(n, str) for n in notes)):
         raise ValueError("has_target or notes missing")
     crc = meta.get("crc32")
     if not isinstance(crc, dict) or any(not isinstance(crc.get(n), int) for n in FILES):
