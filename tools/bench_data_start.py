@@ -9,6 +9,8 @@ data stays in the page cache between runs, or with ``--cold`` is dropped from it
     python tools/bench_data_start.py --dir /tmp/bench --size-mb 200 --runs 5 --cold
 
 Run it under each version to compare (its ``--dir`` cache is per version: use another one).
+A ``data.jsonl`` already in ``--dir`` is used when it holds ``--size-mb`` MB, else refused (exit
+2), never replaced: it may be your own data.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,16 +40,24 @@ print(json.dumps({{"seconds": round(time.perf_counter() - t0, 3), "samples": len
 
 
 def write_data(path: Path, size_mb: int) -> None:
-    """Records of 512 random token ids until ``path`` holds ``size_mb`` MB (kept when it does)."""
-    if path.is_file() and path.stat().st_size >= size_mb << 20:
-        return
+    """Records of 512 random token ids until ``path`` holds ``size_mb`` MB (kept when it does).
+    An existing smaller ``path`` is never replaced (it may be the user's data): exit 2."""
+    if os.path.lexists(path):
+        if path.is_file() and path.stat().st_size >= size_mb << 20:
+            return
+        print(f"bench_data_start.py: error: {path} exists and is not a file of at least {size_mb} MB: not "
+              "replaced (it may be your data); remove it or choose another --dir", file=sys.stderr)
+        raise SystemExit(2)
     rng = np.random.default_rng(0)
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w") as f:
-        while f.tell() < size_mb << 20:
-            block = rng.integers(0, VOCAB, size=(256, 512))
-            f.write("".join('{"input_ids": [' + ", ".join(map(str, row)) + "]}\n" for row in block.tolist()))
-    os.replace(tmp, path)
+    fd, name = tempfile.mkstemp(prefix=".data-", suffix=".tmp", dir=path.parent)  # never a file of the user's
+    try:
+        with os.fdopen(fd, "w") as f:
+            while f.tell() < size_mb << 20:
+                block = rng.integers(0, VOCAB, size=(256, 512))
+                f.write("".join('{"input_ids": [' + ", ".join(map(str, row)) + "]}\n" for row in block.tolist()))
+        os.link(name, path)  # fails where a file appeared there meanwhile, instead of replacing it
+    finally:
+        os.unlink(name)
 
 
 def drop_from_page_cache(paths: list[Path]) -> None:
