@@ -68,3 +68,25 @@ def test_the_notes_a_cache_repeats_cannot_drive_the_terminal(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="polyaccel.moe"):
         _build(f, tok, tmp_path / "cache")
     assert "has_target or notes" in caplog.text and "rebuilding it" in caplog.text
+
+
+def test_finetune_on_a_cache_with_an_id_outside_the_vocabulary_is_one_line_and_exit_2(tmp_path, capsys):
+    from polyaccel.moe import cli
+
+    from .test_data_cache import TINY
+
+    f, tok = _data(tmp_path, "jsonl"), _tokenizer(tmp_path / "tok")
+    sets = [f"data.tokenizer={tok}", f"data.jsonl={f}", f"checkpoint.dir={tmp_path / 'ck'}",
+            "log.progress_bar=false", "log.every_steps=1000", "train.seq_len=8"]
+    argv = ["finetune", str(TINY), *[a for s in sets for a in ("--set", s)]]
+    assert cli.main([*argv, "--set", f"output_dir={tmp_path / 'out'}", "--set", "train.max_steps=1"]) == 0
+    folder = _only_cache(tmp_path / "ck" / ".data_cache")
+    meta = json.loads((folder / "meta.json").read_text())
+    tokens = np.fromfile(folder / "tokens.bin", dtype=meta["dtype"])
+    tokens[:] = np.iinfo(tokens.dtype).max  # beyond any tiny model's vocabulary
+    _rewrite(folder, tokens)
+    capsys.readouterr()
+    code = cli.main([*argv, "--set", f"output_dir={tmp_path / 'out2'}", "--set", "train.max_steps=3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and f"data cache {folder}" in err
+    assert not (tmp_path / "out2").exists()
