@@ -73,3 +73,21 @@ def test_a_fifo_planted_at_a_lock_file_does_not_block_the_start(tmp_path, monkey
     os.mkfifo(cache / f"{key}.lock")
     os.mkfifo(source_lock)
     assert _same(_within(30, lambda: _batches(_build(f, tok, cache))), want)
+
+
+def test_a_damaged_cache_that_is_a_link_is_replaced_without_touching_where_it_points(tmp_path):
+    """``<key>`` a symbolic link to a folder of the user's (holding a damaged cache, or anything):
+    the rebuild moves the link aside and removes it; the folder it pointed to keeps every file."""
+    f, tok = _data(tmp_path, "text"), _tokenizer(tmp_path / "tok")
+    want = _batches(_build(f, tok, None))
+    _build(f, tok, tmp_path / "cache")
+    folder = _only_cache(tmp_path / "cache")
+    mine = tmp_path / "mine"
+    folder.rename(mine)
+    (mine / "notes.txt").write_text("the user's notes\n")
+    (mine / "meta.json").write_text("not a cache's")
+    folder.symlink_to(mine, target_is_directory=True)
+    before = {p.name: p.read_bytes() for p in mine.iterdir()}
+    assert _same(_within(30, lambda: _batches(_build(f, tok, tmp_path / "cache"))), want)
+    assert {p.name: p.read_bytes() for p in mine.iterdir()} == before
+    assert folder.is_dir() and not folder.is_symlink()
