@@ -144,8 +144,9 @@ def _graph_dirs(root: Path) -> list[Path]:
 
 def read_marker(graph_dir: Path) -> dict[str, Any]:
     """The marker of a graph directory: ``{"name", "key", ...}``; an old bare-name marker
-    gives ``{"name": ...}`` only (no key: it matches no key a caller asks for)."""
-    text = (Path(graph_dir) / MARKER).read_text()
+    gives ``{"name": ...}`` only (no key: it matches no key a caller asks for); bytes that are
+    not UTF-8 are replaced (such a name matches no graph)."""
+    text = (Path(graph_dir) / MARKER).read_bytes().decode("utf-8", "replace")
     with contextlib.suppress(ValueError):
         data = json.loads(text)
         if isinstance(data, dict) and isinstance(data.get("name"), str):
