@@ -192,3 +192,15 @@ def test_replace_file_never_clears_the_process_umask(tmp_path: Path, monkeypatch
     finally:
         real(old)
     assert calls == [] and stat.S_IMODE((tmp_path / "fresh.jsonl").stat().st_mode) == 0o640
+
+
+def test_sha256_of_reads_the_rest_of_a_file_in_chunks(tmp_path):
+    import hashlib
+
+    from polyaccel.core.files import sha256_of
+
+    data = bytes(range(256)) * 41
+    (tmp_path / "f").write_bytes(data)
+    with (tmp_path / "f").open("rb") as f:
+        f.read(7)
+        assert sha256_of(f, chunk=100) == hashlib.sha256(data[7:]).hexdigest()

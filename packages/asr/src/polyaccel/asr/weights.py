@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from polyaccel.asr.ct2_convert import STALE_TEMP_S, convert_ct2_whisper, source_files, stale_temp
-from polyaccel.core.files import is_regular
+from polyaccel.core.files import is_regular, sha256_of
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -418,11 +418,8 @@ def file_sha256(path: Path, *, cache: str | os.PathLike | None = None) -> str:
     hit = index.get(real)
     if isinstance(hit, dict) and hit.get("stamp") == stamp and isinstance(hit.get("sha256"), str):
         return hit["sha256"]
-    h = hashlib.sha256()
     with open(real, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    digest = h.hexdigest()
+        digest = sha256_of(f)
     index = _read_index(index_path)  # again: another process may have added entries meanwhile
     index[real] = {"stamp": stamp, "sha256": digest}
     _write_index(index_path, index)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import secrets
 import stat
@@ -64,6 +65,14 @@ def read_regular(path: str | os.PathLike, limit: int) -> bytes | None:
         return data if len(data) <= limit else None
     finally:
         os.close(fd)
+
+
+def sha256_of(f, chunk: int = 4 << 20) -> str:  # noqa: ANN001
+    """SHA-256 (hex) of what is left to read in the binary file ``f``, read ``chunk`` bytes at a time."""
+    h = hashlib.sha256()
+    while block := f.read(chunk):
+        h.update(block)
+    return h.hexdigest()
 
 
 def is_regular(path: str | os.PathLike) -> bool:

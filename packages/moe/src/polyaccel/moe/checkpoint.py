@@ -24,7 +24,6 @@ With several ranks the directory must be on a shared file system.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polyaccel.core.files import sha256_of
 from polyaccel.moe.train_config import ConfigError
 
 logger = logging.getLogger("polyaccel.moe")
@@ -154,13 +154,11 @@ def checkpoint_step(path: str | Path) -> int | None:
 
 def _digest(path: Path, sync: bool = False) -> tuple[int, str]:
     """(size, sha256 hex) of ``path``; ``sync`` also flushes it to stable storage."""
-    h = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
+        digest = sha256_of(f, _CHUNK)
         if sync:
             os.fsync(f.fileno())
-    return path.stat().st_size, h.hexdigest()
+    return path.stat().st_size, digest
 
 
 def _digests(paths: list[Path], sync: bool = False) -> list[tuple[int, str]]:

@@ -69,7 +69,14 @@ from typing import Any
 import numpy as np
 
 from polyaccel.core.clitools import printable
-from polyaccel.core.files import fsync_dir, missing_dirs, read_regular, remove_empty_dirs, replace_file
+from polyaccel.core.files import (
+    fsync_dir,
+    missing_dirs,
+    read_regular,
+    remove_empty_dirs,
+    replace_file,
+    sha256_of,
+)
 
 logger = logging.getLogger("polyaccel.moe")
 
@@ -142,11 +149,8 @@ def file_sha256(path: Path) -> str:
 
 
 def _sha256_of(f: Any) -> str:
-    """SHA-256 of what is left to read in the binary file ``f``."""
-    h = hashlib.sha256()
-    while chunk := f.read(_READ):
-        h.update(chunk)
-    return h.hexdigest()
+    """SHA-256 of what is left to read in the binary file ``f`` (a seam the tests count reads at)."""
+    return sha256_of(f, _READ)
 
 
 def _tokenizer_fingerprint(folder: str | None) -> list[Any] | None:
